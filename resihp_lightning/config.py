@@ -1,0 +1,77 @@
+"""Configuration dataclasses (YAML / LightningCLI friendly: plain fields, validated on creation)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from resihp_lightning.errors import invalid_option
+from resihp_lightning.plan import Problem
+
+SOLVERS = ("cpsat", "pulp", "exact")
+PULP_ENGINES = ("cbc", "highs")
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """Options of the planner.
+
+    Attributes:
+        solver: backend: ``"cpsat"`` (OR-Tools CP-SAT MILP, default), ``"pulp"`` (the same MILP through
+            PuLP) or ``"exact"`` (the combinatorial algorithm; also the warm start and fallback).
+        time_limit_s: wall-clock limit of one solve, seconds (> 0). When the MILP stops at the limit the
+            best of its incumbent and the exact algorithm's plan is returned, status ``"feasible"``.
+        num_workers: CP-SAT search workers (>= 1); capped so the solver does not take every core of a
+            training node.
+        random_seed: seed of the solver's search (deterministic with the same seed and workers).
+        relative_gap: stop when the incumbent is proven within this fraction of the optimum (>= 0);
+            0 asks for a proven optimum.
+        pulp_engine: MILP engine for ``solver="pulp"``: ``"cbc"`` (bundled) or ``"highs"`` (needs
+            ``highspy``).
+        pipeline_degrees: allowed pipeline degrees; ``None`` keeps the problem's (default: all that fit).
+        shared_partition: ``None`` keeps the problem's; ``True`` forces one stage partition for every
+            replica (stock DeepSpeed), ``False`` allows per-replica partitions.
+        allow_exclude: ``None`` keeps the problem's; ``True`` lets the plan leave devices unused.
+        min_layers_per_stage: ``None`` keeps the problem's; otherwise the fewest layers per stage (>= 1).
+    """
+
+    solver: str = "cpsat"
+    time_limit_s: float = 10.0
+    num_workers: int = 2
+    random_seed: int = 0
+    relative_gap: float = 0.0
+    pulp_engine: str = "cbc"
+    pipeline_degrees: tuple[int, ...] | None = None
+    shared_partition: bool | None = None
+    allow_exclude: bool | None = None
+    min_layers_per_stage: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.solver not in SOLVERS:
+            raise invalid_option("planner.solver", self.solver, SOLVERS)
+        if self.pulp_engine not in PULP_ENGINES:
+            raise invalid_option("planner.pulp_engine", self.pulp_engine, PULP_ENGINES)
+        if not isinstance(self.time_limit_s, (int, float)) or not self.time_limit_s > 0:
+            raise invalid_option("planner.time_limit_s", self.time_limit_s, "a number of seconds > 0")
+        if not isinstance(self.num_workers, int) or self.num_workers < 1:
+            raise invalid_option("planner.num_workers", self.num_workers, "an integer >= 1")
+        if not isinstance(self.random_seed, int):
+            raise invalid_option("planner.random_seed", self.random_seed, "an integer")
+        if not isinstance(self.relative_gap, (int, float)) or self.relative_gap < 0:
+            raise invalid_option("planner.relative_gap", self.relative_gap, "a number >= 0")
+        if self.pipeline_degrees is not None:
+            object.__setattr__(self, "pipeline_degrees", tuple(self.pipeline_degrees))
+            if not self.pipeline_degrees or any(not isinstance(p, int) or p < 1 for p in self.pipeline_degrees):
+                raise invalid_option("planner.pipeline_degrees", self.pipeline_degrees, "a non-empty list of integers >= 1")
+        if self.min_layers_per_stage is not None and (
+            not isinstance(self.min_layers_per_stage, int) or self.min_layers_per_stage < 1
+        ):
+            raise invalid_option("planner.min_layers_per_stage", self.min_layers_per_stage, "an integer >= 1")
+
+    def apply_to(self, problem: Problem) -> Problem:
+        """The problem with this config's model options (those not ``None``) written over its own."""
+        changes = {
+            name: getattr(self, name)
+            for name in ("pipeline_degrees", "shared_partition", "allow_exclude", "min_layers_per_stage")
+            if getattr(self, name) is not None
+        }
+        return replace(problem, **changes) if changes else problem

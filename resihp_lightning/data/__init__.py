@@ -1,0 +1,1 @@
+"""Packed variable-length causal-LM datasets."""

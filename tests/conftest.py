@@ -1,0 +1,28 @@
+"""Shared fixtures: multi-process gloo jobs and small planning problems."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+# Multi-process tests oversubscribe two cores; one thread per process keeps them predictable.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, str(Path(__file__).parent))
+
+from multiproc import free_port, run_distributed  # noqa: E402
+
+
+@pytest.fixture
+def port() -> int:
+    """A free TCP port on 127.0.0.1."""
+    return free_port()
+
+
+@pytest.fixture
+def distributed():
+    """``distributed(fn, world_size, timeout=..., **kwargs)`` runs ``fn(rank, world_size, **kwargs)``
+    on real gloo-ready processes and returns every rank's result; a hang fails the test."""
+    return run_distributed

@@ -1,0 +1,37 @@
+"""Planner options are validated on creation and name the option and what is allowed."""
+
+from __future__ import annotations
+
+import pytest
+
+from resihp_lightning.config import PlannerConfig
+from resihp_lightning.errors import ConfigError
+from resihp_lightning.plan import Problem
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"solver": "gurobi"}, r"invalid value 'gurobi' for option `planner.solver`; allowed: 'cpsat', 'pulp', 'exact'"),
+        ({"time_limit_s": 0}, r"`planner.time_limit_s`; allowed: a number of seconds > 0"),
+        ({"num_workers": 0}, r"`planner.num_workers`"),
+        ({"relative_gap": -0.1}, r"`planner.relative_gap`"),
+        ({"pulp_engine": "glpk"}, r"`planner.pulp_engine`; allowed: 'cbc', 'highs'"),
+        ({"pipeline_degrees": []}, r"`planner.pipeline_degrees`"),
+        ({"min_layers_per_stage": 0}, r"`planner.min_layers_per_stage`"),
+    ],
+)
+def test_bad_options_are_refused(kwargs: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        PlannerConfig(**kwargs)
+    assert issubclass(ConfigError, ValueError)
+
+
+def test_model_options_override_the_problem_only_when_set() -> None:
+    problem = Problem.from_dict(
+        {"layers": [{"compute_ms": 1.0}] * 4, "devices": [{"id": 0}, {"id": 1}], "micro_batches": 2}
+    )
+    assert PlannerConfig().apply_to(problem) == problem
+    changed = PlannerConfig(shared_partition=False, pipeline_degrees=[2], allow_exclude=True).apply_to(problem)
+    assert (changed.shared_partition, changed.pipeline_degrees, changed.allow_exclude) == (False, (2,), True)
+    assert changed.layers == problem.layers

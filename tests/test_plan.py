@@ -1,0 +1,171 @@
+"""The planning model of DESIGN.md: cost formula, memory rule, validation and JSON."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from resihp_lightning.errors import PlanError, ProblemError
+from resihp_lightning.plan import (
+    Device,
+    Layer,
+    Plan,
+    Problem,
+    Replica,
+    efficiency,
+    even_bounds,
+    even_split,
+    evaluate,
+    ideal_ms,
+    validate,
+)
+
+DESIGN_EXAMPLE = {
+    "layers": [
+        {"compute_ms": 3.0, "static_mb": 700, "activation_mb": 100},
+        {"compute_ms": 3.0, "static_mb": 700, "activation_mb": 100},
+    ],
+    "devices": [{"id": 0, "speed": 1.0, "memory_mb": 80000}, {"id": 1, "speed": 0.5, "memory_mb": 80000}],
+    "micro_batches": 16,
+    "p2p_ms": 0.05,
+    "allreduce_ms": 4.0,
+    "pipeline_degrees": [1, 2],
+    "shared_partition": True,
+    "allow_exclude": False,
+    "min_layers_per_stage": 1,
+}
+
+
+@pytest.fixture
+def example() -> Problem:
+    return Problem.from_dict(DESIGN_EXAMPLE)
+
+
+def test_pipeline_plan_cost_by_hand(example: Problem) -> None:
+    plan = Plan((Replica((0, 1), (0, 1, 2), 16),))
+    result = evaluate(example, plan)
+    # stage 0: 3 ms / 1.0 + p2p 0.05; stage 1: 3 ms / 0.5; T = 3.05 + 6 + 15 * 6, no all-reduce (D = 1)
+    assert result.stage_ms == ((3.05, 6.0),)
+    assert result.iteration_ms == pytest.approx(99.05)
+    # stage 0 keeps min(P - 0, m) = 2 micro-batches in flight, stage 1 keeps 1
+    assert result.memory_mb == ((700 + 2 * 100, 700 + 1 * 100),)
+    assert result.fits_memory
+
+
+def test_data_parallel_plan_cost_by_hand(example: Problem) -> None:
+    plan = Plan((Replica((0,), (0, 2), 11), Replica((1,), (0, 2), 5)))
+    result = evaluate(example, plan)
+    # replica 0: 6 ms x 11; replica 1: 12 ms x 5; plus the all-reduce since D = 2
+    assert result.replica_ms == pytest.approx((66.0, 60.0))
+    assert result.iteration_ms == pytest.approx(70.0)
+    assert result.memory_mb == ((1400 + 100 * 2,), (1400 + 100 * 2,))
+
+
+def test_memory_overflow_is_reported_and_refused(example: Problem) -> None:
+    tight = Problem.from_dict({**DESIGN_EXAMPLE, "devices": [{"id": 0, "memory_mb": 850}, {"id": 1, "memory_mb": 900}]})
+    plan = Plan((Replica((0, 1), (0, 1, 2), 16),))
+    over = evaluate(tight, plan).over_memory
+    assert [(r, j, d) for r, j, d, _, _ in over] == [(0, 0, 0)]
+    with pytest.raises(PlanError, match="device 0 .* needs 900.0 MB but has 850.0 MB"):
+        validate(tight, plan)
+    # One micro-batch in flight caps stage 0 at 800 MB: the same layout with m = 1 would fit.
+    one = Problem.from_dict({**DESIGN_EXAMPLE, "micro_batches": 1, "devices": [{"id": 0, "memory_mb": 850}, {"id": 1, "memory_mb": 900}]})
+    validate(one, Plan((Replica((0, 1), (0, 1, 2), 1),)))
+
+
+@pytest.mark.parametrize(
+    ("plan", "message"),
+    [
+        (Plan((Replica((0, 1), (0, 2), 16),)), "has 2 bounds; 2 stages need 3"),
+        (Plan((Replica((0, 1), (0, 1, 1), 16),)), "must start at 0 and end at 2"),
+        (Plan((Replica((0, 1), (0, 2, 2), 16),)), "stage 1 holds 0 layers"),
+        (Plan((Replica((0, 7), (0, 1, 2), 16),)), "device 7, which is not in the problem"),
+        (Plan((Replica((0, 0), (0, 1, 2), 16),)), "device 0 is used twice"),
+        (Plan((Replica((0, 1), (0, 1, 2), 15),)), "run 15 micro-batches in all; the problem's global batch is 16"),
+        (Plan((Replica((0,), (0, 2), 16), Replica((1,), (0, 2), 0))), "replica 1 runs 0 micro-batches"),
+        (Plan((Replica((0,), (0, 2), 16),)), r"devices \[1\] are left out"),
+        (Plan((Replica((0,), (0, 2), 8), Replica((1, 0), (0, 1, 2), 8))), "replica 1 has 2 stages"),
+    ],
+)
+def test_bad_plans_are_refused_with_a_reason(example: Problem, plan: Plan, message: str) -> None:
+    with pytest.raises(PlanError, match=message):
+        validate(example, plan)
+
+
+def test_shared_partition_and_pipeline_degrees_are_enforced() -> None:
+    four = Problem.from_dict(
+        {**DESIGN_EXAMPLE, "layers": DESIGN_EXAMPLE["layers"] * 2, "devices": [{"id": i} for i in range(4)]}
+    )
+    split = Plan((Replica((0, 1), (0, 1, 4), 8), Replica((2, 3), (0, 3, 4), 8)))
+    with pytest.raises(PlanError, match="shared_partition"):
+        validate(four, split)
+    validate(Problem.from_dict({**four.to_dict(), "shared_partition": False}), split)
+    with pytest.raises(PlanError, match=r"pipeline degree 4 is not among the allowed pipeline_degrees \[1, 2\]"):
+        validate(four, Plan((Replica((0, 1, 2, 3), (0, 1, 2, 3, 4), 16),)))
+
+
+def test_candidate_shapes() -> None:
+    base = {"layers": [{"compute_ms": 1.0}] * 4, "devices": [{"id": i} for i in range(6)], "micro_batches": 4}
+    assert Problem.from_dict(base).candidate_shapes() == [(2, 3), (3, 2)]  # D=6 > M; P=6 > L
+    excl = Problem.from_dict({**base, "allow_exclude": True, "pipeline_degrees": [2]})
+    assert excl.candidate_shapes() == [(2, 1), (2, 2), (2, 3)]
+    two_per_stage = Problem.from_dict({**base, "min_layers_per_stage": 2, "micro_batches": 8})
+    assert two_per_stage.candidate_shapes() == [(1, 6), (2, 3)]
+
+
+def test_ideal_and_efficiency_match_the_closed_form() -> None:
+    # 4 identical layers on 4 devices, one at half speed: S/N = 3.5/4.
+    problem = Problem(
+        layers=tuple(Layer(2.0) for _ in range(4)),
+        devices=(Device(0), Device(1), Device(2), Device(3, speed=0.5)),
+        micro_batches=8,
+        allreduce_ms=1.0,
+    )
+    healthy = Plan.uniform([0, 1, 2, 3], 4, 1, 8)  # 4 replicas x 2 micro-batches x 8 ms + AR
+    healthy_ms = 2 * 8.0 + 1.0
+    assert ideal_ms(problem, healthy) == pytest.approx((healthy_ms - 1.0) * 4 / 3.5 + 1.0)
+    # Keeping the healthy plan: the slow replica takes 2 x 16 ms; E = T_ideal / T.
+    assert efficiency(problem, healthy, healthy) == pytest.approx(((16.0 * 4 / 3.5) + 1.0) / 33.0)
+
+
+def test_json_round_trip_and_unknown_fields(example: Problem) -> None:
+    again = Problem.from_json(example.to_json())
+    assert again == example
+    plan = Plan((Replica((0,), (0, 2), 11), Replica((1,), (0, 2), 5)), iteration_ms=70.0, status="optimal", solver="x")
+    assert Plan.from_json(plan.to_json()) == plan
+    assert json.loads(plan.to_json())["data_degree"] == 2
+    with pytest.raises(ProblemError, match="unknown field 'gpus' in problem"):
+        Problem.from_dict({**DESIGN_EXAMPLE, "gpus": 3})
+    with pytest.raises(ProblemError, match=r"unknown field 'flops' in layers\[1\]"):
+        Problem.from_dict({**DESIGN_EXAMPLE, "layers": [{"compute_ms": 1}, {"compute_ms": 1, "flops": 2}]})
+    with pytest.raises(PlanError, match="plan says data_degree=3 but its replicas give 2"):
+        Plan.from_dict({**plan.to_dict(), "data_degree": 3})
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"devices": [{"id": 0, "speed": -1.0}]}, r"devices\[0\].speed must be a finite number > 0"),
+        ({"devices": [{"id": 0}, {"id": 0}]}, "device id 0 appears twice"),
+        ({"micro_batches": 0}, "micro_batches must be an integer >= 1"),
+        ({"layers": []}, "problem has no layers"),
+        ({"p2p_ms": math.nan}, "p2p_ms must be a finite number"),
+        ({"pipeline_degrees": [0]}, "pipeline_degrees must hold integers >= 1"),
+        ({"shared_partition": "yes"}, "shared_partition must be true or false"),
+    ],
+)
+def test_malformed_problems_are_refused(change: dict, message: str) -> None:
+    with pytest.raises(ProblemError, match=message):
+        Problem.from_dict({**DESIGN_EXAMPLE, **change})
+
+
+def test_even_splits() -> None:
+    assert even_bounds(10, 3) == (0, 4, 7, 10)
+    assert even_split(10, 4) == (3, 3, 2, 2)
+    plan = Plan.uniform(list(range(6)), 7, 3, 5)
+    assert [r.devices for r in plan.replicas] == [(0, 1, 2), (3, 4, 5)]
+    assert [r.micro_batches for r in plan.replicas] == [3, 2]
+    with pytest.raises(PlanError, match="must divide the 6 devices"):
+        Plan.uniform(list(range(6)), 7, 4, 5)

@@ -20,8 +20,136 @@ def build_parser() -> argparse.ArgumentParser:
         description="Resilient hybrid-parallel training: plan layouts, simulate them, report runs.",
     )
     parser.add_argument("--version", action="version", version=f"resihp-lightning {__version__}")
-    parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_plan(commands)
+    _add_simulate(commands)
     return parser
+
+
+def _add_plan(commands: argparse._SubParsersAction) -> None:
+    plan = commands.add_parser(
+        "plan",
+        help="compute the best layout for a planning problem (JSON)",
+        description="Reads a Problem (DESIGN.md, 'The planning model') and prints the best Plan.",
+    )
+    plan.add_argument("problem", metavar="PROBLEM.json", help="the planning problem")
+    plan.add_argument("--solver", choices=("cpsat", "pulp", "exact"), default="cpsat", help="planner backend (default: cpsat)")
+    plan.add_argument("--time-limit", type=float, default=10.0, metavar="S", help="solver time limit in seconds (default: 10)")
+    plan.add_argument("--workers", type=int, default=2, metavar="N", help="CP-SAT search workers (default: 2)")
+    plan.add_argument("--seed", type=int, default=0, metavar="N", help="solver random seed (default: 0)")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON only")
+    plan.set_defaults(handler=_run_plan)
+
+
+def _add_simulate(commands: argparse._SubParsersAction) -> None:
+    sim = commands.add_parser(
+        "simulate",
+        help="replay a plan with the 1F1B event simulator and compare with the formula",
+        description="Prints the formula's and the 1F1B simulator's iteration time for a plan.",
+    )
+    sim.add_argument("problem", metavar="PROBLEM.json", help="the planning problem")
+    sim.add_argument("plan", metavar="PLAN.json", help="a plan, as printed by `resihp plan --json`")
+    sim.add_argument(
+        "--forward-fraction", type=float, default=1.0 / 3.0, metavar="F", help="share of compute in the forward pass (default: 1/3)"
+    )
+    sim.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    sim.set_defaults(handler=_run_simulate)
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from resihp_lightning.config import PlannerConfig
+    from resihp_lightning.plan import Problem, evaluate, ideal_ms
+    from resihp_lightning.solver import solve
+    from resihp_lightning.solver.policies import healthy_plan
+
+    problem = Problem.load(args.problem)
+    config = PlannerConfig(
+        solver=args.solver, time_limit_s=args.time_limit, num_workers=args.workers, random_seed=args.seed
+    )
+    plan = solve(problem, config)
+    if args.json:
+        print(_plan_json(plan.to_dict()))
+        return 0
+    problem = config.apply_to(problem)
+    healthy = healthy_plan(problem, config)
+    healthy_ms = evaluate(problem.healthy(), healthy).iteration_ms
+    ideal = ideal_ms(problem, healthy)
+    ev = evaluate(problem, plan)
+    print(f"plan: P={plan.pipeline_degree} stages x D={plan.data_degree} replicas on {len(plan.device_ids)} of {problem.num_devices} devices")
+    header = f"{'replica':>7} {'stage':>5} {'device':>6} {'speed':>6} {'layers':>9} {'stage ms':>10} {'mem MB':>10}"
+    print(header)
+    print("-" * len(header))
+    for r, replica in enumerate(plan.replicas):
+        for j, device_id in enumerate(replica.devices):
+            lo, hi = replica.bounds[j], replica.bounds[j + 1]
+            layers = f"{lo}-{hi - 1}" if hi - lo > 1 else f"{lo}"
+            print(
+                f"{r if j == 0 else '':>7} {j:>5} {device_id:>6} {problem.device(device_id).speed:>6.2f} {layers:>9} "
+                f"{ev.stage_ms[r][j]:>10.3f} {ev.memory_mb[r][j]:>10.1f}"
+            )
+        print(f"{'':>7} micro-batches {replica.micro_batches}, replica time {ev.replica_ms[r]:.3f} ms")
+    excluded = sorted(set(d.id for d in problem.devices) - set(plan.device_ids))
+    if excluded:
+        print(f"left out: devices {excluded}")
+    print(f"predicted iteration time: {plan.iteration_ms:.3f} ms  ({plan.status}, {plan.solver}, {plan.solve_seconds:.3f} s)")
+    print(f"healthy time:             {healthy_ms:.3f} ms  (all devices at speed 1.0)")
+    print(f"ideal time:               {ideal:.3f} ms  (healthy scaled by N/S = {problem.num_devices}/{problem.total_speed:g})")
+    print(f"efficiency E = T_ideal / T_plan = {ideal / plan.iteration_ms:.4f}")
+    return 0
+
+
+def _plan_json(data: dict) -> str:
+    """The plan as JSON, one line per replica (readable for a thousand devices too)."""
+    import json
+
+    lines = ["{"]
+    for key, value in data.items():
+        if key == "replicas":
+            rows = ",\n".join(f"    {json.dumps(r)}" for r in value)
+            lines.append(f'  "replicas": [\n{rows}\n  ],')
+        else:
+            lines.append(f"  {json.dumps(key)}: {json.dumps(value)},")
+    lines[-1] = lines[-1].rstrip(",")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def _run_simulate(args: argparse.Namespace) -> int:
+    import json
+
+    from resihp_lightning.errors import PlanError
+    from resihp_lightning.plan import Plan, Problem, evaluate
+    from resihp_lightning.solver.simulator import simulate
+
+    problem = Problem.load(args.problem)
+    try:
+        with open(args.plan) as handle:
+            text = handle.read()
+    except OSError as err:
+        raise PlanError(f"cannot read plan file {args.plan!r}: {err.strerror}") from None
+    plan = Plan.from_json(text)
+    ev = evaluate(problem, plan)
+    sim = simulate(problem, plan, forward_fraction=args.forward_fraction)
+    if args.json:
+        print(json.dumps({
+            "formula_ms": ev.iteration_ms,
+            "simulated_ms": sim.makespan_ms,
+            "replicas": [
+                {"formula_ms": f, "simulated_ms": s, "busy_ms": list(b), "idle_ms": list(i)}
+                for f, s, b, i in zip(ev.replica_ms, sim.replica_ms, sim.busy_ms, sim.idle_ms)
+            ],
+        }, indent=2))
+        return 0
+    print(f"{'replica':>7} {'formula ms':>11} {'simulated ms':>13} {'ratio':>7}")
+    for r, (f, s) in enumerate(zip(ev.replica_ms, sim.replica_ms)):
+        print(f"{r:>7} {f:>11.3f} {s:>13.3f} {s / f if f else 1.0:>7.4f}")
+    print(f"iteration (with all-reduce): formula {ev.iteration_ms:.3f} ms, simulated {sim.makespan_ms:.3f} ms")
+    if ev.over_memory:
+        r, j, device_id, used, cap = ev.over_memory[0]
+        print(f"warning: device {device_id} (replica {r}, stage {j}) needs {used:.1f} MB but has {cap:.1f} MB")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

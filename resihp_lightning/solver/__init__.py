@@ -1,4 +1,79 @@
 """Planner backends over :class:`~resihp_lightning.plan.Problem`.
 
-``solve(problem, config)`` dispatches to the backend named by ``config.solver``.
+``solve(problem, config)`` dispatches to the backend named by ``config.solver``:
+
+* ``"exact"``: the combinatorial search of :mod:`resihp_lightning.solver.exact`, with a work budget
+  of ``time_limit_s`` x :data:`~resihp_lightning.solver.exact.UNITS_PER_SECOND` (deterministic: the
+  same problem and config give the same plan and status on any machine).
+* ``"cpsat"`` / ``"pulp"``: the exact search runs first (warm start and fallback); its plan is the
+  hint of the MILP (:mod:`resihp_lightning.solver.cpsat`, :mod:`resihp_lightning.solver.pulp_backend`),
+  and the better of the two plans is returned, so a MILP stopped by its time limit is never worse
+  than the exact search. ``status`` is ``"optimal"`` only when some backend proved optimality.
 """
+
+from __future__ import annotations
+
+import importlib
+import time
+
+from resihp_lightning.config import PlannerConfig
+from resihp_lightning.errors import InfeasibleError
+from resihp_lightning.plan import Plan, Problem, evaluate
+
+__all__ = ["solve", "InfeasibleError"]
+
+_MILP_BACKENDS = {
+    "cpsat": ("resihp_lightning.solver.cpsat", "solve_cpsat"),
+    "pulp": ("resihp_lightning.solver.pulp_backend", "solve_pulp"),
+}
+
+
+def solve(problem: Problem, config: PlannerConfig | None = None) -> Plan:
+    """Plans ``problem`` with the backend of ``config`` (default: ``PlannerConfig()``, CP-SAT).
+
+    Args:
+        problem: the planning problem; the config's model options (pipeline degrees, shared
+            partition, exclusion, minimum layers per stage) are written over it first.
+        config: planner options.
+
+    Returns:
+        The plan with ``iteration_ms`` (from :func:`~resihp_lightning.plan.evaluate`), ``status``,
+        ``solver`` and ``solve_seconds`` (the whole call).
+
+    Raises:
+        InfeasibleError: no plan fits (one line naming the reason, usually memory).
+    """
+    from resihp_lightning.solver.exact import DEFAULT_BUDGET, UNITS_PER_SECOND, solve_exact
+
+    config = config or PlannerConfig()
+    problem = config.apply_to(problem)
+    start = time.perf_counter()
+    # As the chosen backend the exact search may use the time limit (as a deterministic work
+    # budget); as a warm start it stays short so that the MILP gets the time.
+    budget = max(DEFAULT_BUDGET, int(config.time_limit_s * UNITS_PER_SECOND)) if config.solver == "exact" else DEFAULT_BUDGET
+    try:
+        exact_plan = solve_exact(problem, budget=budget)
+    except InfeasibleError as error:
+        if config.solver == "exact" or getattr(error, "proven", True):
+            raise
+        exact_plan = None  # the heuristic phase found nothing: the MILP decides without a hint
+    if config.solver == "exact":
+        return exact_plan.with_result(solve_seconds=time.perf_counter() - start)
+    module_name, function_name = _MILP_BACKENDS[config.solver]
+    backend = getattr(importlib.import_module(module_name), function_name)
+    milp_plan = backend(problem, config, exact_plan)
+    milp_value = evaluate(problem, milp_plan).iteration_ms
+    if exact_plan is None:
+        return milp_plan.with_result(
+            iteration_ms=milp_value, solver=config.solver, solve_seconds=time.perf_counter() - start
+        )
+    proved = milp_plan.status == "optimal" or exact_plan.status == "optimal"
+    if milp_value < exact_plan.iteration_ms:
+        best = milp_plan.with_result(iteration_ms=milp_value)
+    else:
+        best = exact_plan.with_result(solver=config.solver)
+    return best.with_result(
+        status="optimal" if proved else best.status,
+        solver=config.solver,
+        solve_seconds=time.perf_counter() - start,
+    )

@@ -1,1 +1,45 @@
-"""Callbacks: straggler detection (fail-slow), heartbeat (fail-stop), fault injection, re-planning control."""
+"""Callbacks: straggler detection (fail-slow), heartbeat (fail-stop), fault injection, re-planning control.
+
+The light parts import without Lightning: :mod:`.events` (``EventLog``, ``read_events``),
+:mod:`.workload_model`, :mod:`.straggler` (the detector core), :mod:`.heartbeat` (``Heartbeat``),
+:mod:`.faults` (``FaultConfig``, ``Slowdown``), :mod:`.replan_policy` (the controller's decisions).
+The Lightning callbacks (``StragglerDetector``, ``HeartbeatMonitor``, ``FaultInjector``,
+``ReplanController``) are loaded on first access, so ``import resihp_lightning.callbacks`` stays fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "EventLog": "events",
+    "read_events": "events",
+    "EVENT_NAMES": "events",
+    "WorkloadModel": "workload_model",
+    "fit_workload": "workload_model",
+    "OnlineWorkloadFit": "workload_model",
+    "DetectorConfig": "straggler",
+    "StragglerCore": "straggler",
+    "LocalTracker": "straggler",
+    "Heartbeat": "heartbeat",
+    "HeartbeatConfig": "heartbeat",
+    "FaultConfig": "faults",
+    "Slowdown": "faults",
+    "ControllerConfig": "replan_policy",
+    "StragglerDetector": "detector",
+    "HeartbeatMonitor": "heartbeat_callback",
+    "FaultInjector": "fault_injector",
+    "ReplanController": "controller",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,203 @@
+"""``ReplanController``: closes the loop from detected speeds to an applied plan.
+
+At the end of a training batch, when the :class:`~.detector.StragglerDetector`'s state changed (a
+rank was flagged, healed, or its speed estimate moved; the detector's state is the same on every
+rank, so every rank takes this branch at the same step):
+
+1. every rank joins ``strategy.layer_profile()`` if no healthy profile is cached yet (a profile is
+   taken once the detector's warm-up and fit are over and refreshed every ``profile_interval_steps``,
+   both only while no rank is flagged; the strategy's per-layer recording is paused while any rank
+   is flagged, so slow devices do not inflate the costs);
+2. rank 0 builds the :class:`~resihp_lightning.plan.Problem` (:func:`.replan_policy.build_problem`),
+   runs the planner (:func:`resihp_lightning.solver.solve`), prices the plan in force under the same
+   speeds, and decides (:func:`.replan_policy.decide`: gain vs. migration cost, hysteresis, cooldown);
+   it logs ``plan_computed`` and, when it says no, ``plan_rejected``;
+3. rank 0 broadcasts the verdict (``broadcast_object_list``) and every rank calls
+   ``strategy.request_plan(plan)``; the strategy applies it at the next step boundary, after which
+   ``plan_applied`` is logged with the measured migration time and bytes, and the migration cost
+   model is recalibrated.
+
+A healed device changes the speeds back, so the same path plans the job back to a healthy layout.
+Fail-stop is not re-planned live (a dead rank breaks the process group); the
+:class:`~.heartbeat_callback.HeartbeatMonitor` reports it and the job restarts from a checkpoint.
+
+Put the controller after the detector in ``callbacks`` (Lightning runs them in order).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.callbacks import Callback
+
+from resihp_lightning._logging import get_logger, user_info
+from resihp_lightning.callbacks.detector import StragglerDetector
+from resihp_lightning.callbacks.events import EventLog
+from resihp_lightning.callbacks.replan_policy import (
+    ControllerConfig,
+    Decision,
+    build_problem,
+    calibrate,
+    decide,
+    estimate_migration_s,
+)
+from resihp_lightning.config import PlannerConfig
+from resihp_lightning.errors import ConfigError, PlanError, ResiHPError
+from resihp_lightning.plan import Plan, evaluate
+
+log = get_logger(__name__)
+
+
+class ReplanController(Callback):
+    """Re-plans the job when the detector's speeds change.
+
+    Args:
+        config: controller options (:class:`~.replan_policy.ControllerConfig`).
+        planner: planner options; default: the strategy's ``planner`` (or ``PlannerConfig()``).
+        events: the event log; default ``<trainer.log_dir>/events.jsonl``.
+        log_dir: where to put the default event log instead of the trainer's log directory.
+    """
+
+    def __init__(
+        self,
+        config: ControllerConfig | None = None,
+        *,
+        planner: PlannerConfig | None = None,
+        events: EventLog | None = None,
+        log_dir: str | None = None,
+    ) -> None:
+        self.config = config or ControllerConfig()
+        self.planner = planner
+        self.events = events
+        self.log_dir = log_dir
+        self.rank = 0
+        self.detector: StragglerDetector | None = None
+        self.decisions: list[Decision] = []
+        self._seen_version = 0
+        self._profile: list[Any] | None = None
+        self._last_change_step: int | None = None
+        self._awaiting: Plan | None = None
+        self._applied_migrations = 0
+        self._overhead_s = self.config.migration_overhead_s
+        self._bandwidth = self.config.migration_bandwidth_mb_s
+
+    # ---------------------------------------------------------------------------- callbacks
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self.rank = trainer.global_rank
+        detectors = [i for i, cb in enumerate(trainer.callbacks) if isinstance(cb, StragglerDetector)]
+        mine = next(i for i, cb in enumerate(trainer.callbacks) if cb is self)
+        if not detectors:
+            raise ConfigError("ReplanController needs a StragglerDetector in Trainer(callbacks=[...])")
+        if detectors[0] > mine:
+            raise ConfigError("put the StragglerDetector before the ReplanController in Trainer(callbacks=[...])")
+        self.detector = trainer.callbacks[detectors[0]]
+        if self.events is None:
+            self.events = self.detector.events or EventLog(
+                Path(self.log_dir or trainer.log_dir or trainer.default_root_dir), rank=self.rank)
+        if self.planner is None:
+            self.planner = getattr(trainer.strategy, "planner", None) or PlannerConfig()
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        strategy = trainer.strategy
+        if not hasattr(strategy, "request_plan") or self.detector is None:
+            return
+        step = trainer.global_step
+        self._note_applied(strategy, step)
+        flagged = bool(self.detector.flagged)
+        if hasattr(strategy, "profiler_recording"):
+            strategy.profiler_recording = not flagged
+        interval = self.config.profile_interval_steps
+        first = self.detector.config.warmup_steps + self.detector.config.fit_steps
+        due = (self._profile is None and step >= first) or (interval and step > 0 and step % interval == 0)
+        if due and not flagged:
+            self._profile = strategy.layer_profile()  # collective, at the same step on every rank
+        if self.detector.version == self._seen_version:
+            return
+        self._seen_version = self.detector.version
+        if self._profile is None:
+            self._profile = strategy.layer_profile()
+        verdict = self._plan_on_rank0(trainer, step) if self.rank == 0 else None
+        plan_dict = _broadcast(verdict)
+        if plan_dict is None:
+            return
+        plan = Plan.from_dict(plan_dict)
+        try:
+            strategy.request_plan(plan)
+        except PlanError as err:
+            self._log("plan_rejected", step, reason=f"strategy refused the plan: {err}", plan=plan)
+            return
+        self._awaiting = plan
+        self._last_change_step = step
+
+    # ---------------------------------------------------------------------------- internals
+    def _plan_on_rank0(self, trainer: Any, step: int) -> dict[str, Any] | None:
+        from resihp_lightning.solver import solve
+
+        strategy = trainer.strategy
+        current: Plan = strategy.current_plan
+        ranks = sorted(current.device_ids)
+        micro = strategy.micro_batches or sum(r.micro_batches for r in current.replicas)
+        try:
+            problem = build_problem(self._profile, self.detector.speeds, ranks, micro, self.config, self.planner)
+            plan = solve(problem, self.planner)
+        except ResiHPError as err:
+            self._log("plan_rejected", step, reason=f"planner failed: {err}")
+            return None
+        self._log("plan_computed", step, plan=plan, predicted_ms=plan.iteration_ms,
+                  solve_seconds=plan.solve_seconds, status=plan.status,
+                  speeds={r: s for r, s in self.detector.speeds.items() if s != 1.0})
+        try:
+            current_ms = evaluate(problem, current).iteration_ms
+        except PlanError:
+            current_ms = float("inf")  # the plan in force no longer fits (should not happen)
+        static = [layer.static_mb for layer in problem.layers]
+        migration = estimate_migration_s(current, plan, static, overhead_s=self._overhead_s,
+                                         bandwidth_mb_s=self._bandwidth)
+        since = None if self._last_change_step is None else step - self._last_change_step
+        decision = decide(current_ms, plan.iteration_ms, same_plan=plan.layout_key() == current.layout_key(),
+                          remaining_steps=self._remaining(trainer, step), migration_s=migration,
+                          steps_since_change=since, config=self.config)
+        self.decisions.append(decision)
+        if not decision.apply:
+            self._log("plan_rejected", step, reason=decision.reason, predicted_ms=plan.iteration_ms,
+                      current_ms=current_ms)
+            return None
+        user_info(f"re-planning at step {step}: {decision.reason}")
+        return plan.to_dict()
+
+    def _note_applied(self, strategy: Any, step: int) -> None:
+        if self._awaiting is None:
+            return
+        record = strategy.last_migration
+        plan = record.get("plan") if record else None
+        if plan is None:
+            return
+        if isinstance(plan, dict):
+            plan = Plan.from_dict(plan)
+        if plan.layout_key() != self._awaiting.layout_key():
+            return
+        self._awaiting = None
+        seconds, moved = float(record.get("seconds", 0.0)), float(record.get("bytes_moved", 0))
+        self._log("plan_applied", step, plan=plan, migration_seconds=seconds, bytes_moved=int(moved))
+        self._overhead_s, self._bandwidth = calibrate(seconds, moved / 2**20, self._overhead_s, self._bandwidth)
+
+    def _remaining(self, trainer: Any, step: int) -> int:
+        max_steps = getattr(trainer, "max_steps", -1)
+        if max_steps is not None and max_steps > 0:
+            return max(max_steps - step, 0)
+        return self.config.horizon_steps
+
+    def _log(self, event: str, step: int, **fields: Any) -> None:
+        if self.rank == 0 and self.events is not None:
+            self.events.log(event, step, **fields)
+
+
+def _broadcast(obj: Any) -> Any:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

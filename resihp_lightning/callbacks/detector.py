@@ -1,0 +1,158 @@
+"""``StragglerDetector``: the Lightning callback around the fail-slow core (:mod:`.straggler`).
+
+Each rank reads ``trainer.strategy.last_step_stats`` (its own busy compute per micro-batch and the
+micro-batches' workload) in ``on_train_batch_end`` and summarises it locally. Every report interval
+the summaries are all-gathered over the default process group (``all_gather_object``), so every rank
+folds the same data into its own :class:`~.straggler.StragglerCore` and holds the same speeds, flags
+and events, which lets a controller act on them without another round of communication.
+
+Rank 0 writes ``fail_slow_detected`` / ``fail_slow_recovered`` to the event log and logs
+``gpu_relative_perf/{min,median,max}`` and ``gpu_individual_perf/{min,median,max}`` (the metric names
+of NVIDIA's ``StragglerDetectionCallback``) through the Lightning logger.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.callbacks import Callback
+
+from resihp_lightning._logging import get_logger, user_info, user_warn
+from resihp_lightning.callbacks.events import EventLog
+from resihp_lightning.callbacks.straggler import DetectorConfig, LocalTracker, RankSummary, StragglerCore
+
+log = get_logger(__name__)
+
+
+class StragglerDetector(Callback):
+    """Per-rank speed estimates (1.0 healthy, 0.5 half speed) from workload-normalised busy time.
+
+    Args:
+        config: detector options; alternatively pass them as keyword arguments (same names).
+        events: the event log; default ``<trainer.log_dir>/events.jsonl``.
+        log_dir: where to put the default event log instead of the trainer's log directory.
+        **options: fields of :class:`~.straggler.DetectorConfig` (when ``config`` is not given).
+    """
+
+    def __init__(
+        self,
+        config: DetectorConfig | None = None,
+        *,
+        events: EventLog | None = None,
+        log_dir: str | None = None,
+        **options: Any,
+    ) -> None:
+        if config is not None and options:
+            raise TypeError("pass either config or detector options, not both")
+        known = {f.name for f in fields(DetectorConfig)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(f"unknown StragglerDetector option {unknown[0]!r}; allowed: {', '.join(sorted(known))}")
+        self.config = config or DetectorConfig(**options)
+        self.events = events
+        self.log_dir = log_dir
+        self.core = StragglerCore(self.config)
+        self.tracker = LocalTracker(self.config.warmup_steps, self.config.fit_steps)
+        self.detections: list[dict[str, Any]] = []
+        self.rank = 0
+        self._pending: list[RankSummary] = []
+        self._interval = self.config.report_interval_steps
+        self._last_step: int | None = None
+        self._next_report: int | None = None
+        self._warned = False
+
+    # ------------------------------------------------------------------------------ results
+    @property
+    def speeds(self) -> dict[int, float]:
+        """Speed per rank (flagged ranks: their estimate; others 1.0); the same on every rank."""
+        return self.core.speeds
+
+    @property
+    def flagged(self) -> list[int]:
+        return self.core.flagged
+
+    @property
+    def version(self) -> int:
+        """Bumps whenever a flag or reported speed changes (same on every rank)."""
+        return self.core.version
+
+    # ---------------------------------------------------------------------------- callbacks
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self.rank = trainer.global_rank
+        if self.events is None:
+            log_dir = self.log_dir or trainer.log_dir or trainer.default_root_dir
+            self.events = EventLog(Path(log_dir), rank=self.rank)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        stats = getattr(trainer.strategy, "last_step_stats", None)
+        if stats is None:
+            if not self._warned:
+                self._warned = True
+                user_warn("StragglerDetector: the strategy reports no per-micro-batch statistics "
+                          "(last_step_stats); use strategy='resihp'. Detection is off.")
+            return
+        if stats.step == self._last_step:
+            return  # no new step (e.g. gradient accumulation in another strategy)
+        self._last_step = stats.step
+        self._pending.append(self.tracker.summarize(stats))
+        if self._next_report is None:
+            self._next_report = stats.step
+        if stats.step >= self._next_report:
+            self.report(trainer, stats.step)
+
+    # ------------------------------------------------------------------------------ report
+    def report(self, trainer: Any, step: int) -> None:
+        """Gathers every rank's pending summaries and folds them into the core (collective)."""
+        gathered = _all_gather(self._pending)
+        self._pending = []
+        by_step: dict[int, list[RankSummary]] = {}
+        for part in gathered:
+            for summary in part or []:
+                by_step.setdefault(summary.step, []).append(summary)
+        step_ms = []
+        for at in sorted(by_step):
+            for event in self.core.update(by_step[at]):
+                self.detections.append(event)
+                fields_ = {k: v for k, v in event.items() if k not in ("event", "step")}
+                self.events.log(event["event"], event["step"], **fields_)
+                if event["event"] == "fail_slow_detected":
+                    user_info(f"straggler: rank {event['rank']} runs at speed {event['speed']:.2f} (step {event['step']})")
+                    if self.config.stop_if_detected:
+                        trainer.should_stop = True
+                else:
+                    user_info(f"straggler: rank {event['rank']} recovered (step {event['step']})")
+            step_ms.extend(s.step_ms for s in by_step[at] if s.step_ms > 0)
+        self._schedule(step, step_ms)
+        self._log_scores(trainer, step)
+
+    def _schedule(self, step: int, step_ms: list[float]) -> None:
+        interval = self.config.report_interval_steps
+        if self.config.report_time_interval is not None and step_ms:
+            typical = sorted(step_ms)[len(step_ms) // 2]
+            interval = max(1, round(self.config.report_time_interval * 1000.0 / max(typical, 1e-6)))
+        self._interval = interval
+        self._next_report = step + interval
+
+    def _log_scores(self, trainer: Any, step: int) -> None:
+        if self.rank != 0:
+            return
+        summary = self.core.score_summary()
+        if self.config.enable_ptl_logging and summary and trainer.loggers:
+            for logger in trainer.loggers:
+                logger.log_metrics(summary, step=step)
+        count = self.config.num_gpu_perf_scores_to_print
+        if count and self.core.raw_speeds:
+            worst = sorted(self.core.raw_speeds.items(), key=lambda kv: kv[1])[:count]
+            user_info("straggler: lowest speeds " + ", ".join(f"rank {r}: {s:.2f}" for r, s in worst))
+
+
+def _all_gather(obj: Any) -> list[Any]:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out

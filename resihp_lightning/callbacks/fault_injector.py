@@ -1,0 +1,117 @@
+"""``FaultInjector``: a Lightning callback that creates failures from a config (examples, tests, benchmarks).
+
+Per fault (:class:`~resihp_lightning.callbacks.faults.FaultConfig`), on the rank it names:
+
+* ``slow``: from ``start_step`` to ``end_step`` the rank's own layers run at ``1/factor`` speed
+  (:class:`~resihp_lightning.callbacks.faults.Slowdown`: the waits sit inside each layer's forward
+  and backward, in proportion to the measured compute). The layers are found through the strategy
+  (``strategy.local_layers()`` when it offers one, else its pipeline module's ``local_layers()``)
+  and re-wrapped after every re-plan, since a rebuild may hand the rank other modules.
+* ``delay_p2p``: every pipeline send waits ``delay_ms`` while active.
+* ``kill``: at ``start_step`` the process ends with ``os._exit(exit_code)``.
+
+Each fault writes one ``fault_injected`` event when it starts (by the faulted rank, which may not be
+rank 0, so the write is forced).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.callbacks import Callback
+
+from resihp_lightning._logging import get_logger
+from resihp_lightning.callbacks.events import EventLog
+from resihp_lightning.callbacks.faults import DelayedCall, FaultConfig, Slowdown, delay_p2p_sends
+
+log = get_logger(__name__)
+
+
+class FaultInjector(Callback):
+    """Injects the configured faults.
+
+    Args:
+        faults: fault configs (or mappings with the same keys, e.g. from YAML).
+        events: the event log; default: ``<trainer.log_dir>/events.jsonl`` (rank 0 writer, faults forced).
+        log_dir: where to put the default event log instead of the trainer's log directory.
+    """
+
+    def __init__(
+        self,
+        faults: FaultConfig | Mapping[str, Any] | Sequence[FaultConfig | Mapping[str, Any]] = (),
+        *,
+        events: EventLog | None = None,
+        log_dir: str | None = None,
+    ) -> None:
+        if isinstance(faults, (FaultConfig, Mapping)):
+            faults = [faults]
+        self.faults = [FaultConfig.from_dict(f) for f in faults]
+        self.events = events
+        self.log_dir = log_dir
+        self.rank = 0
+        self.step = 0
+        self._mine: list[FaultConfig] = []
+        self._announced: set[int] = set()
+        self._slowdown: Slowdown | None = None
+        self._delay: DelayedCall | None = None
+
+    # --------------------------------------------------------------------------- helpers
+    def current_factor(self) -> float:
+        factor = 1.0
+        for fault in self._mine:
+            if fault.kind == "slow" and fault.active(self.step):
+                factor *= fault.factor
+        return factor
+
+    def current_delay_s(self) -> float:
+        return sum(f.delay_ms for f in self._mine if f.kind == "delay_p2p" and f.active(self.step)) / 1000.0
+
+    # ------------------------------------------------------------------------- callbacks
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self.rank = trainer.global_rank
+        if self.events is None:
+            log_dir = self.log_dir or trainer.log_dir or trainer.default_root_dir
+            self.events = EventLog(Path(log_dir), rank=self.rank)
+        self._mine = [f for f in self.faults if f.rank == self.rank]
+        if any(f.kind == "slow" for f in self._mine):
+            self._slowdown = Slowdown(self.current_factor)
+        if any(f.kind == "delay_p2p" for f in self._mine):
+            self._delay = delay_p2p_sends(self.current_delay_s)
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if self._slowdown is not None:
+            self._slowdown.unwrap_all()
+        if self._delay is not None:
+            self._delay.restore()
+            self._delay = None
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.step = trainer.global_step
+        for index, fault in enumerate(self._mine):
+            if not fault.active(self.step):
+                continue
+            if index not in self._announced:
+                self._announced.add(index)
+                self.events.log("fault_injected", self.step, force=True, **fault.to_dict())
+                log.warning("injecting %s on rank %d at step %d", fault.kind, self.rank, self.step)
+            if fault.kind == "kill":
+                os._exit(fault.exit_code)
+        if self._slowdown is not None and self.current_factor() > 1.0:
+            for module in _local_layers(trainer.strategy, pl_module):
+                self._slowdown.wrap(module)
+
+
+def _local_layers(strategy: Any, pl_module: Any) -> Iterable[Any]:
+    """This rank's layer modules, however the strategy exposes them."""
+    finder = getattr(strategy, "local_layers", None)
+    if callable(finder):
+        layers = finder()
+    else:
+        pipe = getattr(strategy, "_pipe", None)
+        layers = pipe.local_layers() if pipe is not None and hasattr(pipe, "local_layers") else None
+    if layers is None:  # a plain strategy: the whole module's direct children
+        return list(pl_module.children())
+    return list(layers.values()) if isinstance(layers, Mapping) else list(layers)

@@ -1,0 +1,221 @@
+"""The re-planning controller's arithmetic, as pure functions (no torch, no Lightning).
+
+* :func:`build_problem`: the planner's :class:`~resihp_lightning.plan.Problem` from the strategy's
+  measured per-layer costs, the detector's per-rank speeds and the job's options.
+* :func:`moved_mb` / :func:`estimate_migration_s`: what switching plans would move and cost.
+* :func:`decide`: whether a computed plan is worth applying. In order, a plan is rejected when it
+  is the plan in force, when the last change is fewer than ``cooldown_steps`` ago, when its
+  predicted iteration time is not at least ``min_relative_gain`` below the current plan's
+  (hysteresis: small predicted gains are noise and would make plans flap), or when the time it
+  saves over the expected remaining steps does not exceed ``payback_factor`` times the estimated
+  migration cost. Otherwise it is applied.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from resihp_lightning.config import PlannerConfig
+from resihp_lightning.errors import invalid_option
+from resihp_lightning.plan import Device, Layer, Plan, Problem
+from resihp_lightning.telemetry import LayerCost
+
+
+@dataclass(frozen=True, kw_only=True)
+class ControllerConfig:
+    """Options of the re-planning controller.
+
+    Attributes:
+        min_relative_gain: the new plan's predicted time must be at least this fraction below the
+            current plan's (hysteresis; 0 <= x < 1).
+        payback_factor: predicted saving over the remaining steps must exceed this multiple of the
+            estimated migration cost (>= 0).
+        horizon_steps: expected remaining steps when the trainer has no ``max_steps``; with one,
+            ``max_steps - global_step`` is used.
+        cooldown_steps: steps after a plan change during which no other plan is applied.
+        speed_quantum: speeds are rounded to multiples of this before planning (fewer speed classes
+            make the planner faster, and tiny estimate changes do not produce new plans).
+        migration_overhead_s: fixed cost of a migration (engine rebuild) until one was measured.
+        migration_bandwidth_mb_s: bytes-moved rate until a migration was measured.
+        p2p_ms: activation + gradient transfer between stages per micro-batch, for the Problem.
+        allreduce_ms: data-parallel gradient sync per iteration, for the Problem.
+        memory_mb: memory per device for the Problem (``None``: unlimited).
+        shared_partition: plan one partition for every replica (DeepSpeed's engine requires it).
+        profile_interval_steps: refresh the cached healthy layer profile this often while no rank
+            is flagged (the profile is a collective; 0 = only when first needed).
+    """
+
+    min_relative_gain: float = 0.05
+    payback_factor: float = 2.0
+    horizon_steps: int = 1000
+    cooldown_steps: int = 5
+    speed_quantum: float = 0.05
+    migration_overhead_s: float = 1.0
+    migration_bandwidth_mb_s: float = 1000.0
+    p2p_ms: float = 0.0
+    allreduce_ms: float = 0.0
+    memory_mb: float | None = None
+    shared_partition: bool = True
+    profile_interval_steps: int = 50
+
+    def __post_init__(self) -> None:
+        if not _number(self.min_relative_gain) or not 0 <= self.min_relative_gain < 1:
+            raise invalid_option("controller.min_relative_gain", self.min_relative_gain, "a number in [0, 1)")
+        for name in ("payback_factor", "p2p_ms", "allreduce_ms", "migration_overhead_s"):
+            if not _number(getattr(self, name)) or getattr(self, name) < 0:
+                raise invalid_option(f"controller.{name}", getattr(self, name), "a number >= 0")
+        for name in ("speed_quantum", "migration_bandwidth_mb_s"):
+            if not _number(getattr(self, name)) or not getattr(self, name) > 0:
+                raise invalid_option(f"controller.{name}", getattr(self, name), "a number > 0")
+        if self.speed_quantum > 0.5:
+            raise invalid_option("controller.speed_quantum", self.speed_quantum, "a number in (0, 0.5]")
+        for name, low in (("horizon_steps", 1), ("cooldown_steps", 0), ("profile_interval_steps", 0)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise invalid_option(f"controller.{name}", value, f"an integer >= {low}")
+        if self.memory_mb is not None and (not _number(self.memory_mb) or not self.memory_mb > 0):
+            raise invalid_option("controller.memory_mb", self.memory_mb, "null or a number > 0")
+        if not isinstance(self.shared_partition, bool):
+            raise invalid_option("controller.shared_partition", self.shared_partition, "true or false")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The verdict on a computed plan.
+
+    Attributes:
+        apply: whether to request the plan.
+        reason: why (one line, for ``plan_rejected`` and logs).
+        gain_ms: predicted saving per iteration (current - new).
+        total_gain_s: predicted saving over the remaining steps.
+        migration_s: estimated migration cost.
+    """
+
+    apply: bool
+    reason: str
+    gain_ms: float = 0.0
+    total_gain_s: float = 0.0
+    migration_s: float = 0.0
+
+
+def quantize_speeds(speeds: Mapping[int, float], quantum: float) -> dict[int, float]:
+    """Rounds speeds to multiples of ``quantum``, within [quantum, 1.0]."""
+    return {rank: min(1.0, max(quantum, round(speed / quantum) * quantum)) for rank, speed in speeds.items()}
+
+
+def build_problem(
+    profile: Sequence[LayerCost],
+    speeds: Mapping[int, float],
+    ranks: Iterable[int],
+    micro_batches: int,
+    config: ControllerConfig,
+    planner: PlannerConfig | None = None,
+) -> Problem:
+    """The planning problem for the devices as they are now.
+
+    Args:
+        profile: per-layer costs measured on healthy steps (``strategy.layer_profile()``), in layer order.
+        speeds: per-rank speed (ranks missing here are healthy, 1.0).
+        ranks: the ranks that can hold stages (dead ones left out).
+        micro_batches: M per step.
+        config: controller options (p2p, all-reduce, memory, speed quantum, shared partition).
+        planner: the planner's model options, written over the problem (pipeline degrees, ...).
+    """
+    ordered = sorted(profile, key=lambda c: c.index)
+    compute = [max(c.compute_ms, 0.0) for c in ordered]
+    if not any(compute):
+        compute = [1.0] * len(ordered)  # nothing measured yet: layers assumed equal
+    layers = tuple(Layer(compute[i], max(c.static_mb, 0.0), max(c.activation_mb, 0.0)) for i, c in enumerate(ordered))
+    quantized = quantize_speeds(speeds, config.speed_quantum)
+    memory = math.inf if config.memory_mb is None else float(config.memory_mb)
+    devices = tuple(Device(int(rank), quantized.get(rank, 1.0), memory) for rank in sorted(ranks))
+    problem = Problem(
+        layers=layers,
+        devices=devices,
+        micro_batches=int(micro_batches),
+        p2p_ms=config.p2p_ms,
+        allreduce_ms=config.allreduce_ms,
+        shared_partition=config.shared_partition,
+    )
+    return planner.apply_to(problem) if planner is not None else problem
+
+
+def moved_mb(old: Plan, new: Plan, static_mb: Sequence[float]) -> float:
+    """MB of layer state that must travel: each (device, layer) pair of ``new`` not held under ``old``."""
+    held = _holdings(old)
+    return sum(static_mb[layer] for pair in _holdings(new) - held for layer in [pair[1]])
+
+
+def estimate_migration_s(
+    old: Plan,
+    new: Plan,
+    static_mb: Sequence[float],
+    *,
+    overhead_s: float,
+    bandwidth_mb_s: float,
+) -> float:
+    """Fixed rebuild cost plus moved bytes over the bandwidth."""
+    return overhead_s + moved_mb(old, new, static_mb) / bandwidth_mb_s
+
+
+def calibrate(last_seconds: float, last_mb: float, overhead_s: float, bandwidth_mb_s: float) -> tuple[float, float]:
+    """Updates (overhead_s, bandwidth_mb_s) from a measured migration.
+
+    One measurement cannot separate the two, so the overhead is kept unless the migration was
+    faster than it (then the overhead becomes the measured time), and the bandwidth is whatever
+    explains the rest.
+    """
+    if not last_seconds > 0:
+        return overhead_s, bandwidth_mb_s
+    if last_seconds <= overhead_s or last_mb <= 0:
+        return min(overhead_s, last_seconds), bandwidth_mb_s
+    return overhead_s, last_mb / (last_seconds - overhead_s)
+
+
+def decide(
+    current_ms: float,
+    new_ms: float,
+    *,
+    same_plan: bool,
+    remaining_steps: int,
+    migration_s: float,
+    steps_since_change: int | None,
+    config: ControllerConfig,
+) -> Decision:
+    """Whether to apply a computed plan (rules in the module docstring).
+
+    Args:
+        current_ms: predicted iteration time of the plan in force, at the devices' current speeds.
+        new_ms: predicted iteration time of the computed plan.
+        same_plan: the computed plan is the plan in force.
+        remaining_steps: steps expected after the change.
+        migration_s: estimated cost of switching.
+        steps_since_change: steps since the last applied change (``None``: never changed).
+        config: thresholds.
+    """
+    gain = current_ms - new_ms
+    if same_plan:
+        return Decision(False, "the plan in force is already the best plan", gain, 0.0, 0.0)
+    if steps_since_change is not None and steps_since_change < config.cooldown_steps:
+        return Decision(False, f"cooldown: last change {steps_since_change} steps ago (< {config.cooldown_steps})",
+                        gain, 0.0, migration_s)
+    relative = gain / current_ms if current_ms > 0 else 0.0
+    if relative < config.min_relative_gain:
+        return Decision(False, f"predicted gain {relative * 100:.1f}% is below min_relative_gain "
+                        f"{config.min_relative_gain * 100:.1f}%", gain, 0.0, migration_s)
+    total = gain / 1000.0 * max(remaining_steps, 0)
+    if total <= config.payback_factor * migration_s:
+        return Decision(False, f"saves {total:.2f} s over {remaining_steps} steps, less than {config.payback_factor:g} x "
+                        f"migration {migration_s:.2f} s", gain, total, migration_s)
+    return Decision(True, f"saves {gain:.1f} ms per step ({relative * 100:.1f}%), {total:.1f} s over {remaining_steps} "
+                    f"steps vs migration {migration_s:.2f} s", gain, total, migration_s)
+
+
+def _holdings(plan: Plan) -> set[tuple[int, int]]:
+    return {(device, layer) for r in plan.replicas for j, device in enumerate(r.devices) for layer in r.stage_layers(j)}
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -1,0 +1,410 @@
+"""Fail-slow detection core: per-rank speed estimates from busy compute time, plain Python + numpy.
+
+Two halves, so that only a few numbers per rank travel between processes:
+
+* :class:`LocalTracker` runs on each rank. It fits the rank's own workload model
+  (:mod:`.workload_model`) on its micro-batches after a warm-up and turns each later step into one
+  number, ``ratio`` = median over the step's micro-batches of predicted / observed time (1.0 while
+  the device runs as it did during the fit). It returns a small :class:`RankSummary`.
+* :class:`StragglerCore` sees every rank's summary (after an all-gather, so every rank holds the same
+  state and takes the same decisions) and keeps, per rank, a speed estimate, a flag and the events.
+
+A rank's step speed is ``raw = anchor * ratio``; ``anchor`` is the speed the device had when its
+current model was fitted (1.0 at the start; the last estimate when a re-plan gave the rank new layers
+and its model was refitted on the device as it then was). A rank is *slow this step* when
+
+1. it departs from its own history: ``raw < gpu_individual_perf_threshold`` and the drop exceeds
+   ``significance`` times the model's residual scale for that many micro-batches, and
+2. it departs from its stage cohort (the data-parallel peers holding the same layers):
+   ``raw / median(cohort raw) < gpu_relative_perf_threshold``. A slowdown shared by the whole cohort
+   (a job-wide event) is therefore not a straggler. Without a cohort (D = 1, or per-replica
+   partitions) condition 1 alone decides, its significance test guarding against noise.
+
+With ``window`` > 1 both tests apply to the median of the rank's last ``window`` step speeds, and
+the noise term shrinks accordingly (for noisy clocks, e.g. oversubscribed CPUs).
+``patience`` consecutive slow steps flag the rank; its reported speed is the median of its last
+``max(patience, window)`` step speeds (so 0.5 for a device at half speed). ``patience`` consecutive steps with
+``raw >= recovery_threshold`` clear the flag (healing). A flagged rank whose estimate stays more
+than ``speed_change_threshold`` (relative) away from its reported speed for ``patience`` steps is
+reported again with the new speed.
+
+When a rank's model is (re)fitted, the anchor comes from its cohort if it has one: every member's
+model is evaluated at the cohort's typical micro-batch, and a rank predicted slower than the cohort
+reference by more than ``gpu_relative_perf_threshold`` starts with that relative speed. So a device
+that was already slow while its model was fitted (from the start, or a fault during the refit after a
+re-plan) is still found, and a rank flagged in error is cleared. Known limit: without a cohort (D = 1
+or per-replica partitions) the anchor can only be carried over, and such a device is not found.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from resihp_lightning.callbacks.workload_model import OnlineWorkloadFit
+from resihp_lightning.errors import invalid_option
+from resihp_lightning.telemetry import StepStats
+
+#: Asymptotic standard error of a median relative to a mean: sqrt(pi / 2).
+_MEDIAN_SE = math.sqrt(math.pi / 2)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DetectorConfig:
+    """Options of the straggler detector (names shared with NVIDIA's ``StragglerDetectionCallback``
+    keep their meaning; scores here are workload-normalised speeds, 1.0 = healthy).
+
+    Attributes:
+        report_time_interval: seconds between cross-rank reports; ``None`` reports every
+            ``report_interval_steps`` steps. When set, the step interval is derived from the measured
+            step time (the same on every rank, so every rank gathers at the same step).
+        report_interval_steps: steps between cross-rank reports (>= 1) when no time interval is set.
+        calc_relative_gpu_perf: compute and log ``gpu_relative_perf/{min,median,max}`` (speed of a
+            rank divided by the fastest rank's).
+        calc_individual_gpu_perf: compute and log ``gpu_individual_perf/{min,median,max}`` (speed of a
+            rank divided by its own best).
+        num_gpu_perf_scores_to_print: print this many of the lowest speeds at each report (rank 0; 0 = off).
+        gpu_relative_perf_threshold: a rank departs from its cohort when its speed divided by the
+            cohort median is below this (0 < x < 1).
+        gpu_individual_perf_threshold: a rank departs from its own history when its speed is below
+            this (0 < x < 1). 0.9 detects 1.2x slowdowns; NVIDIA's default 0.75 would miss them.
+        stop_if_detected: stop training (``trainer.should_stop``) when a rank is flagged.
+        enable_ptl_logging: log the scores through the Lightning logger.
+        warmup_steps: steps skipped before fitting a rank's workload model (also after a re-plan).
+        fit_steps: steps whose micro-batches fit the model.
+        patience: consecutive slow (or healthy) steps before a rank is flagged (or cleared).
+        window: steps pooled (median) into each step's decision; 1 decides on the step alone. Raise it
+            where timing noise is large (oversubscribed CPUs): the noise of the pooled speed shrinks
+            by sqrt(window), at the cost of up to ``window - 1`` steps of extra latency.
+        recovery_threshold: speed at or above which a flagged rank counts as healthy again.
+        significance: a drop must exceed this many standard errors of the step's speed.
+        speed_change_threshold: re-report a flagged rank when its estimate stays this fraction away
+            from the reported speed for ``patience`` steps.
+        min_cohort: the fewest ranks (itself included) that make a cohort.
+    """
+
+    report_time_interval: float | None = None
+    report_interval_steps: int = 1
+    calc_relative_gpu_perf: bool = True
+    calc_individual_gpu_perf: bool = True
+    num_gpu_perf_scores_to_print: int = 0
+    gpu_relative_perf_threshold: float = 0.9
+    gpu_individual_perf_threshold: float = 0.9
+    stop_if_detected: bool = False
+    enable_ptl_logging: bool = True
+    warmup_steps: int = 2
+    fit_steps: int = 10
+    patience: int = 3
+    window: int = 1
+    recovery_threshold: float = 0.95
+    significance: float = 4.0
+    speed_change_threshold: float = 0.1
+    min_cohort: int = 2
+
+    def __post_init__(self) -> None:
+        if self.report_time_interval is not None and not (
+            _is_number(self.report_time_interval) and self.report_time_interval > 0
+        ):
+            raise invalid_option("detector.report_time_interval", self.report_time_interval, "null or seconds > 0")
+        for name, low in (("report_interval_steps", 1), ("warmup_steps", 0), ("fit_steps", 1), ("patience", 1), ("window", 1),
+                          ("num_gpu_perf_scores_to_print", 0), ("min_cohort", 2)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise invalid_option(f"detector.{name}", value, f"an integer >= {low}")
+        for name in ("gpu_relative_perf_threshold", "gpu_individual_perf_threshold", "recovery_threshold"):
+            value = getattr(self, name)
+            if not _is_number(value) or not 0 < value < 1:
+                raise invalid_option(f"detector.{name}", value, "a number strictly between 0 and 1")
+        if self.recovery_threshold < self.gpu_individual_perf_threshold:
+            raise invalid_option(
+                "detector.recovery_threshold", self.recovery_threshold,
+                f"a number >= gpu_individual_perf_threshold ({self.gpu_individual_perf_threshold}) so flags do not flap",
+            )
+        for name in ("significance", "speed_change_threshold"):
+            value = getattr(self, name)
+            if not _is_number(value) or value < 0:
+                raise invalid_option(f"detector.{name}", value, "a number >= 0")
+        for name in ("calc_relative_gpu_perf", "calc_individual_gpu_perf", "stop_if_detected", "enable_ptl_logging"):
+            if not isinstance(getattr(self, name), bool):
+                raise invalid_option(f"detector.{name}", getattr(self, name), "true or false")
+
+
+@dataclass(frozen=True)
+class RankSummary:
+    """What one rank reports about one step (small and picklable).
+
+    Attributes:
+        step, rank, replica, stage, layers: as in :class:`~resihp_lightning.telemetry.StepStats`.
+        ratio: median predicted / observed time over the step's micro-batches; ``None`` while the
+            rank's workload model is not fitted yet.
+        micro_batches: how many micro-batches the ratio summarises.
+        fit_id: counts the rank's model fits (changes when the model was refitted).
+        rel_scale: the model's relative residual scale (noise of one micro-batch).
+        busy_ms: total busy compute time of the step (for raw-time baselines and logging).
+        step_ms: the step's wall time.
+        model: ``(alpha, beta, gamma, ref_tokens, ref_sum_len_sq)`` of the rank's current workload
+            model (``None`` before the first fit), for comparing models within a cohort.
+    """
+
+    step: int
+    rank: int
+    replica: int
+    stage: int
+    layers: tuple[int, int]
+    ratio: float | None
+    micro_batches: int
+    fit_id: int
+    rel_scale: float
+    busy_ms: float
+    step_ms: float
+    model: tuple[float, float, float, float, float] | None = None
+
+
+class LocalTracker:
+    """One rank's half of the detector: fits its workload model, summarises each step."""
+
+    def __init__(self, warmup_steps: int = 2, fit_steps: int = 10) -> None:
+        self.fit = OnlineWorkloadFit(warmup_steps, fit_steps)
+
+    def summarize(self, stats: StepStats) -> RankSummary:
+        """Feeds one step and returns its summary."""
+        mbs = stats.micro_batches
+        samples = [(float(mb.tokens), float(mb.sum_len_sq), float(mb.compute_ms)) for mb in mbs]
+        self.fit.add_step(tuple(stats.layers), samples)
+        model = self.fit.model
+        ratio = None
+        count = 0
+        if model is not None:
+            # Plain Python: a step has a handful of micro-batches, where numpy's call overhead dominates.
+            a, b, g = model.coefficients
+            ratios = [max(a * t + b * s + g, 1e-9) / y for t, s, y in samples if y > 0]
+            if ratios:
+                ratio = statistics.median(ratios)
+                count = len(ratios)
+        return RankSummary(
+            step=stats.step,
+            rank=stats.rank,
+            replica=stats.replica,
+            stage=stats.stage,
+            layers=tuple(stats.layers),
+            ratio=ratio,
+            micro_batches=count,
+            fit_id=self.fit.fits,
+            rel_scale=model.rel_scale if model is not None else 0.0,
+            busy_ms=float(sum(mb.compute_ms for mb in mbs)),
+            step_ms=float(stats.step_ms),
+            model=None if model is None else (*model.coefficients, model.ref_tokens, model.ref_sum_len_sq),
+        )
+
+
+@dataclass
+class _RankState:
+    fit_id: int = 0
+    anchor: float = 1.0
+    flagged: bool = False
+    speed: float = 1.0
+    last_raw: float | None = None
+    best_raw: float = 0.0
+    slow_streak: int = 0
+    healthy_streak: int = 0
+    change_streak: int = 0
+    history: deque = field(default_factory=deque)
+
+
+class StragglerCore:
+    """The cross-rank half: speeds, flags, healing and NVRx-style scores from every rank's summary.
+
+    Args:
+        config: detector options.
+    """
+
+    def __init__(self, config: DetectorConfig | None = None) -> None:
+        self.config = config or DetectorConfig()
+        self._states: dict[int, _RankState] = {}
+        self.version = 0  # bumps whenever a flag or a reported speed changes
+        self.last_step: int | None = None
+        self.scores: dict[str, dict[int, float]] = {}
+
+    # ------------------------------------------------------------------------------- results
+    @property
+    def speeds(self) -> dict[int, float]:
+        """Speed per known rank: the estimate for flagged ranks, 1.0 for the others."""
+        return {rank: (s.speed if s.flagged else 1.0) for rank, s in sorted(self._states.items())}
+
+    @property
+    def raw_speeds(self) -> dict[int, float]:
+        """The latest unsmoothed step speed of every rank that has one."""
+        return {rank: s.last_raw for rank, s in sorted(self._states.items()) if s.last_raw is not None}
+
+    @property
+    def flagged(self) -> list[int]:
+        return sorted(rank for rank, s in self._states.items() if s.flagged)
+
+    def forget(self, rank: int) -> None:
+        """Drops a rank (it left the job)."""
+        self._states.pop(rank, None)
+
+    # -------------------------------------------------------------------------------- update
+    def update(self, summaries: Iterable[RankSummary]) -> list[dict[str, Any]]:
+        """Folds one step's summaries (one per rank) into the state.
+
+        Returns:
+            Events as dicts ``{"event", "step", "rank", "speed"}`` with event ``fail_slow_detected``
+            or ``fail_slow_recovered``.
+        """
+        cfg = self.config
+        summaries = [s for s in summaries if s is not None]
+        raws: dict[int, float] = {}
+        noise: dict[int, float] = {}
+        pooled_raw: dict[int, float] = {}
+        layers_of: dict[int, tuple[int, int]] = {}
+        step = max((s.step for s in summaries), default=self.last_step)
+        self.last_step = step
+        for summary in summaries:
+            state = self._states.setdefault(summary.rank, _RankState(history=deque(maxlen=max(cfg.patience, cfg.window))))
+            if summary.ratio is None or not summary.ratio > 0:
+                continue
+            if summary.fit_id != state.fit_id:
+                # A new model was fitted on the device as it is now: its speed comes from comparing
+                # its model with its cohort's, or, without a cohort, is carried across the refit.
+                cohort_anchor = self._cohort_anchor(summary, summaries)
+                if cohort_anchor is not None:
+                    state.anchor = cohort_anchor
+                else:
+                    state.anchor = state.speed if state.flagged else 1.0
+                state.fit_id = summary.fit_id
+            raw = state.anchor * summary.ratio
+            raws[summary.rank] = raw
+            pooled_n = min(cfg.window, len(state.history) + 1)
+            noise[summary.rank] = (
+                state.anchor * summary.rel_scale * _MEDIAN_SE / math.sqrt(max(summary.micro_batches, 1) * pooled_n)
+            )
+            layers_of[summary.rank] = summary.layers
+            if cfg.window > 1:
+                recent = list(state.history)[-(cfg.window - 1):] + [raw]
+                pooled_raw[summary.rank] = statistics.median(recent)
+            else:
+                pooled_raw[summary.rank] = raw
+        cohort_median = self._cohort_medians(pooled_raw, layers_of)
+        events: list[dict[str, Any]] = []
+        for rank, raw in raws.items():
+            state = self._states[rank]
+            state.last_raw = raw
+            state.best_raw = max(state.best_raw, raw)
+            state.history.append(raw)
+            pooled = pooled_raw[rank]
+            own = pooled < cfg.gpu_individual_perf_threshold and (1.0 - pooled) > cfg.significance * noise[rank]
+            med = cohort_median.get(rank)
+            cohort = med is None or pooled / med < cfg.gpu_relative_perf_threshold
+            slow = own and cohort
+            healthy = pooled >= cfg.recovery_threshold
+            state.slow_streak = state.slow_streak + 1 if slow else 0
+            state.healthy_streak = state.healthy_streak + 1 if healthy else 0
+            estimate = statistics.median(state.history)  # the last max(patience, window) steps
+            if not state.flagged:
+                if state.slow_streak >= cfg.patience:
+                    state.flagged, state.speed = True, estimate
+                    events.append(self._event("fail_slow_detected", step, rank, estimate))
+            elif state.healthy_streak >= cfg.patience:
+                state.flagged, state.speed = False, 1.0
+                state.slow_streak = 0
+                events.append(self._event("fail_slow_recovered", step, rank, estimate))
+            else:
+                moved = estimate < cfg.recovery_threshold and abs(estimate - state.speed) > cfg.speed_change_threshold * state.speed
+                state.change_streak = state.change_streak + 1 if moved else 0
+                if state.change_streak >= cfg.patience:
+                    state.speed, state.change_streak = estimate, 0
+                    events.append(self._event("fail_slow_detected", step, rank, state.speed))
+        if events:
+            self.version += 1
+        self._update_scores(raws)
+        return events
+
+    def _cohort_anchor(self, summary: RankSummary, summaries: Sequence[RankSummary]) -> float | None:
+        """The rank's speed relative to its cohort, from the members' workload models.
+
+        Every member's model is evaluated at the cohort's typical micro-batch; the reference is the
+        median prediction (the faster of two with a cohort of two). Returns ``None`` without a
+        cohort, 1.0 when the rank is within ``gpu_relative_perf_threshold`` of the reference.
+        """
+        members = [s for s in summaries if s.layers == summary.layers and s.model is not None]
+        if summary.model is None or len(members) < self.config.min_cohort:
+            return None
+        tokens = statistics.median(s.model[3] for s in members)
+        sq = statistics.median(s.model[4] for s in members)
+        preds = {s.rank: max(s.model[0] * tokens + s.model[1] * sq + s.model[2], 1e-9) for s in members}
+        reference = statistics.median(preds.values()) if len(preds) >= 3 else min(preds.values())
+        relative = reference / preds[summary.rank]
+        return relative if relative < self.config.gpu_relative_perf_threshold else 1.0
+
+    def _cohort_medians(self, raws: dict[int, float], layers_of: dict[int, tuple[int, int]]) -> dict[int, float]:
+        groups: dict[tuple[int, int], list[int]] = {}
+        for rank, layers in layers_of.items():
+            groups.setdefault(layers, []).append(rank)
+        medians: dict[int, float] = {}
+        for ranks in groups.values():
+            if len(ranks) >= self.config.min_cohort:
+                med = statistics.median([raws[r] for r in ranks])
+                for r in ranks:
+                    medians[r] = med
+        return medians
+
+    def _update_scores(self, raws: dict[int, float]) -> None:
+        if not raws:
+            return
+        best = max(raws.values())
+        scores: dict[str, dict[int, float]] = {}
+        if self.config.calc_relative_gpu_perf:
+            scores["gpu_relative_perf"] = {r: v / best for r, v in raws.items()}
+        if self.config.calc_individual_gpu_perf:
+            scores["gpu_individual_perf"] = {r: v / max(self._states[r].best_raw, 1e-12) for r, v in raws.items()}
+        self.scores = scores
+
+    def score_summary(self) -> dict[str, float]:
+        """``{"gpu_relative_perf/min": ..., ".../median", ".../max", ...}`` from the latest scores."""
+        out: dict[str, float] = {}
+        for name, values in self.scores.items():
+            arr = np.fromiter(values.values(), dtype=float)
+            out[f"{name}/min"] = float(arr.min())
+            out[f"{name}/median"] = float(np.median(arr))
+            out[f"{name}/max"] = float(arr.max())
+        return out
+
+    @staticmethod
+    def _event(event: str, step: int | None, rank: int, speed: float) -> dict[str, Any]:
+        return {"event": event, "step": step, "rank": rank, "speed": round(float(speed), 4)}
+
+
+def run_on_trace(trace: Sequence[Sequence[StepStats]], config: DetectorConfig | None = None) -> tuple[StragglerCore, list[dict[str, Any]]]:
+    """Runs the whole detector (one tracker per rank + the core) over a recorded trace.
+
+    Args:
+        trace: ``trace[t]`` holds every rank's StepStats of step t.
+        config: detector options.
+
+    Returns:
+        The core after the last step and every event it produced, in order.
+    """
+    config = config or DetectorConfig()
+    trackers: dict[int, LocalTracker] = {}
+    core = StragglerCore(config)
+    events: list[dict[str, Any]] = []
+    for step_stats in trace:
+        summaries = []
+        for stats in step_stats:
+            tracker = trackers.get(stats.rank)
+            if tracker is None:
+                tracker = trackers[stats.rank] = LocalTracker(config.warmup_steps, config.fit_steps)
+            summaries.append(tracker.summarize(stats))
+        events.extend(core.update(summaries))
+    return core, events
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

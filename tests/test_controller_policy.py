@@ -1,0 +1,108 @@
+"""The controller's pure parts: problem building, migration estimate, and the apply/reject decision."""
+
+from __future__ import annotations
+
+import pytest
+
+from resihp_lightning.callbacks.replan_policy import (
+    ControllerConfig,
+    build_problem,
+    calibrate,
+    decide,
+    estimate_migration_s,
+    moved_mb,
+    quantize_speeds,
+)
+from resihp_lightning.config import PlannerConfig
+from resihp_lightning.errors import ConfigError
+from resihp_lightning.plan import Plan, Replica, evaluate
+from resihp_lightning.telemetry import LayerCost
+
+CFG = ControllerConfig()
+
+
+def _profile(n=8, ms=2.0, mb=100.0):
+    return [LayerCost(i, ms, mb, 1.0) for i in reversed(range(n))]  # out of order on purpose
+
+
+def test_quantize_speeds_rounds_and_clips():
+    assert quantize_speeds({0: 1.02, 1: 0.49, 2: 0.012, 3: 0.93}, 0.05) == pytest.approx({0: 1.0, 1: 0.5, 2: 0.05, 3: 0.95})
+
+
+def test_build_problem_from_profile_speeds_and_live_ranks():
+    problem = build_problem(_profile(), {1: 0.51, 3: 1.0}, ranks=[3, 0, 1], micro_batches=8,
+                            config=ControllerConfig(p2p_ms=0.1, allreduce_ms=3.0, memory_mb=5000.0),
+                            planner=PlannerConfig(pipeline_degrees=(1, 3)))
+    assert [layer.compute_ms for layer in problem.layers] == [2.0] * 8
+    assert [(d.id, d.speed, d.memory_mb) for d in problem.devices] == [(0, 1.0, 5000.0), (1, 0.5, 5000.0), (3, 1.0, 5000.0)]
+    assert problem.micro_batches == 8 and problem.p2p_ms == 0.1 and problem.allreduce_ms == 3.0
+    assert problem.pipeline_degrees == (1, 3) and problem.shared_partition is True
+    unmeasured = build_problem([LayerCost(i, 0.0, 1.0, 0.0) for i in range(4)], {}, [0, 1], 4, CFG)
+    assert [layer.compute_ms for layer in unmeasured.layers] == [1.0] * 4
+
+
+def test_moved_bytes_count_only_new_device_layer_pairs():
+    static = [10.0, 20.0, 30.0, 40.0]
+    old = Plan((Replica((0, 1), (0, 2, 4), 4), Replica((2, 3), (0, 2, 4), 4)))
+    same = Plan((Replica((0, 1), (0, 2, 4), 2), Replica((2, 3), (0, 2, 4), 6)))  # micro-batches only
+    shifted = Plan((Replica((0, 1), (0, 3, 4), 4), Replica((2, 3), (0, 3, 4), 4)))  # devices 0 and 2 take layer 2
+    swapped = Plan((Replica((1, 0), (0, 2, 4), 4), Replica((2, 3), (0, 2, 4), 4)))  # devices 0 and 1 trade stages
+    assert moved_mb(old, same, static) == 0.0
+    assert moved_mb(old, shifted, static) == 30.0 + 30.0
+    assert moved_mb(old, swapped, static) == (10 + 20) + (30 + 40)
+    assert estimate_migration_s(old, shifted, static, overhead_s=0.5, bandwidth_mb_s=60.0) == pytest.approx(1.5)
+
+
+def test_calibrate_from_a_measured_migration():
+    assert calibrate(3.0, 200.0, 1.0, 1000.0) == (1.0, 100.0)
+    assert calibrate(0.4, 200.0, 1.0, 1000.0) == (0.4, 1000.0)
+    assert calibrate(0.0, 0.0, 1.0, 1000.0) == (1.0, 1000.0)
+
+
+def test_decide_rules_in_order():
+    kw = dict(remaining_steps=1000, migration_s=2.0, steps_since_change=None, config=CFG)
+    assert not decide(100.0, 60.0, same_plan=True, **kw).apply
+    cool = decide(100.0, 60.0, same_plan=False, **{**kw, "steps_since_change": 2})
+    assert not cool.apply and "cooldown" in cool.reason
+    small = decide(100.0, 96.0, same_plan=False, **kw)
+    assert not small.apply and "min_relative_gain" in small.reason
+    short = decide(100.0, 60.0, same_plan=False, **{**kw, "remaining_steps": 50})  # 2 s saved < 2 x 2 s
+    assert not short.apply and "migration" in short.reason and short.total_gain_s == pytest.approx(2.0)
+    good = decide(100.0, 60.0, same_plan=False, **kw)
+    assert good.apply and good.gain_ms == 40.0 and good.total_gain_s == pytest.approx(40.0)
+
+
+def test_controller_config_is_validated():
+    with pytest.raises(ConfigError, match="controller.min_relative_gain"):
+        ControllerConfig(min_relative_gain=1.5)
+    with pytest.raises(ConfigError, match="controller.speed_quantum"):
+        ControllerConfig(speed_quantum=0)
+    with pytest.raises(ConfigError, match="controller.cooldown_steps"):
+        ControllerConfig(cooldown_steps=-1)
+
+
+def test_slow_rank_then_recovery_replans_and_replans_back():
+    """The loop on numbers: a 2x2 job, rank 1 at half speed, then healed."""
+    from resihp_lightning.solver import solve
+
+    planner = PlannerConfig(solver="exact")
+    profile = [LayerCost(i, 2.0, 50.0, 1.0) for i in range(8)]
+    healthy = Plan.uniform([0, 1, 2, 3], 8, 2, 8)
+    slow = build_problem(profile, {1: 0.5}, range(4), 8, CFG, planner)
+    adapted = solve(slow, planner)
+    current_ms = evaluate(slow, healthy).iteration_ms
+    assert adapted.iteration_ms < current_ms * 0.9
+    migration = estimate_migration_s(healthy, adapted, [50.0] * 8, overhead_s=1.0, bandwidth_mb_s=1000.0)
+    go = decide(current_ms, adapted.iteration_ms, same_plan=adapted.layout_key() == healthy.layout_key(),
+                remaining_steps=10_000, migration_s=migration, steps_since_change=None, config=CFG)
+    assert go.apply
+    stay = decide(current_ms, adapted.iteration_ms, same_plan=False, remaining_steps=10,
+                  migration_s=migration, steps_since_change=None, config=CFG)
+    assert not stay.apply
+    healed = build_problem(profile, {1: 1.0}, range(4), 8, CFG, planner)
+    back = solve(healed, planner)
+    assert back.iteration_ms <= evaluate(healed, healthy).iteration_ms + 1e-9  # the healthy optimum
+    assert evaluate(healed, adapted).iteration_ms > back.iteration_ms * (1 + CFG.min_relative_gain)
+    again = decide(evaluate(healed, adapted).iteration_ms, back.iteration_ms, same_plan=False, remaining_steps=10_000,
+                   migration_s=migration, steps_since_change=20, config=CFG)
+    assert again.apply

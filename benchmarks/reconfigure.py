@@ -1,0 +1,177 @@
+"""Reconfiguration cost vs model size: time and bytes moved per re-plan (not a test).
+
+Runs ``Trainer(strategy=ResiHPStrategy(...))`` on 4 gloo processes (this machine's CPU) for each
+model size, a stack of 8 ``Linear + tanh`` layers given as DeepSpeed ``LayerSpec``s (built only on
+the ranks that hold them), trained with Adam, and applies four re-plans at step boundaries:
+
+1. ``swap replicas``: the two 2-stage replicas trade devices; every rank keeps its layers
+   (0 bytes: the cost of tearing down and rebuilding the engine alone);
+2. ``move 1 layer``: bounds (0,4,8) -> (0,3,8): the two second-stage ranks fetch layer 3;
+3. ``swap stages``: each replica's two ranks trade stages: every rank fetches a whole stage;
+4. ``2x2 -> 4x1``: one 4-stage pipeline.
+
+For each it prints the strategy's ``last_migration`` (rank 0's wall time from request to ready
+engine, split into the point-to-point exchange and the rest) with the bytes moved, checked against
+the bytes the layers new to each rank hold (weights + Adam's two moments + its step counters).
+
+    python benchmarks/reconfigure.py [--sizes tiny,1M,10M,100M]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import socket
+import sys
+import time
+
+LAYERS = 8
+WORLD = 4
+SIZES = {"tiny": 64, "1M": 352, "10M": 1120, "100M": 3536}
+TRANSITIONS = [
+    ("swap replicas", [([2, 3], (0, 4, 8), 2), ([0, 1], (0, 4, 8), 2)]),
+    ("move 1 layer", [([2, 3], (0, 3, 8), 2), ([0, 1], (0, 3, 8), 2)]),
+    ("swap stages", [([3, 2], (0, 3, 8), 2), ([1, 0], (0, 3, 8), 2)]),
+    ("2x2 -> 4x1", [([0, 1, 2, 3], (0, 2, 4, 6, 8), 4)]),
+]
+INITIAL = [([0, 1], (0, 4, 8), 2), ([2, 3], (0, 4, 8), 2)]
+
+
+def _plan(replicas):
+    from resihp_lightning.plan import Plan, Replica
+
+    return Plan(tuple(Replica(tuple(d), tuple(b), m) for d, b, m in replicas))
+
+
+def _expected_bytes(old, new, hidden: int) -> int:
+    held = lambda plan: {  # noqa: E731
+        d: set(range(r.bounds[j], r.bounds[j + 1])) for r in plan.replicas for j, d in enumerate(r.devices)
+    }
+    before, after = held(old), held(new)
+    per_layer = 3 * (hidden * hidden + hidden) * 4 + 2 * 4  # weight+bias, exp_avg, exp_avg_sq; 2 steps
+    return sum(len(after[d] - before[d]) for d in after) * per_layer
+
+
+def _rank(rank: int, port: int, hidden: int, queue) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(WORLD), OMP_NUM_THREADS="1",
+    )
+    import lightning.pytorch as pl
+    import torch
+    from deepspeed.pipe import LayerSpec
+    from torch import nn
+    from torch.nn import functional as F
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import resihp_lightning  # noqa: F401 - registers the strategy
+    from resihp_lightning.strategy.module import ResiHPModule
+    from resihp_lightning.strategy.strategy import ResiHPStrategy
+
+    torch.set_num_threads(1)
+
+    class Model(ResiHPModule):
+        def pipeline_layers(self):
+            return [LayerSpec(Block, hidden) for _ in range(LAYERS)]
+
+        def pipeline_loss(self, outputs, labels):
+            return F.mse_loss(outputs, labels)
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=1e-4)
+
+    schedule = {step + 1: _plan(replicas) for step, (_, replicas) in enumerate(TRANSITIONS)}
+    records = []
+
+    class Replanner(pl.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            migration = trainer.strategy.last_migration
+            if migration and (not records or records[-1]["plan"] is not migration["plan"]):
+                records.append(migration)
+            if trainer.global_step in schedule:
+                trainer.strategy.request_plan(schedule[trainer.global_step])
+
+    data = TensorDataset(torch.randn(4, hidden), torch.randn(4, hidden))
+    trainer = pl.Trainer(
+        strategy=ResiHPStrategy(plan=_plan(INITIAL), micro_batch_size=1), accelerator="cpu", devices=WORLD,
+        num_nodes=1, max_steps=len(TRANSITIONS) + 1, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, callbacks=[Replanner()],
+        use_distributed_sampler=False,
+    )
+    trainer.fit(Model(), DataLoader(data, batch_size=4))
+    if rank == 0:
+        queue.put([{k: v for k, v in r.items() if k != "plan"} for r in records])
+
+
+class Block:  # replaced below by the nn.Module (kept import-light for the parent process)
+    pass
+
+
+def _block_class():
+    from torch import nn
+
+    class _Block(nn.Module):
+        def __init__(self, hidden: int) -> None:
+            super().__init__()
+            self.linear = nn.Linear(hidden, hidden)
+
+        def forward(self, x):
+            return self.linear(x).tanh()
+
+    return _Block
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_size(hidden: int, timeout: float = 600.0) -> list[dict]:
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank, args=(r, port, hidden, queue)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    try:
+        records = queue.get(timeout=timeout)
+    finally:
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+    return records
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default="tiny,1M,10M,100M", help=f"comma-separated, from {list(SIZES)}")
+    args = parser.parse_args(argv)
+    print("| model | params | re-plan | bytes moved | = layers new to ranks | total s | p2p s | rebuild s | p2p GB/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name in args.sizes.split(","):
+        hidden = SIZES[name]
+        params = LAYERS * (hidden * hidden + hidden)
+        start = time.perf_counter()
+        records = run_size(hidden)
+        old = _plan(INITIAL)
+        for (label, replicas), rec in zip(TRANSITIONS, records):
+            new = _plan(replicas)
+            expected = _expected_bytes(old, new, hidden)
+            rate = rec["bytes_moved"] / rec["transfer_seconds"] / 1e9 if rec["bytes_moved"] else 0.0
+            print(
+                f"| {name} | {params / 1e6:.2f} M | {label} | {rec['bytes_moved'] / 2**20:.1f} MiB | "
+                f"{'yes' if rec['bytes_moved'] == expected else f'NO ({expected / 2**20:.1f} MiB)'} | "
+                f"{rec['seconds']:.3f} | {rec['transfer_seconds']:.3f} | {rec['rebuild_seconds']:.3f} | {rate:.2f} |"
+            )
+            old = new
+        print(f"<!-- {name}: job {time.perf_counter() - start:.0f} s -->", file=sys.stderr)
+
+
+if __name__ == "__main__" or __name__ == "__mp_main__":
+    Block = _block_class()  # noqa: F811 - LayerSpec needs a real nn.Module class in every rank
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""Building and destroying DeepSpeed pipeline engines inside a running job."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+
+from resihp_lightning._logging import get_logger
+
+log = get_logger(__name__)
+
+_comm_ready = False
+
+
+def init_deepspeed_comm(backend: str) -> None:
+    """Points ``deepspeed.comm`` at the process group Lightning created (once per process).
+
+    DeepSpeed's torch backend JIT-compiles a shared-memory op with g++ (~30 s) that only inference
+    uses; it is skipped. The module must be patched through ``importlib`` (``import a.b.c as m``
+    would bind the ``torch`` attribute deepspeed.comm re-exports, not the submodule).
+    """
+    global _comm_ready
+    if _comm_ready:
+        return
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    import deepspeed
+
+    for name in ("DeepSpeed", "deepspeed"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
+    _comm_ready = True
+
+
+def engine_config(
+    micro_batch_size: int, micro_batches: int, data_degree: int, overrides: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The DeepSpeed config of one rank: its replica runs ``micro_batches`` per step.
+
+    ``gradient_accumulation_steps`` is per rank (the replica's m_r); DeepSpeed only checks that the
+    batch arithmetic is consistent on each rank.
+    """
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": micro_batches,
+        "train_batch_size": micro_batch_size * micro_batches * data_degree,
+        "gradient_clipping": 0.0,
+        "steps_per_print": 2**62,
+        "wall_clock_breakdown": False,
+    }
+    config.update(copy.deepcopy(dict(overrides)))
+    return config
+
+
+def build_engine(
+    pipe: torch.nn.Module, optimizer: Optimizer | None, config: Mapping[str, Any], broadcast: bool = True
+) -> Any:
+    """Wraps ``pipe`` (a ``PipelineModule``) in a ``PipelineEngine`` that steps ``optimizer``.
+
+    The optimizer object is kept: DeepSpeed drops empty parameter groups from it, so its full list
+    of groups is put back afterwards (LR schedulers index groups by position).
+
+    Args:
+        broadcast: let DeepSpeed broadcast every parameter from the first replica (needed at the start,
+            when replicas may have built layers with different random values; after a migration every
+            replica already holds identical values, and the broadcast would send the whole model).
+    """
+    import deepspeed
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    groups = list(optimizer.param_groups) if optimizer is not None else None
+    original = DeepSpeedEngine._broadcast_model
+    if not broadcast:
+        DeepSpeedEngine._broadcast_model = lambda self: None
+    try:
+        engine, _, _, _ = deepspeed.initialize(model=pipe, optimizer=optimizer, config=dict(config))
+    finally:
+        DeepSpeedEngine._broadcast_model = original
+    if optimizer is not None and engine.optimizer is optimizer:
+        optimizer.param_groups[:] = groups
+    return engine
+
+
+def set_micro_batches(engine: Any, micro_batches: int) -> None:
+    """Changes the replica's micro-batch count of a live engine (no rebuild needed)."""
+    data_degree = engine.grid.data_parallel_size
+    engine.set_train_batch_size(engine.micro_batch_size * micro_batches * data_degree)
+
+
+def destroy_engine(engine: Any) -> None:
+    """Releases the process groups DeepSpeed created for ``engine`` (they are per topology)."""
+    pipe = engine.module
+    grid = pipe._grid
+    seen: set[int] = set()
+    candidates = [
+        getattr(pipe, "world_group", None),
+        getattr(grid, "ds_model_proc_group", None),
+        getattr(grid, "dp_proc_group", None),
+        getattr(grid, "pp_proc_group", None),
+        getattr(grid, "slice_proc_group", None),
+    ]
+    for group in candidates:
+        if group is None or id(group) in seen or group is dist.GroupMember.WORLD:
+            continue
+        seen.add(id(group))
+        if not isinstance(group, dist.ProcessGroup):
+            continue
+        try:
+            dist.destroy_process_group(group)
+        except (ValueError, RuntimeError) as err:  # already gone / not a member
+            log.debug("could not destroy a DeepSpeed group: %s", err)
+    engine.optimizer = None
+    engine.basic_optimizer = None

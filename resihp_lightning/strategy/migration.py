@@ -1,0 +1,151 @@
+"""Moving layers' parameters and optimizer state to their new owners, point to point.
+
+Under a plan every replica holds a full copy of the model, so after a re-plan a rank only needs the
+layers it did not hold before. Each such (layer, new owner) pair is served by one old owner,
+chosen to spread the bytes over the old owners; nothing else crosses the wire. Small tensors
+(such as Adam's ``step``) and non-tensor optimizer state travel in a metadata exchange
+(``all_gather_object`` of a few bytes per moved tensor); every other tensor travels by ``isend`` /
+``irecv`` on its own device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+
+from resihp_lightning.plan import Plan
+from resihp_lightning.strategy.placement import owners, position
+
+#: Tensors with at most this many elements travel inside the metadata exchange.
+SMALL_NUMEL = 16
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Layer ``layer`` goes from old owner ``src`` to new owner ``dst``."""
+
+    layer: int
+    src: int
+    dst: int
+
+
+def plan_transfers(old: Plan, new: Plan, layer_weights: Sequence[int]) -> list[Transfer]:
+    """The transfers that turn ``old`` into ``new`` (deterministic: every rank computes the same list).
+
+    Args:
+        old: the plan in force.
+        new: the plan to apply.
+        layer_weights: a size per layer (parameter count) used to balance the senders.
+    """
+    load: dict[int, int] = {}
+    transfers = []
+    held = {device: set(position(old, device).layers) for device in old.device_ids}
+    for replica in new.replicas:
+        for stage, device in enumerate(replica.devices):
+            for layer in range(replica.bounds[stage], replica.bounds[stage + 1]):
+                if layer in held.get(device, ()):
+                    continue
+                sources = owners(old, layer)
+                src = min(sources, key=lambda s: (load.get(s, 0), s))
+                load[src] = load.get(src, 0) + layer_weights[layer]
+                transfers.append(Transfer(layer, src, device))
+    transfers.sort(key=lambda t: (t.layer, t.dst))
+    return transfers
+
+
+def _describe(value: Any) -> tuple[str, Any]:
+    if isinstance(value, torch.Tensor) and value.numel() > SMALL_NUMEL:
+        return ("tensor", (tuple(value.shape), value.dtype))
+    if isinstance(value, torch.Tensor):
+        return ("value", value.detach().cpu().clone())
+    return ("value", value)
+
+
+def _tensors(layer: nn.Module) -> dict[str, torch.Tensor]:
+    """What a layer's new owner needs: its parameters and persistent buffers (e.g. running stats)."""
+    out: dict[str, torch.Tensor] = dict(layer.named_parameters())
+    out.update(persistent_buffers(layer))
+    return out
+
+
+def persistent_buffers(layer: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers of ``layer`` that belong in its state dict."""
+    keys = set(layer.state_dict(keep_vars=True))
+    return {name: b for name, b in layer.named_buffers() if name in keys}
+
+
+def migrate(
+    transfers: Sequence[Transfer],
+    rank: int,
+    old_layers: Mapping[int, nn.Module],
+    new_layers: Mapping[int, nn.Module],
+    optimizer: Optimizer | None,
+) -> tuple[int, dict[int, dict[str, dict[str, Any]]]]:
+    """Runs the transfers; collective over the world group (every rank calls it).
+
+    Parameters and persistent buffers are received straight into the new owners' modules. Optimizer state is returned,
+    not installed, because the optimizer's parameter groups are rebuilt afterwards.
+
+    Returns:
+        (bytes this rank sent, received optimizer state: layer -> parameter name -> state dict).
+    """
+    state = optimizer.state if optimizer is not None else {}
+    outgoing = [t for t in transfers if t.src == rank]
+    meta: dict[tuple[int, int], list[tuple[str, tuple, dict[str, tuple[str, Any]]]]] = {}
+    for t in outgoing:
+        entries = []
+        for name, tensor in _tensors(old_layers[t.layer]).items():
+            opt_state = {k: _describe(v) for k, v in state.get(tensor, {}).items()}
+            entries.append((name, tuple(tensor.shape), opt_state))
+        meta[(t.layer, t.dst)] = entries
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, meta)
+    everything = {key: entries for part in gathered for key, entries in part.items()}
+
+    ops: list[dist.P2POp] = []
+    sent = 0
+    received: dict[int, dict[str, dict[str, Any]]] = {}
+    for t in transfers:
+        if t.src == rank:
+            params = _tensors(old_layers[t.layer])
+            for name, _, opt_meta in everything[(t.layer, t.dst)]:
+                tensor = params[name].data.contiguous()
+                ops.append(dist.P2POp(dist.isend, tensor, t.dst))
+                sent += tensor.numel() * tensor.element_size()
+                for key, (kind, _) in sorted(opt_meta.items()):
+                    if kind == "tensor":
+                        value = state[params[name]][key].contiguous()
+                        ops.append(dist.P2POp(dist.isend, value, t.dst))
+                        sent += value.numel() * value.element_size()
+                    else:
+                        value = state[params[name]][key]
+                        sent += value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+        elif t.dst == rank:
+            params = _tensors(new_layers[t.layer])
+            layer_state = received.setdefault(t.layer, {})
+            for name, shape, opt_meta in everything[(t.layer, t.dst)]:
+                param = params[name]
+                if tuple(param.shape) != shape:
+                    raise RuntimeError(f"layer {t.layer} tensor {name}: shape {tuple(param.shape)} here, {shape} at rank {t.src}")
+                ops.append(dist.P2POp(dist.irecv, param.data, t.src))
+                param_state: dict[str, Any] = {}
+                for key, (kind, info) in sorted(opt_meta.items()):
+                    if kind == "tensor":
+                        shape_, dtype = info
+                        buffer = torch.empty(shape_, dtype=dtype, device=param.device)
+                        ops.append(dist.P2POp(dist.irecv, buffer, t.src))
+                        param_state[key] = buffer
+                    else:
+                        param_state[key] = info.clone() if isinstance(info, torch.Tensor) else info
+                if param_state:
+                    layer_state[name] = param_state
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    return sent, received

@@ -1,0 +1,86 @@
+"""The LightningModule contract of :class:`~resihp_lightning.strategy.strategy.ResiHPStrategy`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import Tensor, nn
+
+REQUIRED = ("pipeline_layers", "pipeline_loss")
+
+
+class ResiHPModule(LightningModule):
+    """Base class of models trained with ``Trainer(strategy="resihp")``.
+
+    A subclass provides:
+
+    * ``pipeline_layers(self) -> Sequence[nn.Module | deepspeed.pipe.LayerSpec]`` (required): the
+      model's layers in order. Each layer takes the previous layer's output (a tensor or a tuple of
+      tensors) and returns a tensor or a tuple of tensors; the first layer gets the ``inputs`` of
+      :meth:`pipeline_batch`. ``nn.Module`` layers are used as they are (keep them as attributes,
+      e.g. an ``nn.ModuleList``, so that ``configure_optimizers`` sees them); ``LayerSpec`` layers are
+      built only on the ranks that hold them. Called once, at setup. Tied layers are not supported.
+    * ``pipeline_loss(self, outputs, labels) -> Tensor`` (required): the mean loss over one
+      micro-batch, computed on the last stage from the last layer's outputs.
+    * ``pipeline_batch(self, batch) -> (inputs, labels, seq_lens)`` (optional): turns a batch from the
+      DataLoader into ``inputs`` (a tensor or tuple of tensors, rows on dim 0), ``labels`` (a tensor or
+      tuple of tensors, rows on dim 0) and ``seq_lens`` (``None`` or a zero-padded ``[rows, max_docs]``
+      LongTensor of per-document lengths: the workload the straggler detector needs). The default
+      takes ``batch = (inputs, labels)``. A global batch holds M x micro_batch_size rows.
+    * ``configure_optimizers`` as usual (one optimizer, optionally LR schedulers). Use
+      ``self.parameters()``; the strategy keeps only the parameters of this rank's layers, and the
+      optimizer and its schedulers keep working across re-plans.
+
+    ``training_step``, ``validation_step`` and ``test_step`` are run by the strategy through
+    DeepSpeed's ``PipelineEngine``; it logs ``train_loss`` (per step and per epoch, progress bar),
+    ``val_loss`` and ``test_loss`` (per epoch). ``backward``-related hooks
+    (``on_before_backward``, ``on_after_backward``, ``on_before_optimizer_step``) are not called: the
+    engine runs the backward pass and the optimizer step itself. Trainer gradient clipping is not
+    applied; set ``deepspeed_config={"gradient_clipping": ...}`` on the strategy instead.
+    """
+
+    def pipeline_layers(self) -> Sequence[nn.Module | Any]:
+        """The model's layers in order (see the class docstring)."""
+        raise NotImplementedError
+
+    def pipeline_loss(self, outputs: Any, labels: Any) -> Tensor:
+        """The mean loss of one micro-batch (see the class docstring)."""
+        raise NotImplementedError
+
+    def pipeline_batch(self, batch: Any) -> tuple[Any, Any, Tensor | None]:
+        """Default: ``batch`` is ``(inputs, labels)``; no sequence lengths."""
+        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+            raise MisconfigurationException(
+                "the default ResiHPModule.pipeline_batch expects batches of (inputs, labels); "
+                "override pipeline_batch(batch) -> (inputs, labels, seq_lens) for other batch layouts"
+            )
+        inputs, labels = batch
+        return inputs, labels, None
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:  # pragma: no cover - run by the strategy
+        raise MisconfigurationException("ResiHPModule.training_step is run by ResiHPStrategy; use Trainer(strategy='resihp')")
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:  # pragma: no cover - run by the strategy
+        raise MisconfigurationException("ResiHPModule.validation_step is run by ResiHPStrategy; use Trainer(strategy='resihp')")
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:  # pragma: no cover - run by the strategy
+        raise MisconfigurationException("ResiHPModule.test_step is run by ResiHPStrategy; use Trainer(strategy='resihp')")
+
+
+def check_contract(module: Any) -> None:
+    """Raises ``MisconfigurationException`` naming the contract methods ``module`` does not provide."""
+    missing = []
+    for name in REQUIRED:
+        method = getattr(type(module), name, None)
+        if method is None or method is getattr(ResiHPModule, name):
+            missing.append(name)
+    if missing:
+        raise MisconfigurationException(
+            f"{type(module).__name__} does not implement {', '.join(m + '()' for m in missing)}, which "
+            "ResiHPStrategy needs: subclass resihp_lightning.ResiHPModule and define "
+            "pipeline_layers(self) -> list of layers in model order and "
+            "pipeline_loss(self, outputs, labels) -> mean loss of a micro-batch"
+        )

@@ -1,0 +1,76 @@
+"""Options of :class:`~resihp_lightning.strategy.strategy.ResiHPStrategy` (plain, YAML friendly)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from resihp_lightning.config import PlannerConfig
+from resihp_lightning.errors import invalid_option
+from resihp_lightning.plan import Plan
+
+#: DeepSpeed config keys the strategy owns; an override of them is refused.
+RESERVED_DEEPSPEED_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
+BACKENDS = ("gloo", "nccl")
+
+
+@dataclass
+class StrategyOptions:
+    """What a :class:`ResiHPStrategy` is built from.
+
+    Attributes:
+        pipeline_degree: P of the initial (uniform) plan; ``None`` takes 2 when the world size is even
+            and more than 2, else 1. Ignored when ``plan`` is given.
+        plan: a full initial :class:`~resihp_lightning.plan.Plan` (device ids are global ranks).
+        micro_batch_size: rows of one micro-batch (>= 1).
+        micro_batches: M, micro-batches per global batch; ``None`` infers it from the first training
+            batch (rows / micro_batch_size).
+        deepspeed_config: DeepSpeed config entries written over the strategy's defaults (ZeRO-1,
+            ``bf16``, activation checkpointing pass through). ``gradient_clipping`` defaults to 0.0
+            (off) rather than DeepSpeed's 1.0.
+        planner: planner options, stored for the controller callback.
+        process_group_backend: ``"gloo"`` or ``"nccl"``; ``None`` picks nccl on CUDA, gloo otherwise.
+        timeout: collective timeout.
+    """
+
+    pipeline_degree: int | None = None
+    plan: Plan | None = None
+    micro_batch_size: int = 1
+    micro_batches: int | None = None
+    deepspeed_config: dict[str, Any] = field(default_factory=dict)
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
+    process_group_backend: str | None = None
+    timeout: timedelta = timedelta(minutes=30)
+
+    def __post_init__(self) -> None:
+        if self.pipeline_degree is not None and (not isinstance(self.pipeline_degree, int) or self.pipeline_degree < 1):
+            raise invalid_option("pipeline_degree", self.pipeline_degree, "an integer >= 1")
+        if self.plan is not None and not isinstance(self.plan, Plan):
+            if isinstance(self.plan, dict):
+                self.plan = Plan.from_dict(self.plan)
+            else:
+                raise invalid_option("plan", self.plan, "a resihp_lightning.plan.Plan or its JSON dict")
+        if not isinstance(self.micro_batch_size, int) or self.micro_batch_size < 1:
+            raise invalid_option("micro_batch_size", self.micro_batch_size, "an integer >= 1")
+        if self.micro_batches is not None and (not isinstance(self.micro_batches, int) or self.micro_batches < 1):
+            raise invalid_option("micro_batches", self.micro_batches, "an integer >= 1 or None")
+        if not isinstance(self.deepspeed_config, dict):
+            raise invalid_option("deepspeed_config", self.deepspeed_config, "a dict of DeepSpeed config entries")
+        for key in RESERVED_DEEPSPEED_KEYS:
+            if key in self.deepspeed_config:
+                raise invalid_option(
+                    f"deepspeed_config.{key}", self.deepspeed_config[key],
+                    "nothing: the strategy sets it from micro_batch_size and the plan",
+                )
+        stage = (self.deepspeed_config.get("zero_optimization") or {}).get("stage", 0)
+        if stage not in (0, 1):
+            raise invalid_option("deepspeed_config.zero_optimization.stage", stage, (0, 1))
+        if isinstance(self.planner, dict):
+            self.planner = PlannerConfig(**self.planner)
+        if not isinstance(self.planner, PlannerConfig):
+            raise invalid_option("planner", self.planner, "a PlannerConfig")
+        if self.process_group_backend is not None and self.process_group_backend not in BACKENDS:
+            raise invalid_option("process_group_backend", self.process_group_backend, BACKENDS)
+        if isinstance(self.timeout, (int, float)):
+            self.timeout = timedelta(seconds=self.timeout)

@@ -61,7 +61,6 @@ def _rank(rank: int, port: int, hidden: int, queue) -> None:
     import lightning.pytorch as pl
     import torch
     from deepspeed.pipe import LayerSpec
-    from torch import nn
     from torch.nn import functional as F
     from torch.utils.data import DataLoader, TensorDataset
 

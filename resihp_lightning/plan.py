@@ -513,6 +513,30 @@ def efficiency(problem: Problem, healthy_plan: Plan, plan: Plan) -> float:
     return ideal_ms(problem, healthy_plan) / evaluate(problem, plan).iteration_ms
 
 
+@dataclass(frozen=True)
+class DeviceClass:
+    """Devices of equal speed and memory: interchangeable for the planning model.
+
+    Attributes:
+        speed: their speed.
+        memory_mb: their memory.
+        ids: their ids, ascending.
+    """
+
+    speed: float
+    memory_mb: float
+    ids: tuple[int, ...]
+
+
+def device_classes(problem: Problem) -> list[DeviceClass]:
+    """The problem's devices grouped by (speed, memory): fastest first, then larger memory."""
+    groups: dict[tuple[float, float], list[int]] = {}
+    for device in problem.devices:
+        groups.setdefault((device.speed, device.memory_mb), []).append(device.id)
+    keys = sorted(groups, key=lambda k: (-k[0], -k[1]))
+    return [DeviceClass(k[0], k[1], tuple(sorted(groups[k]))) for k in keys]
+
+
 def even_bounds(num_layers: int, num_stages: int) -> tuple[int, ...]:
     """Stage bounds that split ``num_layers`` as evenly as possible (earlier stages get the remainder)."""
     base, extra = divmod(num_layers, num_stages)

@@ -66,7 +66,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from resihp_lightning.errors import InfeasibleError
-from resihp_lightning.plan import EPS, Plan, Problem, Replica, evaluate
+from resihp_lightning.plan import EPS, Plan, Problem, Replica, device_classes, evaluate
 
 #: Work units (priced bounds candidates / branch-and-bound children) of the exact phase when it is a
 #: warm start: at most about 0.5 s on the 2-core dev machine.
@@ -78,24 +78,6 @@ UNITS_PER_SECOND = 20_000
 
 class _BudgetExceeded(Exception):
     pass
-
-
-@dataclass(frozen=True)
-class DeviceClass:
-    """Devices of equal speed and memory (interchangeable for the model)."""
-
-    speed: float
-    memory_mb: float
-    ids: tuple[int, ...]
-
-
-def device_classes(problem: Problem) -> list[DeviceClass]:
-    """Groups devices by (speed, memory), fastest first (then larger memory, then lower ids)."""
-    groups: dict[tuple[float, float], list[int]] = {}
-    for device in problem.devices:
-        groups.setdefault((device.speed, device.memory_mb), []).append(device.id)
-    keys = sorted(groups, key=lambda k: (-k[0], -k[1]))
-    return [DeviceClass(k[0], k[1], tuple(sorted(groups[k]))) for k in keys]
 
 
 class Model:

@@ -55,7 +55,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from resihp_lightning.plan import EPS, Plan, Problem, Replica, evaluate, even_split
+from resihp_lightning.plan import EPS, Plan, Problem, Replica, device_classes, evaluate, even_split
 
 #: Memory is modelled in units of 1 / MEMORY_SCALE MB.
 MEMORY_SCALE = 1000
@@ -89,24 +89,6 @@ class Constraint:
     ub: int | None
     name: str = ""
     indicator: tuple[tuple[int, ...], tuple[tuple[int, int], ...], int | None, int | None] | None = None
-
-
-@dataclass(frozen=True)
-class DeviceClass:
-    """Devices with the same speed and memory (interchangeable for the planner)."""
-
-    speed: float
-    memory_mb: float
-    ids: tuple[int, ...]
-
-
-def device_classes(problem: Problem) -> list[DeviceClass]:
-    """The problem's devices grouped by (speed, memory), fastest first, ids ascending."""
-    groups: dict[tuple[float, float], list[int]] = {}
-    for device in problem.devices:
-        groups.setdefault((device.speed, device.memory_mb), []).append(device.id)
-    keys = sorted(groups, key=lambda k: (-k[0], -k[1]))
-    return [DeviceClass(k[0], k[1], tuple(sorted(groups[k]))) for k in keys]
 
 
 def pipeline_degrees(problem: Problem) -> list[int]:
@@ -331,7 +313,7 @@ class MilpModel:
         upper = big_t * (M + p) + ar  # T never needs more than this
         if cutoff_ms is not None:
             upper = min(upper, math.ceil(cutoff_ms * ts) + 2 * (p + M) + 2)
-        self.t_hi = t_hi = max(min(big_t, upper), 0)
+        self.t_hi = max(min(big_t, upper), 0)
         # Rounding allowance of the cuts computed in ms: each rounded stage time is within 1.5 units
         # of the exact one, so T (sum of P stages + (k - 1) tmax, k <= M) within 1.5 (P + M) units.
         slack = 2 * (p + M) + 2

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any, TypeVar
 
 from resihp_lightning.errors import invalid_option
 from resihp_lightning.plan import Problem
+
+T = TypeVar("T")
 
 SOLVERS = ("cpsat", "pulp", "exact")
 PULP_ENGINES = ("cbc", "highs")
@@ -75,3 +79,24 @@ class PlannerConfig:
             if getattr(self, name) is not None
         }
         return replace(problem, **changes) if changes else problem
+
+
+def config_from_options(cls: type[T], config: T | None, options: Mapping[str, Any], owner: str) -> T:
+    """The config a callback runs with: ``config`` as given, or ``cls(**options)``.
+
+    Callbacks accept either a config dataclass or its fields as keyword arguments; this refuses a mix
+    of both and names an unknown option together with the allowed ones.
+
+    Args:
+        cls: the config dataclass.
+        config: the config passed by the user, if any.
+        options: keyword arguments passed instead.
+        owner: the callback's name, for messages.
+    """
+    if config is not None and options:
+        raise TypeError(f"pass either a config or {owner} options as keywords, not both")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(f"unknown {owner} option {unknown[0]!r}; allowed: {', '.join(sorted(known))}")
+    return config if config is not None else cls(**options)

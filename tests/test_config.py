@@ -35,3 +35,15 @@ def test_model_options_override_the_problem_only_when_set() -> None:
     changed = PlannerConfig(shared_partition=False, pipeline_degrees=[2], allow_exclude=True).apply_to(problem)
     assert (changed.shared_partition, changed.pipeline_degrees, changed.allow_exclude) == (False, (2,), True)
     assert changed.layers == problem.layers
+
+
+def test_callback_options_resolve_from_a_config_or_keywords() -> None:
+    from resihp_lightning.config import config_from_options
+
+    given = PlannerConfig(solver="exact")
+    assert config_from_options(PlannerConfig, given, {}, "Planner") is given
+    assert config_from_options(PlannerConfig, None, {"num_workers": 3}, "Planner").num_workers == 3
+    with pytest.raises(TypeError, match="unknown Planner option 'workers'; allowed: .*num_workers"):
+        config_from_options(PlannerConfig, None, {"workers": 3}, "Planner")
+    with pytest.raises(TypeError, match="not both"):
+        config_from_options(PlannerConfig, given, {"num_workers": 3}, "Planner")

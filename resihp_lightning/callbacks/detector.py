@@ -13,7 +13,6 @@ of NVIDIA's ``StragglerDetectionCallback``) through the Lightning logger.
 
 from __future__ import annotations
 
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,13 @@ from lightning.pytorch.callbacks import Callback
 
 from resihp_lightning._logging import get_logger, user_info, user_warn
 from resihp_lightning.callbacks.events import EventLog
-from resihp_lightning.callbacks.straggler import DetectorConfig, LocalTracker, RankSummary, StragglerCore
+from resihp_lightning.callbacks.straggler import (
+    DetectorConfig,
+    LocalTracker,
+    RankSummary,
+    StragglerCore,
+)
+from resihp_lightning.config import config_from_options
 
 log = get_logger(__name__)
 
@@ -44,13 +49,7 @@ class StragglerDetector(Callback):
         log_dir: str | None = None,
         **options: Any,
     ) -> None:
-        if config is not None and options:
-            raise TypeError("pass either config or detector options, not both")
-        known = {f.name for f in fields(DetectorConfig)}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise TypeError(f"unknown StragglerDetector option {unknown[0]!r}; allowed: {', '.join(sorted(known))}")
-        self.config = config or DetectorConfig(**options)
+        self.config = config_from_options(DetectorConfig, config, options, "StragglerDetector")
         self.events = events
         self.log_dir = log_dir
         self.core = StragglerCore(self.config)

@@ -9,7 +9,6 @@ reported dead. A dead rank stops the trainer on the reporting rank (``should_sto
 
 from __future__ import annotations
 
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ from lightning.pytorch.callbacks import Callback
 
 from resihp_lightning.callbacks.events import EventLog
 from resihp_lightning.callbacks.heartbeat import Heartbeat, HeartbeatConfig
+from resihp_lightning.config import config_from_options
 
 
 class HeartbeatMonitor(Callback):
@@ -31,11 +31,7 @@ class HeartbeatMonitor(Callback):
 
     def __init__(self, config: HeartbeatConfig | None = None, *, events: EventLog | None = None,
                  log_dir: str | None = None, **options: Any) -> None:
-        known = {f.name for f in fields(HeartbeatConfig)}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise TypeError(f"unknown HeartbeatMonitor option {unknown[0]!r}; allowed: {', '.join(sorted(known))}")
-        self.config = config or HeartbeatConfig(**options)
+        self.config = config_from_options(HeartbeatConfig, config, options, "HeartbeatMonitor")
         self.events = events
         self.log_dir = log_dir
         self.heartbeat: Heartbeat | None = None

@@ -2,12 +2,18 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test test-fast clean
+.PHONY: setup demo plan-demo test test-fast clean
 
 setup:
 	@bash scripts/setup.sh
 
+# Fine-tunes a small Llama-style model on 4 CPU processes through an injected 2x slowdown
+# (detect, re-plan, migrate live); prints the throughput table and writes runs/demo-*/timeline.png.
 demo: setup
+	$(PY) examples/finetune.py --config examples/configs/demo_cpu.yaml
+
+# The planner alone: best layout for 16 devices, two of them at half speed.
+plan-demo: setup
 	$(VENV)/bin/resihp plan examples/problems/two_slow_of_sixteen.json
 
 test: setup

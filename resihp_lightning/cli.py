@@ -23,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_plan(commands)
     _add_simulate(commands)
+    _add_report(commands)
     return parser
 
 
@@ -56,8 +57,29 @@ def _add_simulate(commands: argparse._SubParsersAction) -> None:
     sim.set_defaults(handler=_run_simulate)
 
 
+def _add_report(commands: argparse._SubParsersAction) -> None:
+    report = commands.add_parser(
+        "report",
+        help="redraw a training run's throughput table and timeline PNG from its logs",
+        description="Reads RUN_DIR/steps.jsonl and RUN_DIR/events.jsonl (written by examples/finetune.py), prints "
+        "tokens/s healthy / slowed / after the re-plan / ideal, detection latency and migration time, and writes "
+        "RUN_DIR/report.txt and the timeline PNG.",
+    )
+    report.add_argument("run_dir", metavar="RUN_DIR", help="the run directory")
+    report.add_argument("--png", metavar="PATH", default=None, help="where to write the PNG (default RUN_DIR/timeline.png)")
+    report.set_defaults(handler=_run_report)
+
+
+def _run_report(args: argparse.Namespace) -> int:
+    from resihp_lightning.report import render
+
+    text, png = render(args.run_dir, png=args.png)
+    print(text)
+    print(f"timeline: {png}")
+    return 0
+
+
 def _run_plan(args: argparse.Namespace) -> int:
-    import json
 
     from resihp_lightning.config import PlannerConfig
     from resihp_lightning.plan import Problem, evaluate, ideal_ms

@@ -144,6 +144,13 @@ class ReplanController(Callback):
         except ResiHPError as err:
             self._log("plan_rejected", step, reason=f"planner failed: {err}")
             return None
+        except Exception as err:  # noqa: BLE001
+            # Only rank 0 plans while the others wait in the broadcast: an escaping exception here
+            # would leave them hanging until the collective timeout. Keep training under the plan in
+            # force, and keep the traceback in the log so the bug is not hidden.
+            log.exception("planner raised at step %d; keeping the plan in force", step)
+            self._log("plan_rejected", step, reason=f"planner error: {type(err).__name__}: {err}")
+            return None
         self._log("plan_computed", step, plan=plan, predicted_ms=plan.iteration_ms,
                   solve_seconds=plan.solve_seconds, status=plan.status,
                   speeds={r: s for r, s in self.detector.speeds.items() if s != 1.0})

@@ -1,0 +1,315 @@
+"""Fine-tune a Llama / Qwen2-style causal LM with ``Trainer(strategy="resihp")`` through a fail-slow.
+
+Everything is configured in YAML and overridable on the command line (jsonargparse), e.g.::
+
+    python examples/finetune.py --config examples/configs/demo_cpu.yaml
+    python examples/finetune.py --config examples/configs/demo_cpu.yaml --trainer.max_steps 30 --fault null
+    python examples/finetune.py --config examples/configs/llama_finetune.yaml --model.model_path /ckpt/llama
+
+Top-level sections: ``model`` (a local HF checkpoint dir or a ``scratch`` shape), ``data`` (JSONL,
+folder, text file, or the Python standard library's sources), ``trainer``, ``strategy`` (pipeline
+degree, micro-batches), ``planner``, ``detector``, ``controller`` (``replan: false`` turns it off),
+``fault`` (one injected fault, or ``null``) and ``run_dir``. ``--print_config`` prints the full config.
+
+On one machine the script launches its ``trainer.devices`` processes itself: Lightning's subprocess
+launcher re-runs this script with torchrun-style variables (under ``torchrun`` / SLURM it uses those).
+Rank 0 writes into the run directory (default ``runs/<name>-<UTC timestamp>/``): ``config.yaml``,
+``events.jsonl`` (faults, detections, plans), ``steps.jsonl`` (one line per step), and at the end
+``report.txt`` + ``timeline.png`` (``resihp report RUN_DIR`` redraws them). Bad input — an unknown
+config key, a missing checkpoint dir, an unsupported architecture, an empty dataset — ends with one
+``finetune: error: ...`` line and exit status 2.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from jsonargparse import ActionConfigFile, ArgumentParser, Namespace  # noqa: E402
+
+from resihp_lightning.callbacks.faults import FaultConfig  # noqa: E402
+from resihp_lightning.callbacks.replan_policy import ControllerConfig  # noqa: E402
+from resihp_lightning.callbacks.straggler import DetectorConfig  # noqa: E402
+from resihp_lightning.config import PlannerConfig  # noqa: E402
+from resihp_lightning.errors import ConfigError, ResiHPError, invalid_option  # noqa: E402
+
+RUN_DIR_ENV = "RESIHP_RUN_DIR"
+PROG = "finetune"
+
+
+@dataclass
+class ScratchShape:
+    """Shape of a model trained from scratch (``model.model_path: null``).
+
+    The fields of ``resihp_lightning.models.ScratchModelConfig``, repeated here so that the config is
+    parsed (and a wrong key reported) before Lightning and transformers are imported.
+    """
+
+    model_type: str = "llama"
+    vocab_size: int = 260
+    hidden_size: int = 64
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    intermediate_size: int = 128
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+
+
+@dataclass
+class ModelOptions:
+    """``model_path``: a local HF checkpoint directory (Llama / Qwen2), or null for ``scratch``."""
+
+    model_path: str | None = None
+    scratch: ScratchShape = field(default_factory=ScratchShape)
+    seed: int = 0
+    learning_rate: float = 3e-4
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+
+
+@dataclass
+class DataOptions:
+    """``source``: a ``.jsonl`` file (``{"text": ...}``), a folder or text file; null: the stdlib's sources."""
+
+    source: str | None = None
+    seq_len: int = 1024
+    max_files: int | None = 200
+    max_tokens: int | None = None
+    text_field: str = "text"
+    shuffle_seed: int | None = 0
+
+
+@dataclass
+class TrainerOptions:
+    """The Lightning ``Trainer`` options this script passes on."""
+
+    accelerator: str = "auto"
+    devices: int = 4
+    num_nodes: int = 1
+    max_steps: int = 60
+    precision: str | None = None
+    threads_per_process: int | None = None
+    """torch threads per process; null: the machine's cores divided by the local processes (>= 1)."""
+    progress_bar: bool = True
+    export_hf: bool = False
+    """save the fine-tuned model as an HF checkpoint in ``<run_dir>/hf`` at the end."""
+
+
+@dataclass
+class StrategyArgs:
+    """``ResiHPStrategy`` options (the initial plan is uniform P x D)."""
+
+    pipeline_degree: int | None = 2
+    micro_batch_size: int = 1
+    micro_batches: int = 8
+    deepspeed_config: dict[str, Any] = field(default_factory=dict)
+    process_group_backend: str | None = None
+
+
+def build_parser() -> ArgumentParser:
+    parser = _OneLineParser(prog=PROG, description=__doc__.splitlines()[0], default_config_files=[])
+    parser.add_argument("--config", action=ActionConfigFile, help="a YAML config (later flags override it)")
+    parser.add_argument("--name", type=str, default="run", help="run name (prefix of the default run directory)")
+    parser.add_argument("--run_dir", type=str | None, default=None, help="run directory (default runs/<name>-<timestamp>)")
+    parser.add_argument("--model", type=ModelOptions, default=ModelOptions())
+    parser.add_argument("--data", type=DataOptions, default=DataOptions())
+    parser.add_argument("--trainer", type=TrainerOptions, default=TrainerOptions())
+    parser.add_argument("--strategy", type=StrategyArgs, default=StrategyArgs())
+    parser.add_argument("--planner", type=PlannerConfig, default=PlannerConfig(solver="exact"))
+    parser.add_argument("--detector", type=DetectorConfig, default=DetectorConfig())
+    parser.add_argument("--replan", type=bool, default=True, help="run the re-planning controller")
+    parser.add_argument("--controller", type=ControllerConfig, default=ControllerConfig())
+    parser.add_argument("--fault", type=FaultConfig | None, default=None, help="one fault to inject, or null")
+    return parser
+
+
+class _OneLineParser(ArgumentParser):
+    """Parse errors as one line (jsonargparse's message, without the usage block)."""
+
+    def error(self, message: str, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        lines = [line.strip() for line in str(message).splitlines() if line.strip()]
+        text = " ".join(lines[:3]) if lines else "invalid arguments"
+        unknown = _unknown_key(text)
+        if unknown:
+            text = f"unknown config key '{unknown}' (see --print_config for every key)"
+        _fail(text)
+
+
+def _unknown_key(message: str) -> str | None:
+    import re
+
+    match = re.search(r'No action for key "([^"]+)"', message) or re.search(r"[Uu]nrecognized arguments: (\S+)", message)
+    if match:
+        return match.group(1).lstrip("-")
+    match = re.search(r"Key '([^']+)' is not expected", message) or re.search(r'key "([^"]+)" is not expected', message)
+    return match.group(1) if match else None
+
+
+def _fail(message: str) -> None:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def resolve_run_dir(cfg: Namespace) -> Path:
+    """The run directory: ``--run_dir``, the launcher parent's choice, or ``runs/<name>-<timestamp>``."""
+    chosen = cfg.run_dir or os.environ.get(RUN_DIR_ENV)
+    if not chosen and "RANK" in os.environ:
+        # torchrun / SLURM start every rank at once: a timestamp could differ between them.
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID") or os.environ.get("MASTER_PORT", "0")
+        chosen = str(Path("runs") / f"{cfg.name}-{run_id}")
+    if not chosen:
+        chosen = str(Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
+    os.environ[RUN_DIR_ENV] = str(Path(chosen).resolve())  # the re-run children use the same directory
+    return Path(os.environ[RUN_DIR_ENV])
+
+
+def check_inputs(cfg: Namespace) -> None:
+    """Cheap checks before anything heavy is imported (missing checkpoint dir, unsupported architecture)."""
+    model_path = cfg.model.model_path
+    if model_path is not None:
+        if not Path(model_path).is_dir():
+            raise ConfigError(f"model.model_path {model_path!r} is not a directory (a local HF checkpoint is needed)")
+        from resihp_lightning.models.checkpoint import read_model_type
+
+        read_model_type(model_path)  # raises for a missing config.json or an unsupported architecture
+    source = cfg.data.source
+    if source is not None and not Path(source).exists():
+        raise ConfigError(f"data.source {source!r} does not exist")
+    if cfg.trainer.devices < 1 or cfg.trainer.max_steps < 1:
+        raise invalid_option("trainer.devices / trainer.max_steps", (cfg.trainer.devices, cfg.trainer.max_steps), ">= 1")
+
+
+def _set_threads(cfg: Namespace) -> None:
+    import torch
+
+    threads = cfg.trainer.threads_per_process
+    if threads is None:
+        local = max(1, cfg.trainer.devices)
+        threads = max(1, (os.cpu_count() or 1) // local)
+    torch.set_num_threads(threads)
+
+
+def run(raw: Namespace) -> Path:
+    """Runs the job described by the parsed config ``raw`` (every rank); returns the run directory."""
+    cfg = _instantiate(raw)
+    check_inputs(cfg)
+    run_dir = resolve_run_dir(cfg)
+    # The data first: an empty dataset is reported before Lightning and transformers are imported.
+    from resihp_lightning.data import build_packed_dataset, collate_packed, load_tokenizer
+
+    m, s, d = cfg.model, cfg.strategy, cfg.data
+    tokenizer = load_tokenizer(m.model_path)
+    dataset = build_packed_dataset(tokenizer, d.seq_len, source=d.source, max_files=d.max_files,
+                                   max_tokens=d.max_tokens, text_field=d.text_field, shuffle_seed=d.shuffle_seed)
+    rows = s.micro_batches * s.micro_batch_size
+    if len(dataset) < rows:
+        raise ConfigError(
+            f"the dataset has {len(dataset)} rows of {d.seq_len} tokens, fewer than one global batch "
+            f"(strategy.micro_batches x micro_batch_size = {rows}); add data or lower data.seq_len"
+        )
+    # Lightning's launcher parent (no LOCAL_RANK yet) or torchrun's rank 0.
+    if os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("RANK", "0") == "0":
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(build_parser().dump(raw))
+
+
+    import lightning.pytorch as pl
+    import transformers
+    from torch.utils.data import DataLoader
+
+    from resihp_lightning.callbacks.controller import ReplanController
+    from resihp_lightning.callbacks.detector import StragglerDetector
+    from resihp_lightning.callbacks.fault_injector import FaultInjector
+    from resihp_lightning.callbacks.progress import ResiHPProgressBar, StepRecorder
+    from resihp_lightning.models.lightning_module import CausalLMPipelineModule, ScratchModelConfig
+    from resihp_lightning.strategy.strategy import ResiHPStrategy
+
+    transformers.utils.logging.disable_progress_bar()
+    _set_threads(cfg)
+    module = CausalLMPipelineModule(
+        model_path=m.model_path,
+        scratch=ScratchModelConfig(**asdict(m.scratch)),
+        seed=m.seed,
+        learning_rate=m.learning_rate,
+        weight_decay=m.weight_decay,
+        warmup_steps=m.warmup_steps,
+    )
+    module.check_tokenizer(tokenizer)
+    loader = DataLoader(dataset, batch_size=rows, shuffle=True, collate_fn=collate_packed, drop_last=True)
+
+    strategy = ResiHPStrategy(pipeline_degree=s.pipeline_degree, micro_batch_size=s.micro_batch_size,
+                              micro_batches=s.micro_batches, deepspeed_config=dict(s.deepspeed_config),
+                              planner=cfg.planner, process_group_backend=s.process_group_backend)
+    recorder = StepRecorder(run_dir)
+    callbacks: list[Any] = [recorder]
+    if cfg.fault is not None:
+        callbacks.append(FaultInjector([cfg.fault], log_dir=str(run_dir)))
+    callbacks.append(StragglerDetector(cfg.detector, log_dir=str(run_dir)))
+    if cfg.replan:
+        callbacks.append(ReplanController(cfg.controller, planner=cfg.planner))
+    if cfg.trainer.progress_bar:
+        callbacks.append(ResiHPProgressBar(recorder))
+    t = cfg.trainer
+    trainer = pl.Trainer(
+        accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=strategy, max_steps=t.max_steps,
+        precision=t.precision, callbacks=callbacks, logger=False, enable_checkpointing=False,
+        enable_progress_bar=t.progress_bar, enable_model_summary=False, num_sanity_val_steps=0,
+        default_root_dir=str(run_dir), log_every_n_steps=1,
+    )
+    pl.seed_everything(m.seed, workers=True, verbose=False)
+    started = time.perf_counter()
+    trainer.fit(module, loader)
+    if t.export_hf:
+        ckpt = run_dir / "final.ckpt"
+        trainer.save_checkpoint(ckpt)
+        if trainer.global_rank == 0:
+            from resihp_lightning.models.lightning_module import export_hf_checkpoint
+
+            export_hf_checkpoint(ckpt, run_dir / "hf", tokenizer_dir=m.model_path)
+    if trainer.global_rank == 0:
+        from resihp_lightning.report import render
+
+        text, png = render(run_dir)
+        print(f"\ntrained {trainer.global_step} steps in {time.perf_counter() - started:.0f} s on "
+              f"{trainer.world_size} processes\n{text}\nrun directory: {run_dir}\ntimeline: {png}")
+    return run_dir
+
+
+def _instantiate(raw: Namespace) -> Namespace:
+    """The config with its sections built as dataclasses (their own validation runs here)."""
+    try:
+        parser = build_parser()
+        return getattr(parser, "instantiate", None)(raw) if hasattr(parser, "instantiate") else parser.instantiate_classes(raw)
+    except ResiHPError:
+        raise
+    except Exception as err:  # jsonargparse wraps a dataclass's ConfigError
+        cause = err
+        while cause.__cause__ is not None or cause.__context__ is not None:
+            cause = cause.__cause__ or cause.__context__
+            if isinstance(cause, ResiHPError):
+                raise cause from None
+        raise ConfigError(str(err).splitlines()[0]) from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        cfg = parser.parse_args(argv)
+    except ResiHPError as err:  # a dataclass's own validation, raised while parsing
+        _fail(str(err))
+    try:
+        run(cfg)
+    except ResiHPError as err:
+        _fail(str(err))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""Per-step run record (``steps.jsonl``) and a progress bar that shows tokens/s and the plan in force.
+
+:class:`StepRecorder` writes one JSON line per training step on rank 0 into ``<run_dir>/steps.jsonl``
+(the file :mod:`resihp_lightning.report` reads next to ``events.jsonl``):
+
+============ ==================================================================================
+key          meaning
+============ ==================================================================================
+step         index of the step that ran (0 for the first; ``trainer.global_step`` during it, the
+             numbering the fault injector and the detector use)
+time         Unix seconds at the end of the step
+wall_ms      wall time since the previous step's end (the first: since training started) —
+             everything the job spent on the step, callbacks and re-plans included
+step_ms      rank 0's ``engine.train_batch`` time (the strategy's ``last_step_stats``)
+tokens       real tokens of the global batch (padding excluded)
+loss         the step's training loss
+P, D         pipeline and data degree of the plan the step ran under
+micro        micro-batches per replica under that plan
+migrated     whether a re-plan was applied at the start of this step
+============ ==================================================================================
+
+:class:`ResiHPProgressBar` is Lightning's TQDM bar plus ``tok/s`` (over the last few steps) and
+``plan`` (P×D, with the per-replica micro-batch counts when they differ).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.callbacks import Callback, TQDMProgressBar
+
+STEPS_FILE = "steps.jsonl"
+
+
+def _plan_fields(strategy: Any) -> dict[str, Any]:
+    plan = getattr(strategy, "current_plan", None)
+    if plan is None:
+        return {"P": 1, "D": 1, "micro": []}
+    return {"P": plan.pipeline_degree, "D": plan.data_degree, "micro": [r.micro_batches for r in plan.replicas]}
+
+
+def plan_label(record: dict[str, Any]) -> str:
+    """``"2x2"``, or ``"2x2 [3,5]"`` when the replicas run different micro-batch counts."""
+    label = f"{record['P']}x{record['D']}"
+    micro = record.get("micro") or []
+    if len(set(micro)) > 1:
+        label += " [" + ",".join(str(m) for m in micro) + "]"
+    return label
+
+
+class StepRecorder(Callback):
+    """Records every training step (rank 0 writes ``<run_dir>/steps.jsonl``).
+
+    Args:
+        run_dir: the run directory (``None``: keep the records in memory only).
+        window: steps averaged for :attr:`tokens_per_s`.
+    """
+
+    def __init__(self, run_dir: str | Path | None = None, window: int = 5) -> None:
+        self.path = None if run_dir is None else Path(run_dir) / STEPS_FILE
+        self.records: list[dict[str, Any]] = []
+        self.rank = 0
+        self._recent: deque[tuple[int, float]] = deque(maxlen=max(window, 1))
+        self._last_end: float | None = None
+        self._last_migration: Any = None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Tokens per second over the last ``window`` steps (``None`` before the first step)."""
+        if not self._recent:
+            return None
+        seconds = sum(ms for _, ms in self._recent) / 1000.0
+        return sum(t for t, _ in self._recent) / seconds if seconds > 0 else None
+
+    @property
+    def last(self) -> dict[str, Any] | None:
+        return self.records[-1] if self.records else None
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self.rank = trainer.global_rank
+        if self.path is not None and self.rank == 0:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text("")
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self._last_end = time.perf_counter()
+        self._last_migration = _migration_key(trainer.strategy)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        now = time.perf_counter()
+        wall_ms = (now - (self._last_end or now)) * 1000.0
+        self._last_end = now
+        stats = getattr(trainer.strategy, "last_step_stats", None)
+        migration = _migration_key(trainer.strategy)
+        migrated = migration is not None and migration != self._last_migration
+        self._last_migration = migration
+        tokens = int(batch["seq_lens"].to(torch.long).sum()) if isinstance(batch, dict) and "seq_lens" in batch else 0
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        record = {
+            "step": int(trainer.global_step) - 1,
+            "time": time.time(),
+            "wall_ms": wall_ms,
+            "step_ms": None if stats is None else float(stats.step_ms),
+            "tokens": tokens,
+            "loss": None if loss is None else float(loss.detach().float()) if torch.is_tensor(loss) else float(loss),
+            **_plan_fields(trainer.strategy),
+            "migrated": migrated,
+        }
+        self.records.append(record)
+        self._recent.append((tokens, wall_ms))
+        if self.path is not None and self.rank == 0:
+            with open(self.path, "a", encoding="utf-8") as handle:
+                handle.write(json.dumps(record) + "\n")
+
+
+def _migration_key(strategy: Any) -> Any:
+    record = getattr(strategy, "last_migration", None)
+    if not record:
+        return None
+    return (record.get("seconds"), id(record.get("plan")))
+
+
+class ResiHPProgressBar(TQDMProgressBar):
+    """Lightning's progress bar plus ``tok/s`` and the current ``plan`` (P×D).
+
+    Args:
+        recorder: the job's :class:`StepRecorder` (put it before the bar in ``callbacks``).
+        refresh_rate: as for ``TQDMProgressBar``.
+    """
+
+    def __init__(self, recorder: StepRecorder, refresh_rate: int = 1) -> None:
+        super().__init__(refresh_rate=refresh_rate)
+        self.recorder = recorder
+
+    def get_metrics(self, trainer: Any, pl_module: Any) -> dict[str, Any]:
+        metrics = super().get_metrics(trainer, pl_module)
+        metrics.pop("v_num", None)
+        rate = self.recorder.tokens_per_s
+        if rate is not None:
+            metrics["tok/s"] = f"{rate:.0f}"
+        last = self.recorder.last
+        if last is not None:
+            metrics["plan"] = plan_label(last)
+        return metrics

@@ -1,0 +1,310 @@
+"""The report of a training run: a throughput table and a PNG timeline from its run directory.
+
+A run directory holds ``events.jsonl`` (:mod:`resihp_lightning.callbacks.events`) and ``steps.jsonl``
+(:class:`resihp_lightning.callbacks.progress.StepRecorder`: one line per step with ``step``,
+``wall_ms``, ``tokens``, ``P``, ``D``, ``micro``, ``migrated``, ...). :func:`summarize` splits the
+steps into phases around the first injected slowdown and the first re-plan applied after it:
+
+* healthy: from step ``skip`` (start-up steps 0..skip-1 left out) to the fault;
+* slowed: from the fault to the re-plan (or to the end when there is none);
+* after: the steps after the re-plan's step (the migration step itself is left out; its cost is
+  reported as the migration time).
+
+Throughput of a phase = its tokens / its wall time (everything the job spent, callbacks included).
+The ideal is healthy x S/N, S being the sum of device speeds under the fault (N - 1 + 1/factor
+for one slowed device): what a perfect re-plan would reach. Detection latency counts steps from the
+fault's first step to the first ``fail_slow_detected`` of that rank.
+
+Importing this module is cheap; matplotlib is loaded (Agg backend) only to draw.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from resihp_lightning.errors import ConfigError
+
+STEPS_FILE = "steps.jsonl"
+EVENTS_FILE = "events.jsonl"
+TABLE_FILE = "report.txt"
+PNG_FILE = "timeline.png"
+
+
+@dataclass
+class Phase:
+    """Steps of one phase and their throughput."""
+
+    name: str
+    steps: list[int] = field(default_factory=list)
+    tokens: int = 0
+    seconds: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.tokens / self.seconds if self.steps and self.seconds > 0 else None
+
+    @property
+    def span(self) -> str:
+        return f"{self.steps[0]}-{self.steps[-1]}" if self.steps else "-"
+
+
+@dataclass
+class Summary:
+    """What :func:`summarize` finds in a run."""
+
+    steps: int
+    world_size: int
+    healthy: Phase
+    slowed: Phase
+    after: Phase
+    ideal_tokens_per_s: float | None = None
+    fault: dict[str, Any] | None = None
+    detected_step: int | None = None
+    detected_speed: float | None = None
+    applied_step: int | None = None
+    applied_plan: str | None = None
+    migration_s: float | None = None
+    bytes_moved: int | None = None
+    plans: list[tuple[int, str]] = field(default_factory=list)
+
+    @property
+    def detection_latency(self) -> int | None:
+        if self.fault is None or self.detected_step is None:
+            return None
+        return self.detected_step - int(self.fault["start_step"])
+
+
+@dataclass
+class Run:
+    """A run directory's records."""
+
+    path: Path
+    steps: list[dict[str, Any]]
+    events: list[dict[str, Any]]
+
+
+def load_run(run_dir: str | os.PathLike[str]) -> Run:
+    """Reads ``steps.jsonl`` and ``events.jsonl`` (the latter may be missing: a run without events).
+
+    Raises:
+        ConfigError: no such directory, no steps file, or no step recorded.
+    """
+    from resihp_lightning.callbacks.events import read_events
+
+    path = Path(run_dir)
+    if not path.is_dir():
+        raise ConfigError(f"run directory {str(path)!r} does not exist")
+    steps_path = path / STEPS_FILE
+    if not steps_path.is_file():
+        raise ConfigError(f"{str(path)!r} is not a run directory: no {STEPS_FILE}")
+    steps = []
+    lines = steps_path.read_text(encoding="utf-8").splitlines()
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines):
+                break  # a run killed mid-write
+            raise ConfigError(f"{steps_path}:{number}: not a JSON line") from None
+        if not isinstance(record, dict) or not {"step", "wall_ms", "tokens"} <= set(record):
+            raise ConfigError(f"{steps_path}:{number}: not a step record (needs step, wall_ms, tokens)")
+        steps.append(record)
+    if not steps:
+        raise ConfigError(f"{str(steps_path)!r} records no steps (did the run train at all?)")
+    events = read_events(path) if (path / EVENTS_FILE).is_file() else []
+    return Run(path, steps, events)
+
+
+def _plan_label(record: dict[str, Any]) -> str:
+    label = f"{record.get('P', 1)}x{record.get('D', 1)}"
+    micro = record.get("micro") or []
+    if len(set(micro)) > 1:
+        label += " [" + ",".join(str(m) for m in micro) + "]"
+    return label
+
+
+def _event_plan_label(plan: dict[str, Any]) -> str:
+    replicas = plan.get("replicas") or []
+    if not replicas:
+        return "?"
+    label = f"{len(replicas[0]['devices'])}x{len(replicas)}"
+    micro = [r.get("micro_batches") for r in replicas]
+    if len(set(micro)) > 1:
+        label += " [" + ",".join(str(m) for m in micro) + "]"
+    return label
+
+
+def summarize(run: Run, skip: int = 3) -> Summary:
+    """Splits the run into phases (see the module docstring) and collects the loop's milestones.
+
+    Args:
+        run: from :func:`load_run`.
+        skip: start-up steps left out of the healthy phase (engine build, first-touch allocations).
+    """
+    steps = sorted(run.steps, key=lambda r: r["step"])
+    world = max(int(steps[0].get("P", 1)) * int(steps[0].get("D", 1)), 1)
+    faults = [e for e in run.events if e["event"] == "fault_injected" and e.get("kind", "slow") == "slow"]
+    fault = faults[0] if faults else None
+    summary = Summary(len(steps), world, Phase("healthy"), Phase("slowed, before re-plan"), Phase("after re-plan"))
+    fault_step = int(fault["start_step"]) if fault is not None else None
+    summary.fault = fault
+    if fault is not None:
+        detections = [e for e in run.events if e["event"] == "fail_slow_detected" and e.get("rank") == fault["rank"]
+                      and e["step"] is not None and e["step"] >= fault_step]
+        if detections:
+            summary.detected_step, summary.detected_speed = detections[0]["step"], detections[0].get("speed")
+        applied = [e for e in run.events if e["event"] == "plan_applied" and e["step"] is not None
+                   and e["step"] >= (summary.detected_step or fault_step)]
+        if applied:
+            first = applied[0]
+            summary.applied_plan = _event_plan_label(first.get("plan") or {})
+            summary.migration_s = first.get("migration_seconds")
+            summary.bytes_moved = first.get("bytes_moved")
+    migrated = [r["step"] for r in steps if r.get("migrated")]
+    if fault_step is not None:
+        after_fault = [s for s in migrated if s > fault_step]
+        summary.applied_step = after_fault[0] if after_fault else None
+    previous = None
+    for record in steps:
+        label = _plan_label(record)
+        if label != previous:
+            summary.plans.append((record["step"], label))
+            previous = label
+    for record in steps:
+        step = record["step"]
+        if step < skip or record.get("migrated"):
+            continue
+        if fault_step is None or step < fault_step:
+            phase = summary.healthy
+        elif summary.applied_step is None or step < summary.applied_step:
+            phase = summary.slowed
+        else:
+            phase = summary.after
+        phase.steps.append(step)
+        phase.tokens += int(record["tokens"])
+        phase.seconds += float(record["wall_ms"]) / 1000.0
+    healthy = summary.healthy.tokens_per_s
+    if healthy is not None:
+        factor = float(fault.get("factor", 1.0)) if fault is not None else 1.0
+        summary.ideal_tokens_per_s = healthy * (world - 1 + 1.0 / factor) / world if fault is not None else healthy
+    return summary
+
+
+def _fmt(value: float | None, spec: str = ".0f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_table(summary: Summary) -> str:
+    """The report as plain text (a Markdown table plus the loop's milestones)."""
+    healthy = summary.healthy.tokens_per_s
+    rows = []
+    for phase in (summary.healthy, summary.slowed, summary.after):
+        rate = phase.tokens_per_s
+        share = f"{rate / healthy * 100:.0f}%" if rate is not None and healthy else "-"
+        rows.append((phase.name, phase.span, _fmt(rate), share))
+    ideal = summary.ideal_tokens_per_s
+    if summary.fault is not None:
+        ideal_note = f"ideal (S/N of healthy, S = {summary.world_size - 1} + 1/{summary.fault.get('factor', 1):g})"
+        rows.append((ideal_note, "-", _fmt(ideal), f"{ideal / healthy * 100:.0f}%" if ideal and healthy else "-"))
+    width = max(len(r[0]) for r in rows)
+    lines = [f"| {'phase':<{width}} | steps   | tokens/s | of healthy |", f"|{'-' * (width + 2)}|---------|----------|------------|"]
+    lines += [f"| {name:<{width}} | {span:<7} | {rate:>8} | {share:>10} |" for name, span, rate, share in rows]
+    fault = summary.fault
+    if fault is None:
+        lines.append("no fault injected")
+    else:
+        lines.append(f"fault: {fault.get('factor', '?')}x slowdown on rank {fault.get('rank')} from step {fault['start_step']}")
+        if summary.detected_step is None:
+            lines.append("detection: none")
+        else:
+            speed = f", speed estimate {summary.detected_speed:.2f}" if summary.detected_speed is not None else ""
+            lines.append(f"detection: step {summary.detected_step}, latency {summary.detection_latency} steps{speed}")
+        if summary.migration_s is None:
+            lines.append("re-plan: none applied")
+        else:
+            moved = f", {summary.bytes_moved / 2**20:.1f} MiB moved" if summary.bytes_moved else ", no layers moved"
+            lines.append(f"re-plan: {summary.applied_plan} applied at step {summary.applied_step}, "
+                         f"migration {summary.migration_s:.2f} s{moved}")
+    lines.append("plans: " + ", ".join(f"{label} from step {step}" for step, label in summary.plans))
+    return "\n".join(lines)
+
+
+def plot(run: Run, summary: Summary, out: str | os.PathLike[str]) -> Path:
+    """Draws the timeline: step time and tokens/s per step, fault / detection / plan changes marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    steps = sorted(run.steps, key=lambda r: r["step"])
+    xs = [r["step"] for r in steps]
+    wall = [r["wall_ms"] / 1000.0 for r in steps]
+    rate = [r["tokens"] / (r["wall_ms"] / 1000.0) if r["wall_ms"] > 0 else 0.0 for r in steps]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 6.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    top.plot(xs, wall, marker="o", markersize=3, linewidth=1.2, color="tab:blue", label="step wall time")
+    bottom.plot(xs, rate, marker="o", markersize=3, linewidth=1.2, color="tab:purple", label="tokens/s (per step)")
+    for phase, color in ((summary.healthy, "tab:green"), (summary.slowed, "tab:red"), (summary.after, "tab:blue")):
+        value = phase.tokens_per_s
+        if value is not None:
+            bottom.hlines(value, phase.steps[0], phase.steps[-1], colors=color, linewidth=2.5,
+                          label=f"{phase.name}: {value:.0f}")
+    if summary.ideal_tokens_per_s is not None and summary.fault is not None:
+        bottom.axhline(summary.ideal_tokens_per_s, color="gray", linestyle=":", linewidth=1.5,
+                       label=f"ideal S/N: {summary.ideal_tokens_per_s:.0f}")
+    marks = []
+    if summary.fault is not None:
+        marks.append((int(summary.fault["start_step"]), "tab:red", "--",
+                      f"fault: {summary.fault.get('factor', '?')}x on rank {summary.fault.get('rank')}"))
+    if summary.detected_step is not None:
+        marks.append((summary.detected_step, "tab:orange", "-.", f"detected (+{summary.detection_latency} steps)"))
+    for step, label in summary.plans[1:]:
+        marks.append((step, "tab:green", "-", f"plan {label}"))
+    top_y = max(wall) if wall else 1.0
+    for i, (x, color, style, text) in enumerate(marks):
+        for ax in (top, bottom):
+            ax.axvline(x, color=color, linestyle=style, linewidth=1.3)
+        top.annotate(text, (x, top_y * (1.02 - 0.09 * (i % 4))), xytext=(4, 0), textcoords="offset points",
+                     color=color, fontsize=9, va="top",
+                     bbox={"boxstyle": "round,pad=0.2", "facecolor": "white", "edgecolor": "none", "alpha": 0.85})
+    if summary.migration_s is not None and summary.applied_step is not None:
+        top.annotate(f"migration {summary.migration_s:.2f} s", (summary.applied_step, wall[xs.index(summary.applied_step)])
+                     if summary.applied_step in xs else (summary.applied_step, top_y * 0.5),
+                     xytext=(8, -12), textcoords="offset points", fontsize=8, color="tab:green",
+                     bbox={"boxstyle": "round,pad=0.2", "facecolor": "white", "edgecolor": "none", "alpha": 0.85})
+    top.set_ylabel("step wall time (s)")
+    top.set_ylim(0, top_y * 1.08)
+    top.grid(alpha=0.3)
+    bottom.set_ylabel("tokens/s")
+    bottom.set_xlabel("training step")
+    bottom.set_ylim(0, max(rate + [summary.ideal_tokens_per_s or 0]) * 1.15)
+    bottom.grid(alpha=0.3)
+    bottom.legend(loc="lower left", fontsize=8, ncol=2)
+    title = f"{run.path.name}: {summary.world_size} processes, {summary.steps} steps"
+    top.set_title(title)
+    fig.tight_layout()
+    out = Path(out)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def render(run_dir: str | os.PathLike[str], png: str | os.PathLike[str] | None = None,
+           write_table: bool = True) -> tuple[str, Path]:
+    """Reads a run, writes ``report.txt`` and the PNG (default ``<run_dir>/timeline.png``).
+
+    Returns:
+        The table text and the PNG's path.
+    """
+    run = load_run(run_dir)
+    summary = summarize(run)
+    text = format_table(summary)
+    if write_table:
+        (run.path / TABLE_FILE).write_text(text + "\n", encoding="utf-8")
+    out = plot(run, summary, png or run.path / PNG_FILE)
+    return text, out

@@ -1,0 +1,97 @@
+"""``resihp report``: the table and the PNG from a recorded run directory (built here, no training)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from resihp_lightning.cli import main
+from resihp_lightning.report import load_run, summarize
+
+TOKENS = 4096
+
+
+def _write_run(run_dir: Path, *, fault: bool = True) -> None:
+    """Steps 0-9 healthy (0.5 s each), 10-14 slowed (1.0 s), 15 migrates (3 s), 16-24 after (0.6 s).
+
+    The run's first three steps are start-up steps (2 s each) that the healthy phase leaves out.
+    """
+    run_dir.mkdir(parents=True)
+    steps = []
+    for step in range(25):
+        wall = 2000.0 if step < 3 else 500.0 if step < 10 or not fault else 1000.0 if step < 15 else 3000.0 if step == 15 else 600.0
+        replanned = fault and step >= 15
+        steps.append({"step": step, "time": 1000.0 + step, "wall_ms": wall, "step_ms": wall * 0.9, "tokens": TOKENS,
+                      "loss": 5.0 - 0.1 * step, "P": 1 if replanned else 2, "D": 4 if replanned else 2,
+                      "micro": [2, 2, 2, 2] if replanned else [4, 4], "migrated": fault and step == 15})
+    (run_dir / "steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    if not fault:
+        return
+    plan = {"pipeline_degree": 1, "data_degree": 4,
+            "replicas": [{"devices": [d], "bounds": [0, 8], "micro_batches": 2} for d in range(4)]}
+    events = [
+        {"time": 1010.0, "step": 10, "event": "fault_injected", "kind": "slow", "rank": 1, "factor": 2.0,
+         "start_step": 10, "end_step": None},
+        {"time": 1013.0, "step": 13, "event": "fail_slow_detected", "rank": 1, "speed": 0.52},
+        {"time": 1014.0, "step": 14, "event": "plan_computed", "plan": plan, "predicted_ms": 900.0},
+        {"time": 1016.0, "step": 16, "event": "plan_applied", "plan": plan, "migration_seconds": 2.5,
+         "bytes_moved": 3 * 2**20},
+    ]
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+
+
+def test_summary_phases_follow_the_recorded_steps(tmp_path: Path) -> None:
+    _write_run(tmp_path / "run")
+    summary = summarize(load_run(tmp_path / "run"))
+    assert summary.healthy.steps == list(range(3, 10))
+    assert summary.slowed.steps == list(range(10, 15))
+    assert summary.after.steps == list(range(16, 25))  # the migration step 15 is left out
+    assert summary.healthy.tokens_per_s == pytest.approx(TOKENS / 0.5)
+    assert summary.slowed.tokens_per_s == pytest.approx(TOKENS / 1.0)
+    assert summary.after.tokens_per_s == pytest.approx(TOKENS / 0.6)
+    # One of four devices at half speed: S = 3.5 of N = 4.
+    assert summary.ideal_tokens_per_s == pytest.approx(TOKENS / 0.5 * 3.5 / 4)
+    assert summary.detection_latency == 3
+    assert summary.migration_s == pytest.approx(2.5)
+    assert summary.applied_step == 15
+    assert summary.plans == [(0, "2x2"), (15, "1x4")]
+
+
+def test_report_command_prints_the_table_and_writes_the_png(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    run = tmp_path / "run"
+    _write_run(run)
+    assert main(["report", str(run)]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
+    assert rows["healthy"].split("|")[3].strip() == f"{TOKENS / 0.5:.0f}"
+    assert rows["slowed, before re-plan"].split("|")[3].strip() == f"{TOKENS / 1.0:.0f}"
+    assert rows["after re-plan"].split("|")[3].strip() == f"{TOKENS / 0.6:.0f}"
+    assert "latency 3 steps" in out and "migration 2.50 s" in out and "3.0 MiB moved" in out
+    png = run / "timeline.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+    assert (run / "report.txt").read_text().strip() == out.split("timeline:")[0].strip()
+
+
+def test_report_of_a_run_without_fault(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    _write_run(tmp_path / "run", fault=False)
+    other = tmp_path / "picture.png"
+    assert main(["report", str(tmp_path / "run"), "--png", str(other)]) == 0
+    out = capsys.readouterr().out
+    assert "no fault injected" in out and other.is_file()
+
+
+@pytest.mark.parametrize("case", ["missing", "empty_dir", "empty_steps", "bad_line"])
+def test_report_fails_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture, case: str) -> None:
+    run = tmp_path / "run"
+    if case != "missing":
+        run.mkdir()
+    if case == "empty_steps":
+        (run / "steps.jsonl").write_text("")
+    if case == "bad_line":
+        (run / "steps.jsonl").write_text('{"step": 0}\n{"step": 1, "wall_ms": 5, "tokens": 3}\n')
+    assert main(["report", str(run)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("resihp report: error: ")
+    assert not (run / "timeline.png").exists()

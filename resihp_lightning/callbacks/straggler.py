@@ -23,7 +23,8 @@ and its model was refitted on the device as it then was). A rank is *slow this s
 With ``window`` > 1 both tests apply to the median of the rank's last ``window`` step speeds, and
 the noise term shrinks accordingly (for noisy clocks, e.g. oversubscribed CPUs).
 ``patience`` consecutive slow steps flag the rank; its reported speed is the median of its last
-``max(patience, window)`` step speeds (so 0.5 for a device at half speed). ``patience`` consecutive steps with
+``max(patience, window)`` step speeds (so 0.5 for a device at half speed); with ``window`` > 1 a step
+counts as slow only once the rank has ``window`` step speeds. ``patience`` consecutive steps with
 ``raw >= recovery_threshold`` clear the flag (healing). A flagged rank whose estimate stays more
 than ``speed_change_threshold`` (relative) away from its reported speed for ``patience`` steps is
 reported again with the new speed.
@@ -302,7 +303,10 @@ class StragglerCore:
             own = pooled < cfg.gpu_individual_perf_threshold and (1.0 - pooled) > cfg.significance * noise[rank]
             med = cohort_median.get(rank)
             cohort = med is None or pooled / med < cfg.gpu_relative_perf_threshold
-            slow = own and cohort
+            # With window > 1, decide only on a full window: right after the first fit a median of
+            # one or two noisy steps would otherwise count towards patience (a false alarm seen on
+            # oversubscribed CPUs).
+            slow = own and cohort and len(state.history) >= cfg.window
             healthy = pooled >= cfg.recovery_threshold
             state.slow_streak = state.slow_streak + 1 if slow else 0
             state.healthy_streak = state.healthy_streak + 1 if healthy else 0

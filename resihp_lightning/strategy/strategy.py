@@ -366,17 +366,23 @@ class ResiHPStrategy(DDPStrategy):
             step_ms=step_ms,
         )
         loss = loss.detach().float().reshape(())
-        self.lightning_module.log("train_loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=split.rows)
+        # The loss is already the global batch's on every rank; sync_dist only averages identical
+        # values (exactly), and tells Lightning that epoch-level aggregation is distributed-safe.
+        self.lightning_module.log(
+            "train_loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=split.rows, sync_dist=True
+        )
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Tensor:
         loss = self._evaluate(batch)
-        self.lightning_module.log("val_loss", loss, on_step=False, on_epoch=True, prog_bar=True, batch_size=self._rows)
+        self.lightning_module.log(
+            "val_loss", loss, on_step=False, on_epoch=True, prog_bar=True, batch_size=self._rows, sync_dist=True
+        )
         return loss
 
     def test_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Tensor:
         loss = self._evaluate(batch)
-        self.lightning_module.log("test_loss", loss, on_step=False, on_epoch=True, batch_size=self._rows)
+        self.lightning_module.log("test_loss", loss, on_step=False, on_epoch=True, batch_size=self._rows, sync_dist=True)
         return loss
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -20,7 +20,6 @@ Importing this module is cheap; matplotlib is loaded (Agg backend) only to draw.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,7 +92,7 @@ def load_run(run_dir: str | os.PathLike[str]) -> Run:
     Raises:
         ConfigError: no such directory, no steps file, or no step recorded.
     """
-    from resihp_lightning.callbacks.events import read_events
+    from resihp_lightning.callbacks.events import iter_jsonl, read_events
 
     path = Path(run_dir)
     if not path.is_dir():
@@ -102,16 +101,7 @@ def load_run(run_dir: str | os.PathLike[str]) -> Run:
     if not steps_path.is_file():
         raise ConfigError(f"{str(path)!r} is not a run directory: no {STEPS_FILE}")
     steps = []
-    lines = steps_path.read_text(encoding="utf-8").splitlines()
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            if number == len(lines):
-                break  # a run killed mid-write
-            raise ConfigError(f"{steps_path}:{number}: not a JSON line") from None
+    for number, record in iter_jsonl(steps_path):
         if not isinstance(record, dict) or not {"step", "wall_ms", "tokens"} <= set(record):
             raise ConfigError(f"{steps_path}:{number}: not a step record (needs step, wall_ms, tokens)")
         steps.append(record)

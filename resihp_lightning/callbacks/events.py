@@ -114,23 +114,33 @@ def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
         path = path / EVENTS_FILE
     if not path.is_file():
         raise ConfigError(f"no events log at {str(path)!r}")
+    records = []
+    for number, record in iter_jsonl(path):
+        if not isinstance(record, dict) or "event" not in record:
+            raise ConfigError(f"{path}:{number}: not an event record")
+        records.append(record)
+    return records
+
+
+def iter_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
+    """Yields ``(line number, parsed value)`` for every non-empty line of a JSON-lines file.
+
+    A last line that does not parse is skipped (a run killed mid-write); any other bad line raises.
+
+    Raises:
+        ConfigError: naming the file and line that is not JSON.
+    """
     lines = path.read_text(encoding="utf-8").splitlines()
-    return list(_parse(lines, path))
-
-
-def _parse(lines: list[str], path: Path) -> Iterator[dict[str, Any]]:
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            value = json.loads(line)
         except json.JSONDecodeError:
             if number == len(lines):
                 return
             raise ConfigError(f"{path}:{number}: not a JSON line") from None
-        if not isinstance(record, dict) or "event" not in record:
-            raise ConfigError(f"{path}:{number}: not an event record")
-        yield record
+        yield number, value
 
 
 def _jsonable(value: Any) -> Any:

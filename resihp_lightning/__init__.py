@@ -7,10 +7,9 @@ imported, and exposes the strategy's public names lazily.
 
 from __future__ import annotations
 
-from typing import Any
-
 from resihp_lightning import _registration
 from resihp_lightning.__about__ import __version__
+from resihp_lightning._lazy import lazy_getattr
 
 _LAZY = {
     "ResiHPStrategy": "resihp_lightning.strategy.strategy",
@@ -23,14 +22,7 @@ __all__ = ["__version__", *_LAZY]
 _registration.install()
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'resihp_lightning' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())
 
 
 def __dir__() -> list[str]:

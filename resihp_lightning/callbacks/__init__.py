@@ -9,8 +9,7 @@ The Lightning callbacks (``StragglerDetector``, ``HeartbeatMonitor``, ``FaultInj
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from resihp_lightning._lazy import lazy_getattr
 
 _EXPORTS = {
     "EventLog": "events",
@@ -36,10 +35,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, {name: f"{__name__}.{module}" for name, module in _EXPORTS.items()}, globals())

@@ -12,9 +12,12 @@
 Importing this package imports ``transformers`` (a few seconds); the planner and CLI do not.
 """
 
-from typing import Any
-
-from resihp_lightning.models.attention import PACKED_ATTENTION, packed_attention_forward, positions_from_seq_lens
+from resihp_lightning._lazy import lazy_getattr
+from resihp_lightning.models.attention import (
+    PACKED_ATTENTION,
+    packed_attention_forward,
+    positions_from_seq_lens,
+)
 from resihp_lightning.models.checkpoint import (
     SUPPORTED_MODEL_TYPES,
     PipelineCausalLM,
@@ -26,7 +29,13 @@ from resihp_lightning.models.checkpoint import (
     save_hf_checkpoint,
     tiny_config,
 )
-from resihp_lightning.models.layers import IGNORE_INDEX, DecoderPipe, EmbeddingPipe, HeadPipe, causal_lm_loss
+from resihp_lightning.models.layers import (
+    IGNORE_INDEX,
+    DecoderPipe,
+    EmbeddingPipe,
+    HeadPipe,
+    causal_lm_loss,
+)
 
 _LAZY = {
     "CausalLMPipelineModule": "resihp_lightning.models.lightning_module",
@@ -35,14 +44,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'resihp_lightning.models' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())
 
 
 __all__ = [

@@ -55,7 +55,16 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from resihp_lightning.plan import EPS, Plan, Problem, Replica, device_classes, evaluate, even_split
+from resihp_lightning.plan import (
+    EPS,
+    Plan,
+    Problem,
+    Replica,
+    device_classes,
+    evaluate,
+    even_bounds,
+    even_split,
+)
 
 #: Memory is modelled in units of 1 / MEMORY_SCALE MB.
 MEMORY_SCALE = 1000
@@ -790,7 +799,7 @@ class MilpModel:
         for g in self.groups:
             if g.grid is None:
                 continue
-            b = grids.setdefault(id(g.grid), _even(pb.num_layers, p))
+            b = grids.setdefault(id(g.grid), even_bounds(pb.num_layers, p))
             for j in range(p + 1):
                 for l in range(1, pb.num_layers + 1):
                     var = g.grid.var[j][l]
@@ -849,15 +858,6 @@ class MilpModel:
             if (con.lb is not None and s < con.lb) or (con.ub is not None and s > con.ub):
                 bad.append(con.name)
         return bad
-
-
-def _even(num_layers: int, p: int) -> tuple[int, ...]:
-    base, extra = divmod(num_layers, p)
-    bounds, at = [0], 0
-    for j in range(p):
-        at += base + (1 if j < extra else 0)
-        bounds.append(at)
-    return tuple(bounds)
 
 
 # ------------------------------------------------------------------------------- common driver

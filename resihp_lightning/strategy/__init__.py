@@ -10,7 +10,7 @@ Public names are imported lazily so that importing this package stays cheap.
 
 from __future__ import annotations
 
-from typing import Any
+from resihp_lightning._lazy import lazy_getattr
 
 _LAZY = {
     "ResiHPStrategy": "resihp_lightning.strategy.strategy",
@@ -21,11 +21,4 @@ _LAZY = {
 __all__ = list(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'resihp_lightning.strategy' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())

@@ -6,8 +6,9 @@ imported first. :func:`install` therefore registers at once when ``lightning.pyt
 imported and otherwise puts a finder on ``sys.meta_path`` that wraps the loader of
 ``lightning.pytorch`` so that the registration runs right after that package finishes executing.
 
-Only ``lightning.pytorch`` is supported: a ``pytorch_lightning`` Trainer needs a strategy class built
-on ``pytorch_lightning``'s own base classes, which this package does not provide.
+The same is done for the standalone ``pytorch_lightning`` package when it is installed: its
+registry gets a factory for :class:`resihp_lightning.strategy.standalone.ResiHPStrategy`, the
+strategy built on ``pytorch_lightning``'s own base classes (its Trainer accepts no other).
 """
 
 from __future__ import annotations
@@ -24,7 +25,13 @@ from resihp_lightning._logging import get_logger
 log = get_logger(__name__)
 
 #: Packages whose strategy registry gets ``"resihp"``.
-TARGETS = ("lightning.pytorch",)
+TARGETS = ("lightning.pytorch", "pytorch_lightning")
+
+#: Module holding the strategy class built on each target's base classes.
+STRATEGY_MODULES = {
+    "lightning.pytorch": "resihp_lightning.strategy.strategy",
+    "pytorch_lightning": "resihp_lightning.strategy.standalone",
+}
 
 _registered: set[str] = set()
 
@@ -33,15 +40,21 @@ _registered: set[str] = set()
 DESCRIPTION = "ResiHP: DeepSpeed pipeline x data parallelism with live re-planning"
 
 
-def build_strategy(**kwargs: Any) -> Any:
-    """Factory stored in the registry: imports :class:`ResiHPStrategy` only when a Trainer asks.
+def build_strategy(package: str = "lightning.pytorch", **kwargs: Any) -> Any:
+    """Builds the ``ResiHPStrategy`` of ``package``, importing it only when a Trainer asks.
 
     Registering a factory rather than the class keeps registration free of imports of our own
     strategy modules, so it can run from inside any import of Lightning without a cycle.
     """
-    from resihp_lightning.strategy.strategy import ResiHPStrategy
+    return importlib.import_module(STRATEGY_MODULES[package]).ResiHPStrategy(**kwargs)
 
-    return ResiHPStrategy(**kwargs)
+
+def _factory(package: str) -> Any:
+    def build(**kwargs: Any) -> Any:
+        return build_strategy(package, **kwargs)
+
+    build.__qualname__ = build.__name__ = f"build_strategy[{package}]"
+    return build
 
 
 def register(package: str) -> None:
@@ -51,7 +64,7 @@ def register(package: str) -> None:
     registry = importlib.import_module(f"{package}.strategies").StrategyRegistry
     _registered.add(package)
     if "resihp" not in registry:
-        registry.register("resihp", build_strategy, description=DESCRIPTION)
+        registry.register("resihp", _factory(package), description=DESCRIPTION)
     log.debug("registered strategy 'resihp' in %s", package)
 
 

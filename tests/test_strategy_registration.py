@@ -103,3 +103,26 @@ def test_registered_when_lightning_is_imported_first():
         """
     )
     assert out.strip().endswith("OK")
+
+
+STANDALONE = """
+from pytorch_lightning.strategies import StrategyRegistry
+assert "resihp" in StrategyRegistry, sorted(StrategyRegistry)
+assert "lightning.pytorch" not in sys.modules, "registering in pytorch_lightning must not import lightning.pytorch"
+trainer = pl.Trainer(strategy="resihp", accelerator="cpu", devices=1, logger=False,
+                     enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+from resihp_lightning.strategy.standalone import ResiHPStrategy
+assert type(trainer.strategy) is ResiHPStrategy, type(trainer.strategy)
+assert isinstance(trainer.strategy, pl.strategies.DDPStrategy)
+print("OK")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("first", ["resihp_lightning", "pytorch_lightning"])
+def test_registered_in_standalone_pytorch_lightning(first):
+    pytest.importorskip("pytorch_lightning")
+    second = "pytorch_lightning" if first == "resihp_lightning" else "resihp_lightning"
+    out = _run(f"import sys\nimport {first}\nimport {second}\nimport pytorch_lightning as pl\n", STANDALONE)
+    assert out.strip().endswith("OK")

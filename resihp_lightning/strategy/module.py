@@ -12,7 +12,45 @@ from torch import Tensor, nn
 REQUIRED = ("pipeline_layers", "pipeline_loss")
 
 
-class ResiHPModule(LightningModule):
+class ResiHPModuleMixin:
+    """The contract methods of :class:`ResiHPModule`, independent of the Lightning package.
+
+    :class:`ResiHPModule` combines it with ``lightning.pytorch.LightningModule``;
+    :class:`resihp_lightning.strategy.standalone.ResiHPModule` with ``pytorch_lightning.LightningModule``.
+    """
+
+    #: Raised when the module is used the wrong way (the Lightning package's own exception type).
+    misconfiguration_error: type[Exception] = MisconfigurationException
+
+    def pipeline_layers(self) -> Sequence[nn.Module | Any]:
+        """The model's layers in order (see :class:`ResiHPModule`)."""
+        raise NotImplementedError
+
+    def pipeline_loss(self, outputs: Any, labels: Any) -> Tensor:
+        """The mean loss of one micro-batch (see :class:`ResiHPModule`)."""
+        raise NotImplementedError
+
+    def pipeline_batch(self, batch: Any) -> tuple[Any, Any, Tensor | None]:
+        """Default: ``batch`` is ``(inputs, labels)``; no sequence lengths."""
+        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+            raise self.misconfiguration_error(
+                "the default ResiHPModule.pipeline_batch expects batches of (inputs, labels); "
+                "override pipeline_batch(batch) -> (inputs, labels, seq_lens) for other batch layouts"
+            )
+        inputs, labels = batch
+        return inputs, labels, None
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:  # pragma: no cover - run by the strategy
+        raise self.misconfiguration_error("ResiHPModule.training_step is run by ResiHPStrategy; use Trainer(strategy='resihp')")
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:  # pragma: no cover - run by the strategy
+        raise self.misconfiguration_error("ResiHPModule.validation_step is run by ResiHPStrategy; use Trainer(strategy='resihp')")
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:  # pragma: no cover - run by the strategy
+        raise self.misconfiguration_error("ResiHPModule.test_step is run by ResiHPStrategy; use Trainer(strategy='resihp')")
+
+
+class ResiHPModule(ResiHPModuleMixin, LightningModule):
     """Base class of models trained with ``Trainer(strategy="resihp")``.
 
     A subclass provides:
@@ -42,43 +80,16 @@ class ResiHPModule(LightningModule):
     applied; set ``deepspeed_config={"gradient_clipping": ...}`` on the strategy instead.
     """
 
-    def pipeline_layers(self) -> Sequence[nn.Module | Any]:
-        """The model's layers in order (see the class docstring)."""
-        raise NotImplementedError
 
-    def pipeline_loss(self, outputs: Any, labels: Any) -> Tensor:
-        """The mean loss of one micro-batch (see the class docstring)."""
-        raise NotImplementedError
-
-    def pipeline_batch(self, batch: Any) -> tuple[Any, Any, Tensor | None]:
-        """Default: ``batch`` is ``(inputs, labels)``; no sequence lengths."""
-        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-            raise MisconfigurationException(
-                "the default ResiHPModule.pipeline_batch expects batches of (inputs, labels); "
-                "override pipeline_batch(batch) -> (inputs, labels, seq_lens) for other batch layouts"
-            )
-        inputs, labels = batch
-        return inputs, labels, None
-
-    def training_step(self, batch: Any, batch_idx: int) -> Tensor:  # pragma: no cover - run by the strategy
-        raise MisconfigurationException("ResiHPModule.training_step is run by ResiHPStrategy; use Trainer(strategy='resihp')")
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:  # pragma: no cover - run by the strategy
-        raise MisconfigurationException("ResiHPModule.validation_step is run by ResiHPStrategy; use Trainer(strategy='resihp')")
-
-    def test_step(self, batch: Any, batch_idx: int) -> None:  # pragma: no cover - run by the strategy
-        raise MisconfigurationException("ResiHPModule.test_step is run by ResiHPStrategy; use Trainer(strategy='resihp')")
-
-
-def check_contract(module: Any) -> None:
-    """Raises ``MisconfigurationException`` naming the contract methods ``module`` does not provide."""
+def check_contract(module: Any, error: type[Exception] = MisconfigurationException) -> None:
+    """Raises ``error`` naming the contract methods ``module`` does not provide."""
     missing = []
     for name in REQUIRED:
         method = getattr(type(module), name, None)
-        if method is None or method is getattr(ResiHPModule, name):
+        if method is None or method is getattr(ResiHPModuleMixin, name):
             missing.append(name)
     if missing:
-        raise MisconfigurationException(
+        raise error(
             f"{type(module).__name__} does not implement {', '.join(m + '()' for m in missing)}, which "
             "ResiHPStrategy needs: subclass resihp_lightning.ResiHPModule and define "
             "pipeline_layers(self) -> list of layers in model order and "

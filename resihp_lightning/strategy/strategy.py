@@ -35,47 +35,17 @@ log = get_logger(__name__)
 _MB = float(2**20)
 
 
-class ResiHPStrategy(DDPStrategy):
-    """Pipeline (DeepSpeed ``PipelineEngine``, 1F1B) x data-parallel training that can be re-planned live.
+class ResiHPStrategyMixin:
+    """Everything of :class:`ResiHPStrategy` that does not depend on the Lightning package.
 
-    Use ``Trainer(strategy="resihp")`` or ``Trainer(strategy=ResiHPStrategy(...))``. Launching works as
-    for DDP (Lightning's launcher on one machine, torchrun / SLURM for several). The model must be a
-    :class:`~resihp_lightning.strategy.module.ResiHPModule` (see its docstring for the exact contract).
-
-    Data: every rank must see the same global batch of M x ``micro_batch_size`` rows, so the strategy
-    asks Lightning for a sampler that does not shard by rank (``num_replicas=1``); shuffling, epochs
-    and ``set_epoch`` behave as usual (like Lightning's DDP, training data is shuffled by a sampler
-    seeded with ``PL_GLOBAL_SEED``; with ``Trainer(use_distributed_sampler=False)`` the DataLoader's own
-    sampler is used unchanged on every rank, and it must then yield the same order everywhere).
-    Training batches must all have M x ``micro_batch_size`` rows (use ``drop_last=True``). Replica r
-    trains on its own m_r micro-batches of that batch (rows after those of replicas 0..r-1), so
-    re-plans need no new DataLoader. Validation / test batches of any size are dealt out in
-    micro-batches in proportion to m_r; their loss is the mean over rows. With unequal m_r each
-    replica's loss is scaled by m_r * D / M, which makes the gradient exactly that of the global batch.
-
-    Re-planning: :meth:`request_plan` (on all ranks, from any callback) validates a plan at once and
-    applies it at the start of the next training step: changing only micro-batch counts updates the
-    engine in place; anything else builds a new engine and moves the parameters and optimizer state of
-    the layers whose owner changes, point to point (:attr:`last_migration` records time and bytes).
-
-    Args:
-        pipeline_degree: P of the initial uniform plan (default 2 when the world size is even and
-            above 2, else 1).
-        plan: a full initial plan instead (device ids are global ranks); stage bounds must be the
-            same in every replica (stock DeepSpeed pairs data-parallel ranks by stage).
-        micro_batch_size: rows per micro-batch.
-        micro_batches: M per global batch; default: inferred from the first training batch.
-        deepspeed_config: DeepSpeed config entries over the defaults (``gradient_clipping`` 0.0; ZeRO-1,
-            ``bf16`` and ``pipeline.activation_checkpoint_interval`` pass through). Optimizer state
-            migration assumes the plain fp32 optimizer: with ZeRO-1 / bf16 / fp16 only micro-batch
-            counts may change live (layer moves are refused with a ``PlanError``).
-        planner: planner options (kept for the controller callback).
-        process_group_backend: ``"gloo"`` / ``"nccl"`` (default by device).
-        timeout: collective timeout.
-        options: all of the above as one :class:`StrategyOptions` (the other arguments are then ignored).
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for
-            Lightning's ``DDPStrategy``.
+    Combined with ``lightning.pytorch``'s ``DDPStrategy`` it is :class:`ResiHPStrategy`; combined with
+    the standalone ``pytorch_lightning`` package's ``DDPStrategy`` it is
+    :class:`resihp_lightning.strategy.standalone.ResiHPStrategy`. Both packages ship the same code
+    under different names, so only the base class and the exception type differ.
     """
+
+    #: Raised for bad options and modules (the Lightning package's own ``MisconfigurationException``).
+    misconfiguration_error: type[Exception] = MisconfigurationException
 
     strategy_name = "resihp"
 
@@ -307,9 +277,9 @@ class ResiHPStrategy(DDPStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
-        check_contract(module)
+        check_contract(module, self.misconfiguration_error)
         if trainer.accumulate_grad_batches != 1:
-            raise MisconfigurationException(
+            raise self.misconfiguration_error(
                 "Trainer(accumulate_grad_batches) must be 1 with ResiHPStrategy; the pipeline accumulates over "
                 "micro-batches already (set micro_batches / the batch size instead)"
             )
@@ -386,7 +356,7 @@ class ResiHPStrategy(DDPStrategy):
         return loss
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        raise MisconfigurationException("ResiHPStrategy does not support trainer.predict yet; use validate/test")
+        raise self.misconfiguration_error("ResiHPStrategy does not support trainer.predict yet; use validate/test")
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         # PipelineEngine.train_batch already ran the backward passes.
@@ -449,12 +419,12 @@ class ResiHPStrategy(DDPStrategy):
 
         specs = list(module.pipeline_layers())
         if not specs:
-            raise MisconfigurationException(f"{type(module).__name__}.pipeline_layers() returned no layers")
+            raise self.misconfiguration_error(f"{type(module).__name__}.pipeline_layers() returned no layers")
         for i, spec in enumerate(specs):
             if isinstance(spec, TiedLayerSpec):
-                raise MisconfigurationException(f"pipeline_layers()[{i}] is a TiedLayerSpec; tied layers are not supported")
+                raise self.misconfiguration_error(f"pipeline_layers()[{i}] is a TiedLayerSpec; tied layers are not supported")
             if not isinstance(spec, (torch.nn.Module, LayerSpec)):
-                raise MisconfigurationException(
+                raise self.misconfiguration_error(
                     f"pipeline_layers()[{i}] is a {type(spec).__name__}; layers must be nn.Module or deepspeed LayerSpec"
                 )
         return specs
@@ -466,7 +436,7 @@ class ResiHPStrategy(DDPStrategy):
             try:
                 self.check_plan(plan)
             except PlanError as err:
-                raise MisconfigurationException(f"ResiHPStrategy(plan=...) is not valid for this job: {err}") from None
+                raise self.misconfiguration_error(f"ResiHPStrategy(plan=...) is not valid for this job: {err}") from None
             if self._num_micro is None:
                 self._num_micro = sum(r.micro_batches for r in plan.replicas)
             return plan
@@ -547,7 +517,7 @@ class ResiHPStrategy(DDPStrategy):
         finally:
             del module._modules["_resihp_pipe"]
         if len(self.optimizers) != 1:
-            raise MisconfigurationException(
+            raise self.misconfiguration_error(
                 f"configure_optimizers returned {len(self.optimizers)} optimizers; ResiHPStrategy needs exactly one"
             )
         self._optimizer = self.optimizers[0]
@@ -646,3 +616,46 @@ class ResiHPStrategy(DDPStrategy):
             dist.barrier()  # eval_batch's own barrier, so that replicas without work stay in step
         dist.all_reduce(sums)
         return (sums[0] / sums[1]).float()
+
+
+class ResiHPStrategy(ResiHPStrategyMixin, DDPStrategy):
+    """Pipeline (DeepSpeed ``PipelineEngine``, 1F1B) x data-parallel training that can be re-planned live.
+
+    Use ``Trainer(strategy="resihp")`` or ``Trainer(strategy=ResiHPStrategy(...))``. Launching works as
+    for DDP (Lightning's launcher on one machine, torchrun / SLURM for several). The model must be a
+    :class:`~resihp_lightning.strategy.module.ResiHPModule` (see its docstring for the exact contract).
+
+    Data: every rank must see the same global batch of M x ``micro_batch_size`` rows, so the strategy
+    asks Lightning for a sampler that does not shard by rank (``num_replicas=1``); shuffling, epochs
+    and ``set_epoch`` behave as usual (like Lightning's DDP, training data is shuffled by a sampler
+    seeded with ``PL_GLOBAL_SEED``; with ``Trainer(use_distributed_sampler=False)`` the DataLoader's own
+    sampler is used unchanged on every rank, and it must then yield the same order everywhere).
+    Training batches must all have M x ``micro_batch_size`` rows (use ``drop_last=True``). Replica r
+    trains on its own m_r micro-batches of that batch (rows after those of replicas 0..r-1), so
+    re-plans need no new DataLoader. Validation / test batches of any size are dealt out in
+    micro-batches in proportion to m_r; their loss is the mean over rows. With unequal m_r each
+    replica's loss is scaled by m_r * D / M, which makes the gradient exactly that of the global batch.
+
+    Re-planning: :meth:`request_plan` (on all ranks, from any callback) validates a plan at once and
+    applies it at the start of the next training step: changing only micro-batch counts updates the
+    engine in place; anything else builds a new engine and moves the parameters and optimizer state of
+    the layers whose owner changes, point to point (:attr:`last_migration` records time and bytes).
+
+    Args:
+        pipeline_degree: P of the initial uniform plan (default 2 when the world size is even and
+            above 2, else 1).
+        plan: a full initial plan instead (device ids are global ranks); stage bounds must be the
+            same in every replica (stock DeepSpeed pairs data-parallel ranks by stage).
+        micro_batch_size: rows per micro-batch.
+        micro_batches: M per global batch; default: inferred from the first training batch.
+        deepspeed_config: DeepSpeed config entries over the defaults (``gradient_clipping`` 0.0; ZeRO-1,
+            ``bf16`` and ``pipeline.activation_checkpoint_interval`` pass through). Optimizer state
+            migration assumes the plain fp32 optimizer: with ZeRO-1 / bf16 / fp16 only micro-batch
+            counts may change live (layer moves are refused with a ``PlanError``).
+        planner: planner options (kept for the controller callback).
+        process_group_backend: ``"gloo"`` / ``"nccl"`` (default by device).
+        timeout: collective timeout.
+        options: all of the above as one :class:`StrategyOptions` (the other arguments are then ignored).
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for
+            Lightning's ``DDPStrategy``.
+    """

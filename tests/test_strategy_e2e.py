@@ -214,8 +214,10 @@ def _reconfigure_rank(rank: int, world: int) -> dict:
     trainer.fit(build_model(), make_loader())
     # Validation after fit runs under the plan in force (2x2, permuted, bounds (0, 6, 8)).
     val_loss = float(trainer.validate(trainer.lightning_module, make_val_loader(), verbose=False)[0]["val_loss"])
+    predictions = trainer.predict(trainer.lightning_module, make_predict_loader())
     return {
         "val_loss": val_loss,
+        "predictions": [p.clone() for p in predictions],
         "losses": recorder.losses,
         "plans": recorder.plans,
         "migrations": [{**m, "plan": m["plan"].to_dict()} for m in recorder.migrations],
@@ -261,6 +263,12 @@ def test_fit_through_reconfigurations_matches_single_process(distributed):
     state = results[0]["state"]
     assert sorted(state) == sorted(ref_params)
     assert all(abs(r["val_loss"] - reference_val_loss(ref_params)) < 1e-6 for r in results)
+    # Predictions: the whole batch's outputs on every rank, in row order, batch by batch.
+    want = reference_outputs(ref_params, make_val_loader().dataset.tensors[0])
+    for result in results:
+        got = torch.cat(result["predictions"])
+        assert [len(p) for p in result["predictions"]] == [PREDICT_BATCH, VAL_ROWS - PREDICT_BATCH]
+        assert torch.allclose(got, want, atol=1e-6, rtol=0)
     for key, want in ref_params.items():
         assert torch.allclose(state[key], want, atol=1e-6, rtol=0), key
 
@@ -319,17 +327,31 @@ def make_val_loader():
     return DataLoader(TensorDataset(x, torch.tanh(x)), batch_size=VAL_ROWS)
 
 
-def reference_val_loss(params: dict[str, torch.Tensor]) -> float:
+#: Rows per predict batch: the second batch is short (3 rows) and leaves a replica without work.
+PREDICT_BATCH = 7
+
+
+def make_predict_loader():
+    from torch.utils.data import DataLoader
+
+    return DataLoader(make_val_loader().dataset.tensors[0], batch_size=PREDICT_BATCH)
+
+
+def reference_outputs(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     layers = make_layers()
     with torch.no_grad():
         for i, layer in enumerate(layers):
             for name, p in layer.named_parameters():
                 p.copy_(params[f"{i}.{name}"])
-        x, y = next(iter(make_val_loader()))
         out = x
         for layer in layers:
             out = layer(out)
-        return float(F.mse_loss(out, y))
+        return out
+
+
+def reference_val_loss(params: dict[str, torch.Tensor]) -> float:
+    x, y = next(iter(make_val_loader()))
+    return float(F.mse_loss(reference_outputs(params, x), y))
 
 
 def _checkpoint_rank(rank: int, world: int, ckpt_dir: str) -> dict:
@@ -349,6 +371,7 @@ def _checkpoint_rank(rank: int, world: int, ckpt_dir: str) -> dict:
     )
     trainer.fit(build_model(), make_loader())
     val_loss = float(trainer.validate(trainer.lightning_module, make_val_loader(), verbose=False)[0]["val_loss"])
+    predictions = trainer.predict(trainer.lightning_module, make_predict_loader())
     path = os.path.join(ckpt_dir, f"epoch=0-step={per_epoch}.ckpt")
 
     # Run B: 4x1 with permuted placement, a fresh module whose weights are wrong until the resume.

@@ -31,7 +31,9 @@ class ResiHPModuleMixin:
         raise NotImplementedError
 
     def pipeline_batch(self, batch: Any) -> tuple[Any, Any, Tensor | None]:
-        """Default: ``batch`` is ``(inputs, labels)``; no sequence lengths."""
+        """Default: ``batch`` is ``(inputs, labels)`` or, for ``trainer.predict``, a tensor of inputs."""
+        if isinstance(batch, Tensor):
+            return batch, None, None
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:
             raise self.misconfiguration_error(
                 "the default ResiHPModule.pipeline_batch expects batches of (inputs, labels); "
@@ -48,6 +50,9 @@ class ResiHPModuleMixin:
 
     def test_step(self, batch: Any, batch_idx: int) -> None:  # pragma: no cover - run by the strategy
         raise self.misconfiguration_error("ResiHPModule.test_step is run by ResiHPStrategy; use Trainer(strategy='resihp')")
+
+    def predict_step(self, batch: Any, batch_idx: int) -> Any:  # pragma: no cover - run by the strategy
+        raise self.misconfiguration_error("ResiHPModule.predict_step is run by ResiHPStrategy; use Trainer(strategy='resihp')")
 
 
 class ResiHPModule(ResiHPModuleMixin, LightningModule):
@@ -67,14 +72,17 @@ class ResiHPModule(ResiHPModuleMixin, LightningModule):
       DataLoader into ``inputs`` (a tensor or tuple of tensors, rows on dim 0), ``labels`` (a tensor or
       tuple of tensors, rows on dim 0) and ``seq_lens`` (``None`` or a zero-padded ``[rows, max_docs]``
       LongTensor of per-document lengths: the workload the straggler detector needs). The default
-      takes ``batch = (inputs, labels)``. A global batch holds M x micro_batch_size rows.
+      takes ``batch = (inputs, labels)``, or a tensor of inputs without labels (for prediction). A
+      global batch holds M x micro_batch_size rows.
     * ``configure_optimizers`` as usual (one optimizer, optionally LR schedulers). Use
       ``self.parameters()``; the strategy keeps only the parameters of this rank's layers, and the
       optimizer and its schedulers keep working across re-plans.
 
     ``training_step``, ``validation_step`` and ``test_step`` are run by the strategy through
     DeepSpeed's ``PipelineEngine``; it logs ``train_loss`` (per step and per epoch, progress bar),
-    ``val_loss`` and ``test_loss`` (per epoch). ``backward``-related hooks
+    ``val_loss`` and ``test_loss`` (per epoch). ``trainer.predict`` returns, for every batch and on
+    every rank, the last layer's outputs for all rows of the batch in row order (as one device would);
+    ``pipeline_loss`` is not called there and labels may be ``None``. ``backward``-related hooks
     (``on_before_backward``, ``on_after_backward``, ``on_before_optimizer_step``) are not called: the
     engine runs the backward pass and the optimizer step itself. Trainer gradient clipping is not
     applied; set ``deepspeed_config={"gradient_clipping": ...}`` on the strategy instead.

@@ -355,8 +355,9 @@ class ResiHPStrategyMixin:
         self.lightning_module.log("test_loss", loss, on_step=False, on_epoch=True, batch_size=self._rows, sync_dist=True)
         return loss
 
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        raise self.misconfiguration_error("ResiHPStrategy does not support trainer.predict yet; use validate/test")
+    def predict_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Any:
+        # The whole batch's outputs, in row order, on every rank (as one device would return them).
+        return self._predict(batch)
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         # PipelineEngine.train_batch already ran the backward passes.
@@ -596,26 +597,68 @@ class ResiHPStrategyMixin:
 
     _rows = 0
 
-    def _evaluate(self, batch: Any) -> Tensor:
+    def _run_share(self, batch: Any, compute_loss: bool) -> tuple[list[batching.MicroBatch], list[Any] | None]:
+        """Runs this replica's share of an evaluation batch; the last stage gets one output per micro-batch.
+
+        Returns:
+            (this replica's micro-batches, the per-micro-batch losses or outputs on the last stage,
+            ``None`` elsewhere).
+        """
         split = batching.split_batch(self.lightning_module, batch)
         self._rows = split.rows
         plan, pos = self.current_plan, self._position
         shares = batching.eval_shares(split.rows, self.micro_batch_size, [r.micro_batches for r in plan.replicas])
         offset, count = shares[pos.replica]
         items = batching.micro_batches(split, offset, count, self.micro_batch_size)
-        sums = torch.zeros(2, dtype=torch.float64, device=self.root_device)
-        if count:
-            outputs = self._engine.eval_batch(
-                batching.iterate(items), compute_loss=True, reduce_output=None, bcast_loss=False, num_micro_batches=count
-            )
-            if pos.stage == plan.pipeline_degree - 1:
-                for mb, loss in zip(items, outputs):
-                    sums[0] += float(loss.float()) * mb.rows
-                    sums[1] += mb.rows
-        else:
+        if not count:
             dist.barrier()  # eval_batch's own barrier, so that replicas without work stay in step
+            return items, None
+        outputs = self._engine.eval_batch(
+            batching.iterate(items),
+            compute_loss=compute_loss,
+            reduce_output=None,
+            bcast_loss=False,
+            num_micro_batches=count,
+        )
+        return items, outputs if pos.stage == plan.pipeline_degree - 1 else None
+
+    def _evaluate(self, batch: Any) -> Tensor:
+        items, losses = self._run_share(batch, compute_loss=True)
+        sums = torch.zeros(2, dtype=torch.float64, device=self.root_device)
+        for mb, loss in zip(items, losses or ()):
+            sums[0] += float(loss.float()) * mb.rows
+            sums[1] += mb.rows
         dist.all_reduce(sums)
         return (sums[0] / sums[1]).float()
+
+    def _predict(self, batch: Any) -> Any:
+        items, outputs = self._run_share(batch, compute_loss=False)
+        mine = None
+        if outputs is not None:
+            mine = (self._position.replica, [_to_cpu(out) for out in outputs])
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        parts = [part for _, part in sorted(entry for entry in gathered if entry is not None)]
+        return _to_device(_concat_rows([out for part in parts for out in part]), self.root_device)
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.detach().cpu()
+    return [_to_cpu(v) for v in value]
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, Tensor):
+        return value.to(device)
+    return tuple(_to_device(v, device) for v in value)
+
+
+def _concat_rows(outputs: list[Any]) -> Any:
+    """Joins per-micro-batch outputs (tensors, or lists of tensors) along rows."""
+    if isinstance(outputs[0], Tensor):
+        return torch.cat(outputs, dim=0)
+    return tuple(torch.cat([out[i] for out in outputs], dim=0) for i in range(len(outputs[0])))
 
 
 class ResiHPStrategy(ResiHPStrategyMixin, DDPStrategy):
@@ -632,8 +675,9 @@ class ResiHPStrategy(ResiHPStrategyMixin, DDPStrategy):
     sampler is used unchanged on every rank, and it must then yield the same order everywhere).
     Training batches must all have M x ``micro_batch_size`` rows (use ``drop_last=True``). Replica r
     trains on its own m_r micro-batches of that batch (rows after those of replicas 0..r-1), so
-    re-plans need no new DataLoader. Validation / test batches of any size are dealt out in
-    micro-batches in proportion to m_r; their loss is the mean over rows. With unequal m_r each
+    re-plans need no new DataLoader. Validation / test / predict batches of any size are dealt out
+    in micro-batches in proportion to m_r; the validation / test loss is the mean over rows, and a
+    predict step returns the last layer's outputs for the whole batch, in row order, on every rank. With unequal m_r each
     replica's loss is scaled by m_r * D / M, which makes the gradient exactly that of the global batch.
 
     Re-planning: :meth:`request_plan` (on all ranks, from any callback) validates a plan at once and

@@ -8,11 +8,13 @@
 * ``"cpsat"`` / ``"pulp"``: the exact search runs first (warm start and fallback); its plan is the
   hint of the MILP (:mod:`resihp_lightning.solver.cpsat`, :mod:`resihp_lightning.solver.pulp_backend`),
   and the better of the two plans is returned, so a MILP stopped by its time limit is never worse
-  than the exact search. ``status`` is ``"optimal"`` only when some backend proved optimality.
+  than the exact search. ``status`` is ``"optimal"`` only when some backend proved optimality. The
+  warm start's time counts against ``time_limit_s``; the MILP gets the rest.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import time
 
@@ -61,7 +63,9 @@ def solve(problem: Problem, config: PlannerConfig | None = None) -> Plan:
         return exact_plan.with_result(solve_seconds=time.perf_counter() - start)
     module_name, function_name = _MILP_BACKENDS[config.solver]
     backend = getattr(importlib.import_module(module_name), function_name)
-    milp_plan = backend(problem, config, exact_plan)
+    # The warm start's time counts against the limit: the MILP gets what is left of it.
+    left = max(config.time_limit_s - (time.perf_counter() - start), 1e-3)
+    milp_plan = backend(problem, dataclasses.replace(config, time_limit_s=left), exact_plan)
     milp_value = evaluate(problem, milp_plan).iteration_ms
     if exact_plan is None:
         return milp_plan.with_result(

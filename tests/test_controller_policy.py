@@ -106,3 +106,21 @@ def test_slow_rank_then_recovery_replans_and_replans_back():
     again = decide(evaluate(healed, adapted).iteration_ms, back.iteration_ms, same_plan=False, remaining_steps=10_000,
                    migration_s=migration, steps_since_change=20, config=CFG)
     assert again.apply
+
+
+def test_shared_partition_follows_the_strategy_unless_configured():
+    from types import SimpleNamespace
+
+    from resihp_lightning.callbacks.controller import ReplanController
+
+    per_replica, shared_only = SimpleNamespace(supports_per_replica_bounds=True), SimpleNamespace()
+    auto = ReplanController()
+    assert auto.config.shared_partition is None
+    assert auto._resolved(per_replica).shared_partition is False
+    assert auto._resolved(shared_only).shared_partition is True
+    forced = ReplanController(config=ControllerConfig(shared_partition=True))
+    assert forced._resolved(per_replica).shared_partition is True
+    problem = build_problem(_profile(4), {}, [0, 1], 4, auto._resolved(per_replica))
+    assert problem.shared_partition is False
+    with pytest.raises(ConfigError, match="controller.shared_partition"):
+        ControllerConfig(shared_partition="yes")

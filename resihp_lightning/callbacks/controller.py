@@ -26,6 +26,7 @@ Put the controller after the detector in ``callbacks`` (Lightning runs them in o
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +132,13 @@ class ReplanController(Callback):
         self._last_change_step = step
 
     # ---------------------------------------------------------------------------- internals
+    def _resolved(self, strategy: Any) -> ControllerConfig:
+        """The config with ``shared_partition`` decided by what the strategy can run."""
+        if self.config.shared_partition is not None:
+            return self.config
+        per_replica = bool(getattr(strategy, "supports_per_replica_bounds", False))
+        return dataclasses.replace(self.config, shared_partition=not per_replica)
+
     def _plan_on_rank0(self, trainer: Any, step: int) -> dict[str, Any] | None:
         from resihp_lightning.solver import solve
 
@@ -139,7 +147,7 @@ class ReplanController(Callback):
         ranks = sorted(current.device_ids)
         micro = strategy.micro_batches or sum(r.micro_batches for r in current.replicas)
         try:
-            problem = build_problem(self._profile, self.detector.speeds, ranks, micro, self.config, self.planner)
+            problem = build_problem(self._profile, self.detector.speeds, ranks, micro, self._resolved(strategy), self.planner)
             plan = solve(problem, self.planner)
         except ResiHPError as err:
             self._log("plan_rejected", step, reason=f"planner failed: {err}")

@@ -42,7 +42,9 @@ class ControllerConfig:
         p2p_ms: activation + gradient transfer between stages per micro-batch, for the Problem.
         allreduce_ms: data-parallel gradient sync per iteration, for the Problem.
         memory_mb: memory per device for the Problem (``None``: unlimited).
-        shared_partition: plan one partition for every replica (DeepSpeed's engine requires it).
+        shared_partition: ``True`` plans one stage partition for every replica; ``False`` lets each
+            replica have its own (needs the strategy's layer-wise gradient reduction, plain fp32
+            optimizer only); ``None`` picks per-replica partitions whenever the strategy can run them.
         profile_interval_steps: refresh the cached healthy layer profile this often while no rank
             is flagged (the profile is a collective; 0 = only when first needed).
     """
@@ -57,7 +59,7 @@ class ControllerConfig:
     p2p_ms: float = 0.0
     allreduce_ms: float = 0.0
     memory_mb: float | None = None
-    shared_partition: bool = True
+    shared_partition: bool | None = None
     profile_interval_steps: int = 50
 
     def __post_init__(self) -> None:
@@ -77,8 +79,8 @@ class ControllerConfig:
                 raise invalid_option(f"controller.{name}", value, f"an integer >= {low}")
         if self.memory_mb is not None and (not _number(self.memory_mb) or not self.memory_mb > 0):
             raise invalid_option("controller.memory_mb", self.memory_mb, "null or a number > 0")
-        if not isinstance(self.shared_partition, bool):
-            raise invalid_option("controller.shared_partition", self.shared_partition, "true or false")
+        if self.shared_partition is not None and not isinstance(self.shared_partition, bool):
+            raise invalid_option("controller.shared_partition", self.shared_partition, "true, false or null")
 
 
 @dataclass(frozen=True)
@@ -137,7 +139,7 @@ def build_problem(
         micro_batches=int(micro_batches),
         p2p_ms=config.p2p_ms,
         allreduce_ms=config.allreduce_ms,
-        shared_partition=config.shared_partition,
+        shared_partition=True if config.shared_partition is None else config.shared_partition,
     )
     return planner.apply_to(problem) if planner is not None else problem
 

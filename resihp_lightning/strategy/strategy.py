@@ -155,6 +155,11 @@ class ResiHPStrategyMixin:
         return dict(self._last_migration)
 
     @property
+    def supports_per_replica_bounds(self) -> bool:
+        """Whether plans whose replicas have different stage bounds can run on this strategy."""
+        return False
+
+    @property
     def pending_plan(self) -> Plan | None:
         """A requested plan not applied yet."""
         return self._pending
@@ -498,7 +503,7 @@ class ResiHPStrategyMixin:
             return BoundedPipelineModule(
                 self._specs,
                 PlanTopology(plan),
-                plan.replicas[0].bounds,
+                plan.replicas[position(plan, self.global_rank).replica].bounds,
                 loss_fn=self._loss_fn,
                 reuse=reuse,
                 skip_init=skip_init,

@@ -15,7 +15,9 @@ from resihp_lightning.errors import InfeasibleError, ProblemError
 from resihp_lightning.plan import Device, Layer, Plan, Problem, evaluate, validate
 from resihp_lightning.solver import solve
 from resihp_lightning.solver.brute import count_candidates, solve_brute
-from resihp_lightning.solver.exact import layouts, solve_exact, split
+from resihp_lightning.solver.enumeration import layouts
+from resihp_lightning.solver.exact import solve_exact
+from resihp_lightning.solver.microbatch_split import split
 
 REL = 1e-9
 

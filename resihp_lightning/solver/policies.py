@@ -7,7 +7,8 @@ they are now, ``healthy_plan`` the layout the job ran before the change (usually
 
 * ``none``: keep the healthy plan (throughput falls to about s of healthy with one device at speed s).
 * ``microbatch_only``: keep devices and bounds, re-split the micro-batches across replicas
-  (Greyhound-style); optimal for the model (exact split, see :func:`exact.split`); about
+  (Greyhound-style); optimal for the model (exact split, see
+  :func:`~resihp_lightning.solver.microbatch_split.split`); about
   (D - 1 + s) / D of healthy.
 * ``repartition_only``: keep devices and micro-batch counts, choose one new stage partition for every
   replica (ResiHP-rule-style); exact by enumeration when the bounds vectors number at most
@@ -24,7 +25,10 @@ from collections.abc import Callable
 from resihp_lightning.config import PlannerConfig
 from resihp_lightning.errors import InfeasibleError
 from resihp_lightning.plan import Plan, Problem, Replica, evaluate
-from resihp_lightning.solver import exact as ex
+from resihp_lightning.solver.enumeration import all_bounds, count_bounds
+from resihp_lightning.solver.exact_model import Model
+from resihp_lightning.solver.heuristic import Stages, bottleneck_bounds, local_search
+from resihp_lightning.solver.microbatch_split import split
 
 #: Bounds vectors ``repartition_only`` enumerates before it falls back to local search.
 REPARTITION_BUDGET = 20_000
@@ -55,7 +59,7 @@ def none(problem: Problem, healthy: Plan, config: PlannerConfig | None = None) -
     return _finish(problem, Plan(healthy.replicas), "none", "given", start)
 
 
-def _replica_classes(model: ex.Model, problem: Problem, plan: Plan) -> list[tuple[int, ...]]:
+def _replica_classes(model: Model, problem: Problem, plan: Plan) -> list[tuple[int, ...]]:
     index = {}
     for k, cls in enumerate(model.classes):
         for device_id in cls.ids:
@@ -70,10 +74,10 @@ def microbatch_only(problem: Problem, healthy: Plan, config: PlannerConfig | Non
         InfeasibleError: no split fits in memory.
     """
     start = time.perf_counter()
-    model = ex.Model(problem)
+    model = Model(problem)
     types = _replica_classes(model, problem, healthy)
     groups = [(*model.profile(t, r.bounds), 1) for t, r in zip(types, healthy.replicas)]
-    result = ex.split(groups, problem.micro_batches)
+    result = split(groups, problem.micro_batches)
     if result is None:
         raise InfeasibleError("microbatch_only: no micro-batch split of the healthy layout fits in memory")
     counts = [row[0] for row in result[1]]
@@ -88,7 +92,7 @@ def repartition_only(problem: Problem, healthy: Plan, config: PlannerConfig | No
         InfeasibleError: no partition fits in memory.
     """
     start = time.perf_counter()
-    model = ex.Model(problem)
+    model = Model(problem)
     types = _replica_classes(model, problem, healthy)
     counts = [r.micro_batches for r in healthy.replicas]
     p = healthy.pipeline_degree
@@ -103,9 +107,9 @@ def repartition_only(problem: Problem, healthy: Plan, config: PlannerConfig | No
         return worst
 
     best_b, best_v = None, math.inf
-    if ex.count_bounds(model.L, p, model.min_layers) <= REPARTITION_BUDGET:
+    if count_bounds(model.L, p, model.min_layers) <= REPARTITION_BUDGET:
         status = "optimal"
-        for b in ex.all_bounds(model.L, p, model.min_layers):
+        for b in all_bounds(model.L, p, model.min_layers):
             v = value(b)
             if v < best_v:
                 best_b, best_v = b, v
@@ -115,12 +119,12 @@ def repartition_only(problem: Problem, healthy: Plan, config: PlannerConfig | No
         distinct = sorted(set(zip(types, counts)))
         kinds = [(t, 1) for t, _ in distinct]
         objective = _fixed_counts_objective([m for _, m in distinct])
-        starts = {b for t, m in zip(types, counts) if (b := ex.bottleneck_bounds(model, t, m)) is not None}
+        starts = {b for t, m in zip(types, counts) if (b := bottleneck_bounds(model, t, m)) is not None}
         starts |= {r.bounds for r in healthy.replicas}
         for b0 in sorted(starts):
             if any(b0[j + 1] - b0[j] < model.min_layers for j in range(p)):
                 continue
-            b, _ = ex._local_search(ex._Stages(model, kinds, b0), objective, model.min_layers)
+            b, _ = local_search(Stages(model, kinds, b0), objective, model.min_layers)
             v = value(b)
             if v < best_v:
                 best_b, best_v = b, v

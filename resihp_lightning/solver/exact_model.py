@@ -1,0 +1,136 @@
+"""The class-level model shared by the exact planner's phases.
+
+:class:`Model` holds the prefix sums of one :class:`~resihp_lightning.plan.Problem` and prices
+stages on device classes (devices of equal speed and memory); :func:`lower_bound` bounds the
+iteration time of a (P, D) shape from below; :class:`Best` keeps the best class-level layout either
+phase has found, and :func:`build_plan` turns it into a :class:`~resihp_lightning.plan.Plan` with
+real device ids.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from resihp_lightning.plan import EPS, Plan, Problem, Replica, device_classes
+
+
+class Model:
+    """Prefix sums and per-class stage costs of one problem (shared by exact and heuristic phases)."""
+
+    def __init__(self, problem: Problem) -> None:
+        self.problem = problem
+        self.L = problem.num_layers
+        self.M = problem.micro_batches
+        self.min_layers = problem.min_layers_per_stage
+        self.classes = device_classes(problem)
+        pc, ps, pa = [0.0], [0.0], [0.0]
+        for layer in problem.layers:
+            pc.append(pc[-1] + layer.compute_ms)
+            ps.append(ps[-1] + layer.static_mb)
+            pa.append(pa[-1] + layer.activation_mb)
+        self.pc, self.ps, self.pa = pc, ps, pa
+        # cheapest[a]: the least compute of one layer among layers a..L-1.
+        self.cheapest = [math.inf] * (self.L + 1)
+        for a in range(self.L - 1, -1, -1):
+            self.cheapest[a] = min(self.cheapest[a + 1], problem.layers[a].compute_ms)
+        self._layer_bound_memo: dict[tuple[tuple[float, ...], int], float] = {}
+
+    def layer_bound(self, speeds: tuple[float, ...], a: int) -> float:
+        """A lower bound on the slowest of stages at ``speeds`` holding layers a..L-1, from whole layers.
+
+        Stage j holds n_j layers of at least ``c = cheapest[a]`` ms each, so ``t_j >= n_j c / s_j``;
+        with all ``t_j <= X`` every ``n_j <= floor(X s_j / c)``, and the n_j must add up to L - a.
+        Returns (just below) the least X where they can.
+        """
+        key = (speeds, a)
+        found = self._layer_bound_memo.get(key)
+        if found is not None:
+            return found
+        n, c = self.L - a, self.cheapest[a]
+        if n <= 0 or not c > 0:
+            value = 0.0
+        else:
+            lo, hi = 0.0, n * c / max(speeds)
+            for _ in range(50):
+                mid = (lo + hi) / 2
+                if sum(math.floor(mid * s / c) for s in speeds) >= n:
+                    hi = mid
+                else:
+                    lo = mid
+            value = lo * (1 - 1e-9)
+        self._layer_bound_memo[key] = value
+        return value
+
+    def stage_time(self, a: int, b: int, cls: int, last: bool) -> float:
+        return (self.pc[b] - self.pc[a]) / self.classes[cls].speed + (0.0 if last else self.problem.p2p_ms)
+
+    def stage_cap(self, a: int, b: int, cls: int, in_flight_max: int) -> int:
+        """The most micro-batches stage [a, b) fits on class ``cls`` (``M`` when memory never binds)."""
+        capacity = self.classes[cls].memory_mb * (1 + EPS) + EPS
+        static = self.ps[b] - self.ps[a]
+        act = self.pa[b] - self.pa[a]
+        if static + in_flight_max * act <= capacity:
+            return self.M
+        if act <= 0:
+            return 0
+        fits = max(0, min(in_flight_max - 1, math.floor((capacity - static) / act)))
+        if fits and static + fits * act > capacity:  # the division rounded up
+            fits -= 1
+        return fits
+
+    def profile(self, types: Sequence[int], bounds: Sequence[int]) -> tuple[float, float, int]:
+        """(S, X, cap) of a replica: sum and max of stage times, most micro-batches memory allows."""
+        p = len(types)
+        total, worst, cap = 0.0, 0.0, self.M
+        for j, cls in enumerate(types):
+            t = self.stage_time(bounds[j], bounds[j + 1], cls, j == p - 1)
+            total += t
+            worst = max(worst, t)
+            cap = min(cap, self.stage_cap(bounds[j], bounds[j + 1], cls, p - j))
+        return total, worst, cap
+
+
+def lower_bound(model: Model, p: int, d: int) -> float:
+    """A valid lower bound on T for shape (P, D).
+
+    ``T >= max(M C / S, C / s_max + (P - 1) p2p + (M - D) C / S)`` plus the all-reduce, with C the
+    total compute and S the speed of the P*D fastest devices.
+    """
+    speeds = sorted((c.speed for c in model.classes for _ in c.ids), reverse=True)
+    compute = model.pc[-1]
+    top = sum(speeds[: p * d])
+    throughput = model.M * compute / top
+    # T_r >= C / s_max + (P - 1) p2p + (m_r - 1) C / sigma_r, summed over the replicas.
+    bubble = compute / speeds[0] + (p - 1) * model.problem.p2p_ms + (model.M - d) * compute / top
+    return max(throughput, bubble) + (model.problem.allreduce_ms if d > 1 else 0.0)
+
+
+def build_plan(model: Model, grid: Sequence[Sequence[int]], bounds: Sequence[Sequence[int]], counts: Sequence[int]) -> Plan:
+    """Turns class-level choices into a plan with real device ids (lowest ids of each class first)."""
+    pools = [list(c.ids) for c in model.classes]
+    taken = [0] * len(pools)
+    replicas = []
+    # Replicas of faster devices first (class ids grow as speed falls).
+    for types, b, m in sorted(zip(grid, bounds, counts), key=lambda row: tuple(row[0])):
+        ids = []
+        for cls in types:
+            ids.append(pools[cls][taken[cls]])
+            taken[cls] += 1
+        replicas.append(Replica(tuple(ids), tuple(b), int(m)))
+    return Plan(tuple(replicas))
+
+
+@dataclass
+class Best:
+    """The best class-level layout seen so far; :meth:`offer` keeps a strictly better one."""
+
+    value: float = math.inf
+    grid: tuple = ()
+    bounds: tuple = ()
+    counts: tuple = ()
+
+    def offer(self, value: float, grid, bounds, counts) -> None:
+        if value < self.value - 1e-12 * max(1.0, abs(value)):
+            self.value, self.grid, self.bounds, self.counts = value, tuple(grid), tuple(bounds), tuple(counts)

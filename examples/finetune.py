@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,7 @@ from jsonargparse import ActionConfigFile, ArgumentParser, Namespace  # noqa: E4
 from resihp_lightning.callbacks.faults import FaultConfig  # noqa: E402
 from resihp_lightning.callbacks.replan_policy import ControllerConfig  # noqa: E402
 from resihp_lightning.callbacks.straggler import DetectorConfig  # noqa: E402
-from resihp_lightning.config import PlannerConfig  # noqa: E402
+from resihp_lightning.config import PlannerConfig, ScratchModelConfig  # noqa: E402
 from resihp_lightning.errors import ConfigError, ResiHPError, invalid_option  # noqa: E402
 
 RUN_DIR_ENV = "RESIHP_RUN_DIR"
@@ -44,30 +44,11 @@ PROG = "finetune"
 
 
 @dataclass
-class ScratchShape:
-    """Shape of a model trained from scratch (``model.model_path: null``).
-
-    The fields of ``resihp_lightning.models.ScratchModelConfig``, repeated here so that the config is
-    parsed (and a wrong key reported) before Lightning and transformers are imported.
-    """
-
-    model_type: str = "llama"
-    vocab_size: int = 260
-    hidden_size: int = 64
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    intermediate_size: int = 128
-    max_position_embeddings: int = 4096
-    tie_word_embeddings: bool = False
-
-
-@dataclass
 class ModelOptions:
     """``model_path``: a local HF checkpoint directory (Llama / Qwen2), or null for ``scratch``."""
 
     model_path: str | None = None
-    scratch: ScratchShape = field(default_factory=ScratchShape)
+    scratch: ScratchModelConfig = field(default_factory=ScratchModelConfig)
     seed: int = 0
     learning_rate: float = 3e-4
     weight_decay: float = 0.0
@@ -228,14 +209,14 @@ def run(raw: Namespace) -> Path:
     from resihp_lightning.callbacks.detector import StragglerDetector
     from resihp_lightning.callbacks.fault_injector import FaultInjector
     from resihp_lightning.callbacks.progress import ResiHPProgressBar, StepRecorder
-    from resihp_lightning.models.lightning_module import CausalLMPipelineModule, ScratchModelConfig
+    from resihp_lightning.models.lightning_module import CausalLMPipelineModule
     from resihp_lightning.strategy.strategy import ResiHPStrategy
 
     transformers.utils.logging.disable_progress_bar()
     _set_threads(cfg)
     module = CausalLMPipelineModule(
         model_path=m.model_path,
-        scratch=ScratchModelConfig(**asdict(m.scratch)),
+        scratch=m.scratch,
         seed=m.seed,
         learning_rate=m.learning_rate,
         weight_decay=m.weight_decay,

@@ -100,3 +100,24 @@ def config_from_options(cls: type[T], config: T | None, options: Mapping[str, An
     if unknown:
         raise TypeError(f"unknown {owner} option {unknown[0]!r}; allowed: {', '.join(sorted(known))}")
     return config if config is not None else cls(**options)
+
+
+@dataclass
+class ScratchModelConfig:
+    """Shape of a model trained from scratch (used when no checkpoint directory is given).
+
+    Read by :class:`resihp_lightning.models.CausalLMPipelineModule`; kept here, free of torch and
+    transformers, so that configuration files are parsed before those heavy imports.
+
+    The default vocabulary (260) covers the byte-level fallback tokenizer.
+    """
+
+    model_type: str = "llama"
+    vocab_size: int = 260
+    hidden_size: int = 64
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    intermediate_size: int = 128
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False

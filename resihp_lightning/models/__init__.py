@@ -39,7 +39,7 @@ from resihp_lightning.models.layers import (
 
 _LAZY = {
     "CausalLMPipelineModule": "resihp_lightning.models.lightning_module",
-    "ScratchModelConfig": "resihp_lightning.models.lightning_module",
+    "ScratchModelConfig": "resihp_lightning.config",
     "export_hf_checkpoint": "resihp_lightning.models.lightning_module",
 }
 

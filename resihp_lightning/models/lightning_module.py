@@ -12,7 +12,7 @@ Importing this module imports Lightning (~9 s); ``resihp_lightning.models`` load
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from resihp_lightning.data.packed import to_pipeline_batch
 from resihp_lightning.data.tokenizer import Tokenizer
+from resihp_lightning.config import ScratchModelConfig
 from resihp_lightning.errors import ConfigError, invalid_option
 from resihp_lightning.models.checkpoint import (
     SUPPORTED_MODEL_TYPES,
@@ -38,24 +39,6 @@ from resihp_lightning.strategy.module import ResiHPModule
 
 HF_CONFIG_KEY = "hf_config"
 """Key under which :meth:`CausalLMPipelineModule.on_save_checkpoint` stores the HF config dict."""
-
-
-@dataclass
-class ScratchModelConfig:
-    """Shape of a model trained from scratch (used when no checkpoint directory is given).
-
-    The default vocabulary (260) covers the byte-level fallback tokenizer.
-    """
-
-    model_type: str = "llama"
-    vocab_size: int = 260
-    hidden_size: int = 64
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    intermediate_size: int = 128
-    max_position_embeddings: int = 4096
-    tie_word_embeddings: bool = False
 
 
 class CausalLMPipelineModule(ResiHPModule):

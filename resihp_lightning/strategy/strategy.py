@@ -93,6 +93,7 @@ class ResiHPStrategyMixin:
         self._pending: Plan | None = None
         self._num_micro: int | None = options.micro_batches
         self._engine: Any = None
+        self._reducer: Any = None
         self._pipe: Any = None
         self._position: Position | None = None
         self._optimizer: torch.optim.Optimizer | None = None
@@ -156,8 +157,12 @@ class ResiHPStrategyMixin:
 
     @property
     def supports_per_replica_bounds(self) -> bool:
-        """Whether plans whose replicas have different stage bounds can run on this strategy."""
-        return False
+        """Whether plans whose replicas have different stage bounds can run (plain fp32 optimizer only).
+
+        The layer-wise gradient reduction that makes them exact works on the optimizer's own
+        parameters; ZeRO / bf16 / fp16 wrap the optimizer and keep DeepSpeed's stage-paired reduction.
+        """
+        return not self._wrapped_optimizer()
 
     @property
     def pending_plan(self) -> Plan | None:
@@ -197,16 +202,17 @@ class ResiHPStrategyMixin:
                 f"plan uses P x D = {plan.pipeline_degree} x {plan.data_degree} = {used} ranks but the job has "
                 f"{world}; every rank must hold a stage"
             )
-        if not plan.shared_bounds:
+        if not plan.shared_bounds and self._wrapped_optimizer():
             raise PlanError(
-                "replicas have different stage bounds; DeepSpeed's engine needs the same partition in every replica"
+                "replicas have different stage bounds, which needs the plain fp32 optimizer (no ZeRO / bf16 / fp16 "
+                "in deepspeed_config)"
             )
         total = self._num_micro if self._num_micro is not None else sum(r.micro_batches for r in plan.replicas)
         problem = Problem(
             layers=tuple(Layer(0.0) for _ in range(self.num_layers or max(plan.replicas[0].bounds))),
             devices=tuple(Device(i) for i in range(world)),
             micro_batches=total,
-            shared_partition=True,
+            shared_partition=False,
         )
         validate(problem, plan, check_memory=False)
         if self._plan is not None and self._wrapped_optimizer():
@@ -417,6 +423,7 @@ class ResiHPStrategyMixin:
                 self._profiler.detach()
             destroy_engine(self._engine)
             self._engine = None
+        self._destroy_reducer()
         super().teardown()
 
     # ----------------------------------------------------------------------------- internals
@@ -548,11 +555,28 @@ class ResiHPStrategyMixin:
 
         replica = plan.replicas[self._position.replica]
         config = engine_config(self.micro_batch_size, replica.micro_batches, plan.data_degree, self.options.deepspeed_config)
-        engine = build_engine(self._pipe, self._optimizer, config, broadcast=broadcast)
+        # Plain fp32: the layer-wise reduction (any bounds; exact gradient clipping). ZeRO / bf16 / fp16
+        # keep DeepSpeed's own (check_plan then requires shared bounds).
+        layerwise = not self._wrapped_optimizer()
+        self._destroy_reducer()  # set up again (e.g. validate after fit): the old groups go first
+        if layerwise:
+            from resihp_lightning.strategy.layerwise import LayerwiseReducer, install
+
+            self._reducer = LayerwiseReducer(plan, self.global_rank, self._pipe.local_layers())
+        engine = build_engine(self._pipe, self._optimizer, config, broadcast=broadcast and not layerwise)
+        if layerwise:
+            if broadcast:
+                self._reducer.broadcast()
+            install(engine, self._reducer)
         if self._profiler is None:
             self._profiler = StageProfiler(self.root_device)
         self._profiler.attach(engine, self._pipe.local_layers())
         return engine
+
+    def _destroy_reducer(self) -> None:
+        if self._reducer is not None:
+            self._reducer.destroy()
+            self._reducer = None
 
     def _apply(self, plan: Plan, record: bool = True) -> None:
         """Puts ``plan`` in force on this rank (collective when the layout changes)."""
@@ -573,6 +597,7 @@ class ResiHPStrategyMixin:
             self._profiler.detach()
             destroy_engine(self._engine)
             self._engine = None
+            self._destroy_reducer()
             self._plan, self._position = plan, position(plan, self.global_rank)
             reuse = {i: m for i, m in old_layers.items() if i in self._position.layers}
             incoming = {t.layer for t in transfers if t.dst == self.global_rank}
@@ -682,8 +707,14 @@ class ResiHPStrategy(ResiHPStrategyMixin, DDPStrategy):
     trains on its own m_r micro-batches of that batch (rows after those of replicas 0..r-1), so
     re-plans need no new DataLoader. Validation / test / predict batches of any size are dealt out
     in micro-batches in proportion to m_r; the validation / test loss is the mean over rows, and a
-    predict step returns the last layer's outputs for the whole batch, in row order, on every rank. With unequal m_r each
-    replica's loss is scaled by m_r * D / M, which makes the gradient exactly that of the global batch.
+    predict step returns the last layer's outputs for the whole batch, in row order, on every rank.
+    With unequal m_r each replica's loss is scaled by m_r * D / M, which makes the gradient exactly
+    that of the global batch.
+
+    Gradients (plain fp32 optimizer): each layer's gradient is averaged over the ranks that hold it,
+    one per replica (:mod:`~resihp_lightning.strategy.layerwise`), so replicas may have different
+    stage bounds, and ``gradient_clipping`` uses the exact global norm. With ZeRO-1 / bf16 / fp16
+    DeepSpeed's own stage-paired reduction runs and every replica must have the same bounds.
 
     Re-planning: :meth:`request_plan` (on all ranks, from any callback) validates a plan at once and
     applies it at the start of the next training step: changing only micro-batch counts updates the
@@ -693,8 +724,8 @@ class ResiHPStrategy(ResiHPStrategyMixin, DDPStrategy):
     Args:
         pipeline_degree: P of the initial uniform plan (default 2 when the world size is even and
             above 2, else 1).
-        plan: a full initial plan instead (device ids are global ranks); stage bounds must be the
-            same in every replica (stock DeepSpeed pairs data-parallel ranks by stage).
+        plan: a full initial plan instead (device ids are global ranks); replicas may have
+            different stage bounds unless ZeRO / bf16 / fp16 is on.
         micro_batch_size: rows per micro-batch.
         micro_batches: M per global batch; default: inferred from the first training batch.
         deepspeed_config: DeepSpeed config entries over the defaults (``gradient_clipping`` 0.0; ZeRO-1,

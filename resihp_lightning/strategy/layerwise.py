@@ -1,0 +1,335 @@
+"""Layer-wise data-parallel gradient reduction, so that replicas may use different stage bounds.
+
+DeepSpeed's ``PipelineEngine`` all-reduces gradients over its data-parallel group: the ranks that
+hold the same *stage* in every replica. That is only right when every replica holds the same layers
+in each stage. Here the unit is the *layer*: layer l is held by one rank per replica (its holder
+set); every distinct holder set gets its own process group, and each rank all-reduces, per holder
+set it belongs to, one flattened buffer of the gradients of its layers held by that set. The
+averaging is DeepSpeed's own (sum, then times ``predivide / D``, by default ``1 / D``), so the loss
+scaling ``m_r * D / M`` of the strategy still gives the exact global-batch gradient. With shared
+bounds there is one holder set per stage, equal to DeepSpeed's data-parallel group, and the
+reduction is the same as DeepSpeed's.
+
+Use::
+
+    reducer = LayerwiseReducer(plan, rank, pipe.local_layers())   # collective (creates groups)
+    engine = build_engine(pipe, optimizer, config, broadcast=False)
+    reducer.broadcast()            # only at the start: replica 0's values to every holder
+    install(engine, reducer)       # the engine now reduces (and clips) layer-wise
+    ...
+    destroy_engine(engine); reducer.destroy()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from resihp_lightning.errors import PlanError, invalid_option
+from resihp_lightning.plan import Plan
+from resihp_lightning.strategy.placement import owners, position
+
+
+def num_layers(plan: Plan) -> int:
+    """L, the number of layers ``plan`` partitions (checked to be the same in every replica)."""
+    if not plan.replicas:
+        raise PlanError("plan has no replicas")
+    stops = {r.bounds[-1] for r in plan.replicas}
+    stages = {len(r.bounds) - 1 for r in plan.replicas}
+    if len(stops) != 1 or len(stages) != 1:
+        raise PlanError(
+            f"every replica must have the same number of stages and layers; got stages {sorted(stages)}, "
+            f"layers {sorted(stops)}"
+        )
+    return stops.pop()
+
+
+def layer_holders(plan: Plan) -> list[tuple[int, ...]]:
+    """For every layer, the ranks holding it: one per replica, in replica order."""
+    return [tuple(owners(plan, layer)) for layer in range(num_layers(plan))]
+
+
+def holder_sets(plan: Plan) -> list[tuple[int, ...]]:
+    """The distinct holder sets of ``plan``'s layers, in order of their first layer.
+
+    Every rank computes the same list from the same plan, so groups created from it in this order
+    match on every rank. Sets of one rank (D = 1) are included; they need no communication.
+    """
+    seen: dict[tuple[int, ...], None] = {}
+    for holders in layer_holders(plan):
+        seen.setdefault(holders, None)
+    return list(seen)
+
+
+#: Elements per flattened all-reduce at most (plus one tensor): DeepSpeed's ``MEMORY_OPT_ALLREDUCE_SIZE``.
+BUCKET_NUMEL = 500_000_000
+
+
+def _buckets(tensors: list[Tensor], numel: int) -> list[list[Tensor]]:
+    """``tensors`` in order, cut after the tensor that takes a bucket past ``numel`` elements."""
+    out: list[list[Tensor]] = [[]]
+    size = 0
+    for tensor in tensors:
+        out[-1].append(tensor)
+        size += tensor.numel()
+        if size > numel:
+            out.append([])
+            size = 0
+    return [bucket for bucket in out if bucket]
+
+
+class LayerwiseReducer:
+    """All-reduces this rank's gradients layer-wise over the holder sets of ``plan``.
+
+    Creating one is collective: every rank of the world must construct its reducer for the same
+    plan at the same point (``torch.distributed.new_group`` is called once per holder set of two or
+    more ranks, in :func:`holder_sets` order, on every rank). :meth:`destroy` releases the groups.
+
+    Args:
+        plan: the plan in force (device ids are global ranks).
+        rank: this process's global rank.
+        local_layers: this rank's layer modules by global layer index (``pipe.local_layers()``); layers
+            without parameters may be left out.
+
+    Raises:
+        PlanError: ``local_layers`` names a layer this rank does not hold under ``plan``.
+    """
+
+    def __init__(self, plan: Plan, rank: int, local_layers: Mapping[int, nn.Module]) -> None:
+        mine = position(plan, rank).layers
+        extra = sorted(set(local_layers) - set(mine))
+        if extra:
+            raise PlanError(f"rank {rank} holds layers {mine.start}..{mine.stop - 1} under the plan, not {extra}")
+        holders = layer_holders(plan)
+        self.plan = plan
+        self.rank = rank
+        self.data_degree = plan.data_degree
+        # DeepSpeed's averaging settings; install() copies the engine's.
+        self.average = True
+        self.prescale = False
+        self.predivide = 1.0
+        self.communication_dtype: torch.dtype | None = None
+        self._groups: dict[tuple[int, ...], Any] = {}
+        for ranks in holder_sets(plan):
+            if len(ranks) < 2:
+                continue
+            group = dist.new_group(ranks=list(ranks))
+            if rank in ranks:
+                self._groups[ranks] = group
+        # Per holder set (in holder_sets order): the parameters whose gradients it reduces, and all
+        # parameters (for the initial broadcast, which DeepSpeed also does for frozen ones).
+        self._trained: dict[tuple[int, ...], list[nn.Parameter]] = {}
+        self._all: dict[tuple[int, ...], list[nn.Parameter]] = {}
+        self._layer_params: dict[int, list[nn.Parameter]] = {}
+        for layer in sorted(local_layers):
+            params = [p for p in local_layers[layer].parameters() if p.numel() > 0]
+            self._layer_params[layer] = params
+            self._all.setdefault(holders[layer], []).extend(params)
+            self._trained.setdefault(holders[layer], []).extend(p for p in params if p.requires_grad)
+        self._order = [h for h in holder_sets(plan) if h in self._groups and h in self._all]
+        self._num_layers = len(holders)
+
+    @property
+    def groups(self) -> dict[tuple[int, ...], Any]:
+        """The process groups this rank belongs to, by holder set."""
+        return dict(self._groups)
+
+    def parameters(self) -> list[nn.Parameter]:
+        """Every parameter the reducer covers (this rank's local layers)."""
+        return [p for params in self._layer_params.values() for p in params]
+
+    def reduce(self, bucket_numel: int = BUCKET_NUMEL) -> None:
+        """All-reduces the gradients of this rank's layers: one flattened buffer per holder set and dtype.
+
+        As DeepSpeed does, a trained parameter without a gradient contributes zeros (every holder
+        must reduce buffers of the same size), and a buffer is cut after the tensor that takes it past
+        ``bucket_numel`` elements (bounding the extra memory of the flat copy; the sums are the same).
+        """
+        for ranks in self._order:
+            grads: dict[torch.dtype, list[Tensor]] = {}
+            for p in self._trained.get(ranks, ()):
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                if p.grad.is_sparse:
+                    raise NotImplementedError("layer-wise gradient reduction does not support sparse gradients")
+                grads.setdefault(p.grad.dtype, []).append(p.grad.data)
+            for dtype in sorted(grads, key=str):
+                for bucket in _buckets(grads[dtype], bucket_numel):
+                    self._allreduce(bucket, self._groups[ranks], len(ranks))
+
+    def _allreduce(self, tensors: list[Tensor], group: Any, world: int) -> None:
+        """DeepSpeed's ``allreduce_bucket`` maths on one flattened buffer."""
+        flat = _flatten_dense_tensors(tensors)
+        work = flat if self.communication_dtype in (None, flat.dtype) else flat.to(self.communication_dtype)
+        if not self.average:
+            dist.all_reduce(work, group=group)
+        elif not self.prescale:
+            if self.predivide != 1.0:
+                work.mul_(1.0 / self.predivide)
+            dist.all_reduce(work, group=group)
+            if self.predivide != world:
+                work.mul_(self.predivide / world)
+        else:
+            work.mul_(1.0 / world)
+            dist.all_reduce(work, group=group)
+        if work is not flat:
+            flat.copy_(work)
+        for tensor, synced in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
+            tensor.copy_(synced)
+
+    def broadcast(self) -> None:
+        """Copies every local parameter from its holder in the first replica to the other holders.
+
+        Replaces DeepSpeed's ``_broadcast_model`` (which pairs ranks by stage): build the engine with
+        ``broadcast=False`` and call this once, when replicas may have built layers differently.
+        """
+        with torch.no_grad():
+            for ranks in self._order:
+                params = self._all[ranks]
+                by_dtype: dict[torch.dtype, list[Tensor]] = {}
+                for p in params:
+                    by_dtype.setdefault(p.dtype, []).append(p.data)
+                for dtype in sorted(by_dtype, key=str):
+                    tensors = by_dtype[dtype]
+                    flat = _flatten_dense_tensors(tensors)
+                    dist.broadcast(flat, src=ranks[0], group=self._groups[ranks])
+                    for tensor, synced in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
+                        tensor.copy_(synced)
+
+    def grad_norm(self, pipe_group: Any = None, device: Any = None) -> Tensor:
+        """The 2-norm of the whole model's gradient, the same value on every rank of ``pipe_group``.
+
+        Each rank fills the squared norms of its own layers into a vector of one entry per layer;
+        a sum over the replica's pipeline group then has exactly one contribution per entry (exact),
+        and every rank adds the entries in layer order. So replicas with different bounds, whose
+        reduced gradients are the same, get the same norm bit for bit.
+
+        Args:
+            pipe_group: the ranks of this rank's replica (the engine's pipeline group); ``None`` when
+                this rank holds the whole model.
+            device: where the collective runs (the engine's device; default: the parameters').
+        """
+        if device is None:
+            device = next((p.device for p in self.parameters()), torch.device("cpu"))
+        squares = torch.zeros(self._num_layers, dtype=torch.float64, device=device)
+        for layer, params in self._layer_params.items():
+            for p in params:
+                if p.grad is not None:
+                    squares[layer] += p.grad.detach().float().norm(2).double() ** 2
+        if pipe_group is not None:
+            dist.all_reduce(squares, group=pipe_group)
+        return squares.sum().sqrt()
+
+    def clip(self, max_norm: float, pipe_group: Any = None, device: Any = None) -> Tensor:
+        """Scales all local gradients by ``min(1, max_norm / (norm + 1e-6))`` (DeepSpeed's rule); returns the norm."""
+        norm = self.grad_norm(pipe_group, device)
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0).float()
+        for p in self.parameters():
+            if p.grad is not None:
+                p.grad.data.mul_(coef.to(p.grad.device, p.grad.dtype))
+        return norm.float()
+
+    def destroy(self) -> None:
+        """Destroys the process groups this reducer created (this rank's memberships)."""
+        for group in self._groups.values():
+            try:
+                dist.destroy_process_group(group)
+            except (ValueError, RuntimeError):  # already gone with the world group
+                pass
+        self._groups.clear()
+        self._order = []
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _layerwise_class(base: type) -> type:
+    """``base`` (a ``PipelineEngine`` class) with layer-wise reduction and clipping (made once per base)."""
+    if getattr(base, "_resihp_layerwise", False):
+        return base
+    if base not in _CLASSES:
+
+        class LayerwisePipelineEngine(base):  # type: ignore[misc, valid-type]
+            """A ``PipelineEngine`` that reduces and clips gradients with a :class:`LayerwiseReducer`."""
+
+            _resihp_layerwise = True
+            _resihp_reducer: LayerwiseReducer
+
+            def allreduce_gradients(self, bucket_size: int = BUCKET_NUMEL) -> None:
+                if self.is_gradient_accumulation_boundary():
+                    self._resihp_reducer.reduce(bucket_size)
+
+            def clip_fp32_gradients(self) -> Tensor:
+                group = self.grid.get_pipe_parallel_group() if self.grid.pipe_parallel_size > 1 else None
+                return self._resihp_reducer.clip(self.gradient_clipping(), group, self.device)
+
+            def _broadcast_model(self) -> None:
+                self._resihp_reducer.broadcast()
+
+        LayerwisePipelineEngine.__name__ = LayerwisePipelineEngine.__qualname__ = f"Layerwise{base.__name__}"
+        _CLASSES[base] = LayerwisePipelineEngine
+    return _CLASSES[base]
+
+
+def install(engine: Any, reducer: LayerwiseReducer) -> Any:
+    """Makes ``engine`` (a built ``PipelineEngine``) reduce gradients with ``reducer``; returns the engine.
+
+    The engine's class is swapped for a subclass that overrides three DeepSpeed methods:
+
+    * ``allreduce_gradients`` — the one place DeepSpeed's data-parallel reduction enters; the
+      schedule's ``ReduceGrads`` instruction reaches it through the stock ``_exec_reduce_grads``
+      (which keeps managing ``_force_grad_boundary`` and ``pipeline_enable_backward_allreduce``),
+      and any other caller of it (``DeepSpeedEngine.backward`` when backward all-reduce is enabled)
+      gets the layer-wise reduction too, rather than the stage-paired one.
+    * ``clip_fp32_gradients`` — DeepSpeed's pipeline-mode clipping sums parameter norms only on the
+      rank with model-parallel rank 0 of each pipeline (other stages' parameters count only when
+      marked ``model_parallel``), so its norm is not the model's. The override takes the exact norm
+      over the whole replica (see :meth:`LayerwiseReducer.grad_norm`).
+    * ``_broadcast_model`` — layer-wise, should anything call it again.
+
+    Why ``allreduce_gradients`` and not the ``ReduceGrads`` entry of ``_INSTRUCTION_MAP``: the stage
+    profiler (``profiling.StageProfiler.attach``) puts an instance copy of the engine's class table on
+    the engine; a replaced class-level entry would be shadowed by that copy when the profiler attaches
+    first, silently bringing back the stage-paired reduction. The stock ``_exec_reduce_grads`` calls
+    ``self.allreduce_gradients``, so overriding the method works under any table.
+
+    Why a class swap rather than per-instance bound methods: no engine -> method -> engine reference
+    cycles (engines are rebuilt on every re-plan and should be freed at once), and ``isinstance`` /
+    ``type(engine).__name__`` tell whether an engine is converted.
+
+    Raises:
+        ConfigError: the engine uses ZeRO, bf16, fp16 or MoE (their optimizer wrappers own and reduce
+            the gradients themselves).
+        PlanError: the reducer does not cover exactly the engine's trained parameters.
+    """
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    if not isinstance(engine, PipelineEngine):
+        raise TypeError(f"install needs a DeepSpeed PipelineEngine, got {type(engine).__name__}")
+    stage = engine.zero_optimization_stage()
+    if stage:
+        raise invalid_option("deepspeed_config.zero_optimization.stage", stage, "0 with per-replica stage bounds")
+    for key, enabled in (("bf16", engine.bfloat16_enabled()), ("fp16", engine.fp16_enabled())):
+        if enabled:
+            raise invalid_option(f"deepspeed_config.{key}.enabled", True, "false with per-replica stage bounds")
+    if getattr(engine, "has_moe_layers", False):
+        raise invalid_option("model", "MoE layers", "dense layers with per-replica stage bounds")
+    trained = {id(p) for p in engine.module.parameters() if p.requires_grad and p.numel() > 0}
+    covered = {id(p) for p in reducer.parameters() if p.requires_grad}
+    if trained != covered:
+        raise PlanError(
+            f"the layer-wise reducer covers {len(covered)} trained parameters but the engine trains {len(trained)}; "
+            "build the reducer from this engine's pipe.local_layers()"
+        )
+    reducer.average = bool(engine.gradient_average)
+    reducer.prescale = not engine.postscale_gradients()
+    reducer.predivide = float(engine.gradient_predivide_factor())
+    reducer.communication_dtype = engine.communication_data_type
+    engine._resihp_reducer = reducer
+    engine.__class__ = _layerwise_class(type(engine))
+    return engine

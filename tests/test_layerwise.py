@@ -77,9 +77,15 @@ def make_data(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
-def reference(micro_batches: int, clip: float) -> tuple[list[float], dict[str, torch.Tensor]]:
+#: The tie of the tied scenarios: layer 7's weight is layer 0's (one parameter used twice).
+TIE = ((0, "0.weight"), (DEPTH - 1, "0.weight"))
+
+
+def reference(micro_batches: int, clip: float, tied: bool = False) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process, plain PyTorch: loss = mean over the M micro-batches of each one's MSE."""
     layers = nn.ModuleList([Block(i) for i in range(DEPTH)])
+    if tied:
+        layers[DEPTH - 1][0].weight = layers[0][0].weight  # really one parameter
     opt = torch.optim.Adam(layers.parameters(), lr=LR)
     batch = micro_batches * MBS
     x, y = make_data(STEPS * batch)
@@ -110,6 +116,9 @@ SCENARIOS = [
     ("per-replica-clipped", (((3, 1), (0, 3, 8), 3), ((0, 2), (0, 5, 8), 2)), "layerwise", 0.05),
     ("shared-layerwise", (((0, 1), (0, 4, 8), 1), ((2, 3), (0, 4, 8), 3)), "layerwise", 0.0),
     ("shared-deepspeed", (((0, 1), (0, 4, 8), 1), ((2, 3), (0, 4, 8), 3)), "deepspeed", 0.0),
+    # Tied: the tie spans stages (its own group over 4 ranks) / lies within one stage (holder-set group).
+    ("tied-per-replica-clipped", (((3, 1), (0, 3, 8), 3), ((0, 2), (0, 5, 8), 2)), "layerwise-tied", 0.05),
+    ("tied-one-stage", (((0,), (0, 8), 1), ((1,), (0, 8), 1), ((2,), (0, 8), 1), ((3,), (0, 8), 1)), "layerwise-tied", 0.0),
 ]
 
 
@@ -141,13 +150,14 @@ def _run_scenario(rank: int, replicas, reduction: str, clip: float) -> dict:
         [LayerSpec(Block, i) for i in range(DEPTH)], PlanTopology(plan), replica.bounds, loss_fn=loss_fn
     )
     layers = pipe.local_layers()
-    layerwise = reduction == "layerwise"
+    layerwise = reduction.startswith("layerwise")
+    tied = [TIE] if reduction == "layerwise-tied" else []
     if layerwise and pos.replica > 0:
         # Replicas other than the first start from wrong values: the layer-wise broadcast must fix them.
         with torch.no_grad():
             for p in pipe.parameters():
                 p.add_(1.0)
-    reducer = LayerwiseReducer(plan, rank, layers) if layerwise else None
+    reducer = LayerwiseReducer(plan, rank, layers, tied=tied) if layerwise else None
     opt = torch.optim.Adam(pipe.parameters(), lr=LR)
     config = engine_config(MBS, replica.micro_batches, plan.data_degree, {"gradient_clipping": clip})
     engine = build_engine(pipe, opt, config, broadcast=not layerwise)
@@ -222,7 +232,8 @@ def test_per_replica_bounds_train_like_one_process(distributed):
     results = distributed(_layerwise_rank, 4, timeout=120)
     for name, replicas, reduction, clip in SCENARIOS:
         plan = _plan(*replicas)
-        ref_losses, ref_params = reference(results[0][name]["micro_batches"], clip)
+        tied = reduction == "layerwise-tied"
+        ref_losses, ref_params = reference(results[0][name]["micro_batches"], clip, tied)
         for rank, result in enumerate(results):
             got = result[name]
             assert got["losses"] == pytest.approx(ref_losses, abs=1e-6, rel=1e-6), (name, rank)
@@ -241,6 +252,8 @@ def test_per_replica_bounds_train_like_one_process(distributed):
         if reduction == "layerwise":
             expected = {r: sum(1 for s in holder_sets(plan) if r in s and len(s) > 1) for r in range(4)}
             assert [res[name]["groups"] for res in results] == [expected[r] for r in range(4)], name
+        if tied:  # the two copies are still one value
+            assert torch.equal(seen["0.0.weight"][0], seen[f"{DEPTH - 1}.0.weight"][0]), name
     # With shared bounds the layer-wise reduction is DeepSpeed's, bit for bit.
     for rank, result in enumerate(results):
         assert result["shared-layerwise"]["losses"] == result["shared-deepspeed"]["losses"], rank

@@ -10,6 +10,12 @@ scaling ``m_r * D / M`` of the strategy still gives the exact global-batch gradi
 bounds there is one holder set per stage, equal to DeepSpeed's data-parallel group, and the
 reduction is the same as DeepSpeed's.
 
+Tied parameters (one parameter used by several layers, e.g. an input embedding reused as the LM
+head) are kept as equal copies, one per layer, the way DeepSpeed's ``TiedLayerSpec`` does: a tie's
+gradient is the sum of its copies' gradients over every rank holding a copy (averaged over
+replicas like any other), written back into every copy, so the copies receive identical updates
+and stay equal; the initial broadcast makes them equal, and the clipping norm counts a tie once.
+
 Use::
 
     reducer = LayerwiseReducer(plan, rank, pipe.local_layers())   # collective (creates groups)
@@ -22,7 +28,8 @@ Use::
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,7 +37,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from resihp_lightning.errors import PlanError, invalid_option
+from resihp_lightning.errors import ConfigError, PlanError, invalid_option
 from resihp_lightning.plan import Plan
 from resihp_lightning.strategy.placement import owners, position
 
@@ -83,6 +90,94 @@ def _buckets(tensors: list[Tensor], numel: int) -> list[list[Tensor]]:
     return [bucket for bucket in out if bucket]
 
 
+@dataclass
+class _Tie:
+    """One tied parameter as this rank sees it.
+
+    Attributes:
+        members: every copy's ``(layer, name)``, sorted; the first is the one the norm counts.
+        ranks: every rank holding a copy, in any replica (sorted).
+        source: the rank whose value the initial broadcast spreads (the first copy's holder in
+            the first replica).
+        group: the process group over ``ranks`` when this rank is in it and it has two or more
+            ranks, else ``None``.
+        owns_group: whether ``group`` was made for this tie (not shared with a holder set).
+        params: this rank's copies, in ``members`` order.
+    """
+
+    members: tuple[tuple[int, str], ...]
+    ranks: tuple[int, ...]
+    source: int
+    group: Any
+    owns_group: bool
+    params: list[nn.Parameter]
+    first_local: bool
+
+    def is_first(self, param: nn.Parameter) -> bool:
+        return self.first_local and param is self.params[0]
+
+    @classmethod
+    def build(
+        cls,
+        ordered: tuple[tuple[int, str], ...],
+        params: list[nn.Parameter],
+        holders: Sequence[tuple[int, ...]],
+        rank: int,
+        local_layers: Mapping[int, nn.Module],
+        created: dict[frozenset[int], Any],
+    ) -> _Tie:
+        """Collective when the tie needs a group no holder set has (every rank calls it in order)."""
+        ranks = tuple(sorted({r for layer, _ in ordered for r in holders[layer]}))
+        owns = False
+        group = created.get(frozenset(ranks))
+        if group is None and len(ranks) > 1:
+            group = dist.new_group(ranks=list(ranks))
+            created[frozenset(ranks)] = group
+            owns = True
+        member = rank in ranks and len(ranks) > 1
+        return cls(
+            members=ordered,
+            ranks=ranks,
+            source=holders[ordered[0][0]][0],
+            group=group if member else None,
+            owns_group=owns and member,
+            params=params,
+            first_local=bool(params) and ordered[0][0] in local_layers,
+        )
+
+
+def _resolve_ties(
+    tied: Sequence[Sequence[tuple[int, str]]], local_layers: Mapping[int, nn.Module]
+) -> list[tuple[tuple[tuple[int, str], ...], list[nn.Parameter]]]:
+    """Each tie's sorted members and this rank's copies; errors are agreed on by every rank.
+
+    A tie naming a missing parameter is found only on the rank holding that layer; the error is
+    gathered so that every rank raises it, instead of the others waiting in the next collective.
+    """
+    resolved, error = [], ""
+    for members in tied:
+        ordered = tuple(sorted((int(layer), str(name)) for layer, name in members))
+        params: list[nn.Parameter] = []
+        for layer, name in ordered:
+            if layer not in local_layers:
+                continue
+            named = dict(local_layers[layer].named_parameters())
+            if name not in named:
+                error = error or str(invalid_option("pipeline_tied_parameters", f"{layer}.{name}", f"parameters of layer {layer}: {sorted(named)}"))
+            else:
+                params.append(named[name])
+        if params and any(p.shape != params[0].shape for p in params):
+            error = error or str(invalid_option("pipeline_tied_parameters", [f"{l}.{n}" for l, n in ordered], "copies of one shape"))
+        resolved.append((ordered, params))
+    if tied and dist.is_initialized() and dist.get_world_size() > 1:
+        errors: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        error = next((e for e in errors if e), "")
+    if error:
+        raise ConfigError(error)
+    return resolved
+
+
 class LayerwiseReducer:
     """All-reduces this rank's gradients layer-wise over the holder sets of ``plan``.
 
@@ -95,12 +190,21 @@ class LayerwiseReducer:
         rank: this process's global rank.
         local_layers: this rank's layer modules by global layer index (``pipe.local_layers()``); layers
             without parameters may be left out.
+        tied: groups of parameters that are one parameter, each a sequence of ``(layer, name)``
+            (``name`` as in ``layer.named_parameters()``); the same on every rank.
 
     Raises:
         PlanError: ``local_layers`` names a layer this rank does not hold under ``plan``.
+        ConfigError: a tied parameter does not exist in its layer, or tied copies differ in shape.
     """
 
-    def __init__(self, plan: Plan, rank: int, local_layers: Mapping[int, nn.Module]) -> None:
+    def __init__(
+        self,
+        plan: Plan,
+        rank: int,
+        local_layers: Mapping[int, nn.Module],
+        tied: Sequence[Sequence[tuple[int, str]]] = (),
+    ) -> None:
         mine = position(plan, rank).layers
         extra = sorted(set(local_layers) - set(mine))
         if extra:
@@ -115,12 +219,17 @@ class LayerwiseReducer:
         self.predivide = 1.0
         self.communication_dtype: torch.dtype | None = None
         self._groups: dict[tuple[int, ...], Any] = {}
+        created: dict[frozenset[int], Any] = {}
         for ranks in holder_sets(plan):
             if len(ranks) < 2:
                 continue
             group = dist.new_group(ranks=list(ranks))
+            created[frozenset(ranks)] = group
             if rank in ranks:
                 self._groups[ranks] = group
+        resolved = _resolve_ties(tied, local_layers)
+        self._ties = [_Tie.build(members, params, holders, rank, local_layers, created) for members, params in resolved]
+        tied_ids = {id(p) for tie in self._ties for p in tie.params}
         # Per holder set (in holder_sets order): the parameters whose gradients it reduces, and all
         # parameters (for the initial broadcast, which DeepSpeed also does for frozen ones).
         self._trained: dict[tuple[int, ...], list[nn.Parameter]] = {}
@@ -130,7 +239,9 @@ class LayerwiseReducer:
             params = [p for p in local_layers[layer].parameters() if p.numel() > 0]
             self._layer_params[layer] = params
             self._all.setdefault(holders[layer], []).extend(params)
-            self._trained.setdefault(holders[layer], []).extend(p for p in params if p.requires_grad)
+            self._trained.setdefault(holders[layer], []).extend(
+                p for p in params if p.requires_grad and id(p) not in tied_ids
+            )
         self._order = [h for h in holder_sets(plan) if h in self._groups and h in self._all]
         self._num_layers = len(holders)
 
@@ -161,6 +272,21 @@ class LayerwiseReducer:
             for dtype in sorted(grads, key=str):
                 for bucket in _buckets(grads[dtype], bucket_numel):
                     self._allreduce(bucket, self._groups[ranks], len(ranks))
+        for tie in self._ties:
+            if not tie.params or not tie.params[0].requires_grad:
+                continue
+            total = torch.zeros_like(tie.params[0])
+            for p in tie.params:
+                if p.grad is not None:
+                    total.add_(p.grad)
+            if tie.group is not None:
+                # Summed over every copy in every replica, then averaged over the replicas.
+                self._allreduce([total], tie.group, self.data_degree)
+            for p in tie.params:
+                if p.grad is None:
+                    p.grad = total.clone()
+                else:
+                    p.grad.copy_(total)
 
     def _allreduce(self, tensors: list[Tensor], group: Any, world: int) -> None:
         """DeepSpeed's ``allreduce_bucket`` maths on one flattened buffer."""
@@ -200,6 +326,14 @@ class LayerwiseReducer:
                     dist.broadcast(flat, src=ranks[0], group=self._groups[ranks])
                     for tensor, synced in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
                         tensor.copy_(synced)
+            for tie in self._ties:
+                if not tie.params:
+                    continue
+                value = tie.params[0].data.clone()
+                if tie.group is not None:
+                    dist.broadcast(value, src=tie.source, group=tie.group)
+                for p in tie.params:
+                    p.data.copy_(value)
 
     def grad_norm(self, pipe_group: Any = None, device: Any = None) -> Tensor:
         """The 2-norm of the whole model's gradient, the same value on every rank of ``pipe_group``.
@@ -217,9 +351,10 @@ class LayerwiseReducer:
         if device is None:
             device = next((p.device for p in self.parameters()), torch.device("cpu"))
         squares = torch.zeros(self._num_layers, dtype=torch.float64, device=device)
+        copies = {id(p) for tie in self._ties for p in tie.params if not tie.is_first(p)}
         for layer, params in self._layer_params.items():
             for p in params:
-                if p.grad is not None:
+                if p.grad is not None and id(p) not in copies:
                     squares[layer] += p.grad.detach().float().norm(2).double() ** 2
         if pipe_group is not None:
             dist.all_reduce(squares, group=pipe_group)
@@ -236,12 +371,14 @@ class LayerwiseReducer:
 
     def destroy(self) -> None:
         """Destroys the process groups this reducer created (this rank's memberships)."""
-        for group in self._groups.values():
+        mine = list(self._groups.values()) + [t.group for t in self._ties if t.group is not None and t.owns_group]
+        for group in mine:
             try:
                 dist.destroy_process_group(group)
             except (ValueError, RuntimeError):  # already gone with the world group
                 pass
         self._groups.clear()
+        self._ties = []
         self._order = []
 
 

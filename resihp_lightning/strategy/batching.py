@@ -8,7 +8,7 @@ replicas before it, so changing D or the per-replica counts m_r needs no new Dat
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -110,6 +110,16 @@ def micro_batches(split: SplitBatch, offset: int, count: int, micro_batch_size: 
             )
         )
     return out
+
+
+def cast_inputs(items: Sequence[MicroBatch], dtype: torch.dtype) -> list[MicroBatch]:
+    """``items`` with floating-point inputs in ``dtype`` (the engine's bf16 / fp16 parameters need them).
+
+    Integer inputs (token ids, positions) and labels are left as they are.
+    """
+    return [
+        replace(mb, inputs=tuple(t.to(dtype) if t.is_floating_point() else t for t in mb.inputs)) for mb in items
+    ]
 
 
 def eval_shares(rows: int, micro_batch_size: int, weights: Sequence[int]) -> list[tuple[int, int]]:

@@ -53,14 +53,20 @@ def gather_model_state(params: Mapping[str, nn.Parameter], sends: bool) -> dict[
 
 def gather_optimizer_state(
     optimizer: Optimizer, groups: list[dict[str, Any]], group_of: Mapping[str, int],
-    params: Mapping[str, nn.Parameter], sends: bool,
+    params: Mapping[str, nn.Parameter], sends: bool, state: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The optimizer's layer-keyed state on rank 0 (hyper-parameters on every rank); collective."""
+    """The optimizer's layer-keyed state on rank 0 (hyper-parameters on every rank); collective.
+
+    Args:
+        state: per-parameter state by key to save instead of ``optimizer.state`` (what a DeepSpeed
+            wrapper holds, from :func:`~resihp_lightning.strategy.wrapped_state.export_state`).
+    """
     part = {}
     if sends:
         for key, p in params.items():
-            if p in optimizer.state and optimizer.state[p]:
-                part[key] = {k: _cpu(v) for k, v in optimizer.state[p].items()}
+            entry = state.get(key) if state is not None else optimizer.state.get(p)
+            if entry:
+                part[key] = {k: _cpu(v) for k, v in entry.items()}
     return {
         "format": FORMAT,
         "param_groups": [{k: v for k, v in group.items() if k != "params"} for group in groups],
@@ -85,10 +91,8 @@ def load_model_state(state: Mapping[str, Any], params: Mapping[str, nn.Parameter
                 p.copy_(state[key])
 
 
-def load_optimizer_state(
-    optimizer: Optimizer, groups: list[dict[str, Any]], saved: Mapping[str, Any], params: Mapping[str, nn.Parameter]
-) -> None:
-    """Restores hyper-parameters and this rank's per-parameter state from a layer-keyed optimizer state."""
+def load_hyperparameters(groups: list[dict[str, Any]], saved: Mapping[str, Any]) -> None:
+    """Restores the parameter groups' hyper-parameters (learning rate, ...) from a saved optimizer state."""
     if saved.get("format") != FORMAT:
         raise ConfigError(
             f"optimizer state in the checkpoint has format {saved.get('format')!r}; ResiHPStrategy reads {FORMAT!r}"
@@ -99,12 +103,27 @@ def load_optimizer_state(
         )
     for group, hyper in zip(groups, saved["param_groups"]):
         group.update({k: v for k, v in hyper.items() if k != "params"})
+
+
+def load_optimizer_state(
+    optimizer: Optimizer, groups: list[dict[str, Any]], saved: Mapping[str, Any], params: Mapping[str, nn.Parameter]
+) -> None:
+    """Restores hyper-parameters and this rank's per-parameter state into the plain optimizer.
+
+    A state saved under a DeepSpeed wrapper carries the fp32 master value: it becomes the parameter's value.
+    """
+    from resihp_lightning.strategy.wrapped_state import as_plain_entry
+
+    load_hyperparameters(groups, saved)
     for key, p in params.items():
         if key in saved["state"]:
+            entry, master = as_plain_entry(saved["state"][key])
             optimizer.state[p] = {
-                k: (v.to(p.device) if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
-                for k, v in saved["state"][key].items()
+                k: (v.to(p.device) if isinstance(v, torch.Tensor) and v.dim() > 0 else v) for k, v in entry.items()
             }
+            if master is not None:
+                with torch.no_grad():
+                    p.copy_(master)
 
 
 def _order(key: str) -> tuple[int, str]:

@@ -94,7 +94,14 @@ def set_micro_batches(engine: Any, micro_batches: int) -> None:
 
 
 def destroy_engine(engine: Any) -> None:
-    """Releases the process groups DeepSpeed created for ``engine`` (they are per topology)."""
+    """Releases the process groups DeepSpeed created for ``engine`` (they are per topology).
+
+    A DeepSpeed optimizer wrapper (ZeRO-1 / bf16) is detached from the parameters first: reused layers
+    would otherwise keep its gradient hooks.
+    """
+    from resihp_lightning.strategy.wrapped_state import release
+
+    release(engine)
     pipe = engine.module
     grid = pipe._grid
     seen: set[int] = set()

@@ -86,16 +86,24 @@ def migrate(
     old_layers: Mapping[int, nn.Module],
     new_layers: Mapping[int, nn.Module],
     optimizer: Optimizer | None,
+    state: Mapping[torch.Tensor, Mapping[str, Any]] | None = None,
 ) -> tuple[int, dict[int, dict[str, dict[str, Any]]]]:
     """Runs the transfers; collective over the world group (every rank calls it).
 
-    Parameters and persistent buffers are received straight into the new owners' modules. Optimizer state is returned,
-    not installed, because the optimizer's parameter groups are rebuilt afterwards.
+    Parameters and persistent buffers are received straight into the new owners' modules (which must
+    already have the senders' dtypes). Optimizer state is returned, not installed, because the
+    optimizer's parameter groups are rebuilt afterwards.
+
+    Args:
+        state: per-parameter state to carry instead of ``optimizer.state`` (parameter -> name -> value),
+            e.g. :func:`~resihp_lightning.strategy.wrapped_state.export_state` re-keyed by parameter when
+            a DeepSpeed wrapper owns the optimizer state.
 
     Returns:
         (bytes this rank sent, received optimizer state: layer -> parameter name -> state dict).
     """
-    state = optimizer.state if optimizer is not None else {}
+    if state is None:
+        state = optimizer.state if optimizer is not None else {}
     outgoing = [t for t in transfers if t.src == rank]
     meta: dict[tuple[int, int], list[tuple[str, tuple, dict[str, tuple[str, Any]]]]] = {}
     for t in outgoing:

@@ -215,12 +215,14 @@ class ResiHPStrategyMixin:
             shared_partition=False,
         )
         validate(problem, plan, check_memory=False)
-        if self._plan is not None and self._wrapped_optimizer():
+        from resihp_lightning.strategy.wrapped_state import wrapped_config_reason
+
+        reason = wrapped_config_reason(self.options.deepspeed_config)
+        if self._plan is not None and reason is not None:
             same = [(r.devices, r.bounds) for r in self._plan.replicas] == [(r.devices, r.bounds) for r in plan.replicas]
             if not same:
                 raise PlanError(
-                    "moving layers is not supported with ZeRO-1 / bf16 / fp16 (DeepSpeed's optimizer wrapper owns the "
-                    "state); only per-replica micro-batch counts can change"
+                    f"moving layers is not supported with {reason}; only per-replica micro-batch counts can change"
                 )
 
     def _wrapped_optimizer(self) -> bool:
@@ -323,8 +325,10 @@ class ResiHPStrategyMixin:
         self._settle_micro_batches(split.rows)
         plan, pos = self.current_plan, self._position
         replica = plan.replicas[pos.replica]
-        items = batching.micro_batches(
-            split, row_offset(plan, pos.replica, self.micro_batch_size), replica.micro_batches, self.micro_batch_size
+        items = self._cast(
+            batching.micro_batches(
+                split, row_offset(plan, pos.replica, self.micro_batch_size), replica.micro_batches, self.micro_batch_size
+            )
         )
         self._loss_scale = replica.micro_batches * plan.data_degree / self._num_micro
         self._profiler.begin_step()
@@ -387,8 +391,14 @@ class ResiHPStrategyMixin:
         return checkpoint.gather_model_state(tensors, sends=self._position.replica == 0)
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        from resihp_lightning.strategy import wrapped_state
+
+        params = self._local_params()
+        # Under a DeepSpeed wrapper the state (with the fp32 masters) lives in its flat partitions;
+        # export_state is collective over each stage's data-parallel group (every rank is here).
+        state = wrapped_state.export_state(self._engine, params) if wrapped_state.is_wrapped(self._engine) else None
         return checkpoint.gather_optimizer_state(
-            self._optimizer, self._groups, self._group_of, self._local_params(), sends=self._position.replica == 0
+            self._optimizer, self._groups, self._group_of, params, sends=self._position.replica == 0, state=state
         )
 
     def save_checkpoint(self, checkpoint_dict: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
@@ -408,12 +418,26 @@ class ResiHPStrategyMixin:
         for index, layer in self._pipe.local_layers().items():
             tensors.update({f"{index}.{name}": b for name, b in persistent_buffers(layer).items()})
         checkpoint.load_model_state(checkpoint_dict["state_dict"], tensors, strict=strict)
+        from resihp_lightning.strategy import wrapped_state
+
+        if wrapped_state.is_wrapped(self._engine):
+            # The wrapper steps its fp32 masters: they must hold the loaded weights too.
+            wrapped_state.set_masters(self._engine, self._local_params())
 
     def load_optimizer_state_dict(self, checkpoint_dict: Mapping[str, Any]) -> None:
+        from resihp_lightning.strategy import wrapped_state
+
         states = checkpoint_dict.get("optimizer_states") or []
         if self._optimizer is None or not states:
             return
-        checkpoint.load_optimizer_state(self._optimizer, self._groups, states[0], self._local_params())
+        params = self._local_params()
+        if wrapped_state.is_wrapped(self._engine):
+            saved = states[0]
+            checkpoint.load_hyperparameters(self._groups, saved)
+            entries = {k: wrapped_state.as_wrapped_entry(saved["state"][k], p) for k, p in params.items() if k in saved["state"]}
+            wrapped_state.import_state(self._engine, params, entries)
+        else:
+            checkpoint.load_optimizer_state(self._optimizer, self._groups, states[0], params)
 
     def teardown(self) -> None:
         if self._engine is not None:
@@ -591,8 +615,18 @@ class ResiHPStrategyMixin:
             set_micro_batches(self._engine, plan.replicas[self._position.replica].micro_batches)
             self._plan = plan
         else:
+            from resihp_lightning.strategy import wrapped_state
+
             transfers = plan_transfers(old, plan, self._layer_numel)
             old_layers = self._pipe.local_layers()
+            wrapped = wrapped_state.is_wrapped(self._engine)
+            carried, exported, scaler = None, {}, {}
+            if wrapped:
+                # Collective over each stage's data-parallel group: before the engine's groups go.
+                old_params = self._local_params()
+                exported = wrapped_state.export_state(self._engine, old_params)
+                scaler = wrapped_state.export_scaler(self._engine)
+                carried = {old_params[key]: entry for key, entry in exported.items()}
             recording = self._profiler.record_layers
             self._profiler.detach()
             destroy_engine(self._engine)
@@ -603,13 +637,22 @@ class ResiHPStrategyMixin:
             incoming = {t.layer for t in transfers if t.dst == self.global_rank}
             self._pipe = self._build_pipe(plan, reuse, skip_init=incoming)
             new_layers = self._pipe.local_layers()
+            if wrapped:
+                # Received values arrive in the sender's dtype (the engine's): cast the fresh layers first.
+                dtype = wrapped_state.engine_param_dtype(self.options.deepspeed_config)
+                wrapped_state.cast_parameters([new_layers[i] for i in incoming if i in new_layers], dtype)
             moving = time.perf_counter()
-            sent, received = migrate(transfers, self.global_rank, old_layers, new_layers, self._optimizer)
+            sent, received = migrate(transfers, self.global_rank, old_layers, new_layers, self._optimizer, state=carried)
             transfer_s = time.perf_counter() - moving
+            state = {f"{layer}.{name}": s for layer, per in received.items() for name, s in per.items()}
             if self._optimizer is not None:
-                state = {f"{layer}.{name}": s for layer, per in received.items() for name, s in per.items()}
-                optim.assign(self._optimizer, self._groups, self._group_of, self._local_params(), state)
+                # Under a wrapper the user's optimizer only holds flat partitions: the state goes in below.
+                optim.assign(self._optimizer, self._groups, self._group_of, self._local_params(), None if wrapped else state)
             self._engine = self._new_engine(plan, broadcast=False)
+            if wrapped:
+                kept = {key: entry for key, entry in exported.items() if int(key.split(".", 1)[0]) in self._position.layers}
+                wrapped_state.import_state(self._engine, self._local_params(), {**kept, **state})
+                wrapped_state.import_scaler(self._engine, scaler)
             self._profiler.record_layers = recording
         total = torch.tensor([float(sent)], dtype=torch.float64, device=self.root_device)
         if not same_layout:
@@ -639,7 +682,7 @@ class ResiHPStrategyMixin:
         plan, pos = self.current_plan, self._position
         shares = batching.eval_shares(split.rows, self.micro_batch_size, [r.micro_batches for r in plan.replicas])
         offset, count = shares[pos.replica]
-        items = batching.micro_batches(split, offset, count, self.micro_batch_size)
+        items = self._cast(batching.micro_batches(split, offset, count, self.micro_batch_size))
         if not count:
             dist.barrier()  # eval_batch's own barrier, so that replicas without work stay in step
             return items, None
@@ -651,6 +694,13 @@ class ResiHPStrategyMixin:
             num_micro_batches=count,
         )
         return items, outputs if pos.stage == plan.pipeline_degree - 1 else None
+
+    def _cast(self, items: list[batching.MicroBatch]) -> list[batching.MicroBatch]:
+        """Floating-point inputs in the engine's parameter dtype (bf16 / fp16 runs get float32 batches)."""
+        from resihp_lightning.strategy.wrapped_state import engine_param_dtype
+
+        dtype = engine_param_dtype(self.options.deepspeed_config)
+        return items if dtype == torch.float32 else batching.cast_inputs(items, dtype)
 
     def _evaluate(self, batch: Any) -> Tensor:
         items, losses = self._run_share(batch, compute_loss=True)
@@ -729,9 +779,10 @@ class ResiHPStrategy(ResiHPStrategyMixin, DDPStrategy):
         micro_batch_size: rows per micro-batch.
         micro_batches: M per global batch; default: inferred from the first training batch.
         deepspeed_config: DeepSpeed config entries over the defaults (``gradient_clipping`` 0.0; ZeRO-1,
-            ``bf16`` and ``pipeline.activation_checkpoint_interval`` pass through). Optimizer state
-            migration assumes the plain fp32 optimizer: with ZeRO-1 / bf16 / fp16 only micro-batch
-            counts may change live (layer moves are refused with a ``PlanError``).
+            ``bf16`` and ``pipeline.activation_checkpoint_interval`` pass through). Layer moves carry
+            the optimizer state of the plain optimizer and, through DeepSpeed's per-parameter accessors,
+            of its ZeRO-1 / bf16 wrappers (fp32 master weights included); with fp16 or ZeRO offload only
+            micro-batch counts may change live (layer moves are refused with a ``PlanError``).
         planner: planner options (kept for the controller callback).
         process_group_backend: ``"gloo"`` / ``"nccl"`` (default by device).
         timeout: collective timeout.

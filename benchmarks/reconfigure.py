@@ -2,19 +2,20 @@
 
 Runs ``Trainer(strategy=ResiHPStrategy(...))`` on 4 gloo processes (this machine's CPU) for each
 model size, a stack of 8 ``Linear + tanh`` layers given as DeepSpeed ``LayerSpec``s (built only on
-the ranks that hold them), trained with Adam, and applies four re-plans at step boundaries:
+the ranks that hold them), trained with Adam, and applies five re-plans at step boundaries:
 
 1. ``swap replicas``: the two 2-stage replicas trade devices; every rank keeps its layers
    (0 bytes: the cost of tearing down and rebuilding the engine alone);
 2. ``move 1 layer``: bounds (0,4,8) -> (0,3,8): the two second-stage ranks fetch layer 3;
 3. ``swap stages``: each replica's two ranks trade stages: every rank fetches a whole stage;
-4. ``2x2 -> 4x1``: one 4-stage pipeline.
+4. ``2x2 -> 4x1``: one 4-stage pipeline;
+5. ``4x1 -> per-replica 2x2``: two 2-stage replicas with different bounds, (0,3,8) and (0,5,8).
 
 For each it prints the strategy's ``last_migration`` (rank 0's wall time from request to ready
 engine, split into the point-to-point exchange and the rest) with the bytes moved, checked against
 the bytes the layers new to each rank hold (weights + Adam's two moments + its step counters).
 
-    python benchmarks/reconfigure.py [--sizes tiny,1M,10M,100M]
+    python benchmarks/reconfigure.py [--sizes tiny,1M,10M,100M] [--optimizer plain|zero1|bf16]
 """
 
 from __future__ import annotations
@@ -34,8 +35,14 @@ TRANSITIONS = [
     ("move 1 layer", [([2, 3], (0, 3, 8), 2), ([0, 1], (0, 3, 8), 2)]),
     ("swap stages", [([3, 2], (0, 3, 8), 2), ([1, 0], (0, 3, 8), 2)]),
     ("2x2 -> 4x1", [([0, 1, 2, 3], (0, 2, 4, 6, 8), 4)]),
+    ("4x1 -> per-replica 2x2", [([0, 1], (0, 3, 8), 2), ([2, 3], (0, 5, 8), 2)]),
 ]
 INITIAL = [([0, 1], (0, 4, 8), 2), ([2, 3], (0, 4, 8), 2)]
+
+
+def transitions(optimizer: str) -> list:
+    """The re-plans run with ``optimizer`` (per-replica bounds need the plain fp32 optimizer)."""
+    return TRANSITIONS if optimizer == "plain" else [t for t in TRANSITIONS if "per-replica" not in t[0]]
 
 
 def _plan(replicas):
@@ -44,16 +51,25 @@ def _plan(replicas):
     return Plan(tuple(Replica(tuple(d), tuple(b), m) for d, b, m in replicas))
 
 
-def _expected_bytes(old, new, hidden: int) -> int:
+#: DeepSpeed config of each ``--optimizer`` choice, and the bytes a moved parameter element costs:
+#: the weight (4 B in fp32, 2 B in bf16), Adam's two fp32 moments, and under a wrapper its fp32 master.
+OPTIMIZERS = {
+    "plain": ({}, 4 + 8),
+    "zero1": ({"zero_optimization": {"stage": 1}}, 4 + 4 + 8),
+    "bf16": ({"bf16": {"enabled": True}}, 2 + 4 + 8),
+}
+
+
+def _expected_bytes(old, new, hidden: int, per_element: int) -> int:
     held = lambda plan: {  # noqa: E731
         d: set(range(r.bounds[j], r.bounds[j + 1])) for r in plan.replicas for j, d in enumerate(r.devices)
     }
     before, after = held(old), held(new)
-    per_layer = 3 * (hidden * hidden + hidden) * 4 + 2 * 4  # weight+bias, exp_avg, exp_avg_sq; 2 steps
+    per_layer = (hidden * hidden + hidden) * per_element + 2 * 4  # weight and bias; their 2 Adam steps
     return sum(len(after[d] - before[d]) for d in after) * per_layer
 
 
-def _rank(rank: int, port: int, hidden: int, queue) -> None:
+def _rank(rank: int, port: int, hidden: int, optimizer: str, queue) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
         WORLD_SIZE=str(WORLD), OMP_NUM_THREADS="1",
@@ -80,7 +96,7 @@ def _rank(rank: int, port: int, hidden: int, queue) -> None:
         def configure_optimizers(self):
             return torch.optim.Adam(self.parameters(), lr=1e-4)
 
-    schedule = {step + 1: _plan(replicas) for step, (_, replicas) in enumerate(TRANSITIONS)}
+    schedule = {step + 1: _plan(replicas) for step, (_, replicas) in enumerate(transitions(optimizer))}
     records = []
 
     class Replanner(pl.Callback):
@@ -93,8 +109,9 @@ def _rank(rank: int, port: int, hidden: int, queue) -> None:
 
     data = TensorDataset(torch.randn(4, hidden), torch.randn(4, hidden))
     trainer = pl.Trainer(
-        strategy=ResiHPStrategy(plan=_plan(INITIAL), micro_batch_size=1), accelerator="cpu", devices=WORLD,
-        num_nodes=1, max_steps=len(TRANSITIONS) + 1, logger=False, enable_progress_bar=False,
+        strategy=ResiHPStrategy(plan=_plan(INITIAL), micro_batch_size=1, deepspeed_config=OPTIMIZERS[optimizer][0]),
+        accelerator="cpu", devices=WORLD,
+        num_nodes=1, max_steps=len(transitions(optimizer)) + 1, logger=False, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=False, callbacks=[Replanner()],
         use_distributed_sampler=False,
     )
@@ -127,15 +144,23 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_size(hidden: int, timeout: float = 600.0) -> list[dict]:
+def run_size(hidden: int, optimizer: str = "plain", timeout: float = 600.0) -> list[dict]:
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, hidden, queue)) for r in range(WORLD)]
+    procs = [ctx.Process(target=_rank, args=(r, port, hidden, optimizer, queue)) for r in range(WORLD)]
     for p in procs:
         p.start()
+    deadline = time.monotonic() + timeout
     try:
-        records = queue.get(timeout=timeout)
+        while True:  # fail at once when a rank dies instead of waiting out the timeout
+            try:
+                records = queue.get(timeout=1.0)
+                break
+            except Exception:  # queue.Empty
+                dead = [p.exitcode for p in procs if not p.is_alive() and p.exitcode != 0]
+                if dead or time.monotonic() > deadline:
+                    raise RuntimeError(f"benchmark job failed (exit codes {dead}) or timed out") from None
     finally:
         for p in procs:
             p.join(60)
@@ -147,18 +172,22 @@ def run_size(hidden: int, timeout: float = 600.0) -> list[dict]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="tiny,1M,10M,100M", help=f"comma-separated, from {list(SIZES)}")
+    parser.add_argument("--optimizer", default="plain", choices=list(OPTIMIZERS),
+                        help="plain fp32 Adam, or Adam under DeepSpeed's ZeRO-1 / bf16 wrapper")
     args = parser.parse_args(argv)
+    per_element = OPTIMIZERS[args.optimizer][1]
+    print(f"optimizer: {args.optimizer}\n")
     print("| model | params | re-plan | bytes moved | = layers new to ranks | total s | p2p s | rebuild s | p2p GB/s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name in args.sizes.split(","):
         hidden = SIZES[name]
         params = LAYERS * (hidden * hidden + hidden)
         start = time.perf_counter()
-        records = run_size(hidden)
+        records = run_size(hidden, args.optimizer)
         old = _plan(INITIAL)
-        for (label, replicas), rec in zip(TRANSITIONS, records):
+        for (label, replicas), rec in zip(transitions(args.optimizer), records):
             new = _plan(replicas)
-            expected = _expected_bytes(old, new, hidden)
+            expected = _expected_bytes(old, new, hidden, per_element)
             rate = rec["bytes_moved"] / rec["transfer_seconds"] / 1e9 if rec["bytes_moved"] else 0.0
             print(
                 f"| {name} | {params / 1e6:.2f} M | {label} | {rec['bytes_moved'] / 2**20:.1f} MiB | "

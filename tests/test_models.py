@@ -243,7 +243,83 @@ def test_lightning_module_contract_and_hf_export(checkpoints, tmp_path):
         ref = reloaded(input_ids=batch["input_ids"][:1, start : start + n]).logits[0]
     torch.testing.assert_close(logits[0, start : start + n], ref, atol=1e-5, rtol=0)
 
+    # Tied embeddings are named as one parameter (Qwen2 small models tie them).
+    last = len(layers) - 1
+    assert list(module.pipeline_tied_parameters()) == [("0.embed_tokens.weight", f"{last}.lm_head.weight")]
+
     scratch = CausalLMPipelineModule(scratch=ScratchModelConfig(model_type="llama", num_hidden_layers=2))
     assert len(scratch.pipeline_layers()) == 4 and scratch.vocab_size == VOCAB
+    assert list(scratch.pipeline_tied_parameters()) == []
     with pytest.raises(ConfigError, match="model.scratch.model_type"):
         CausalLMPipelineModule(scratch=ScratchModelConfig(model_type="gpt2"))
+
+
+TIED_STEPS = 3
+TIED_LR = 1e-2
+
+
+def _tied_batches():
+    return [_packed_batch(seed=10 + step, seq_len=24) for step in range(TIED_STEPS)]
+
+
+def _tied_reference(path):
+    """One process: the pipeline layers with the head's matrix really being the embedding's."""
+    from resihp_lightning.models import CausalLMPipelineModule
+
+    module = CausalLMPipelineModule(model_path=str(path), learning_rate=TIED_LR, weight_decay=0.1)
+    layers = module.pipeline_layers()
+    layers[-1].lm_head.weight = layers[0].embed_tokens.weight
+    optimizer = module.configure_optimizers()
+    losses = []
+    for batch in _tied_batches():
+        inputs, labels, _ = module.pipeline_batch(batch)
+        rows = labels.shape[0]
+        optimizer.zero_grad()
+        total = 0.0
+        for k in range(rows):
+            loss = causal_lm_loss(_run(layers, tuple(t[k : k + 1] for t in inputs)), labels[k : k + 1]) / rows
+            loss.backward()
+            total += float(loss)
+        optimizer.step()
+        losses.append(total)
+    return losses, layers[0].embed_tokens.weight.detach().clone()
+
+
+def _tied_rank(rank, world, path):
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    from resihp_lightning.models import CausalLMPipelineModule
+    from resihp_lightning.strategy.strategy import ResiHPStrategy
+
+    class Losses(pl.Callback):
+        def __init__(self):
+            self.values = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.values.append(float(outputs["loss"]))
+
+    losses = Losses()
+    module = CausalLMPipelineModule(model_path=str(path), learning_rate=TIED_LR, weight_decay=0.1)
+    strategy = ResiHPStrategy(pipeline_degree=2, micro_batch_size=1)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world, strategy=strategy, max_steps=TIED_STEPS, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        use_distributed_sampler=False, callbacks=[losses],
+    )
+    trainer.fit(module, DataLoader(_tied_batches(), batch_size=None))
+    state = strategy.lightning_module_state_dict()
+    return {"losses": losses.values, "embed": state.get("0.embed_tokens.weight"),
+            "head": state.get(f"{len(module.layers) - 1}.lm_head.weight")}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_tied_embeddings_train_as_one_parameter_across_stages(checkpoints, distributed):
+    results = distributed(_tied_rank, 2, timeout=280, path=str(checkpoints["qwen2"]))
+    ref_losses, ref_embed = _tied_reference(checkpoints["qwen2"])
+    for rank, result in enumerate(results):
+        assert result["losses"] == pytest.approx(ref_losses, abs=1e-5, rel=0), rank
+    embed, head = results[0]["embed"], results[0]["head"]
+    assert torch.equal(embed, head)  # the two copies are still one value
+    torch.testing.assert_close(embed, ref_embed, atol=1e-5, rtol=0)

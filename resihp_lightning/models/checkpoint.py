@@ -16,10 +16,12 @@ pipeline key            Hugging Face key
 =====================  ===============================================
 
 Tied embeddings (``tie_word_embeddings: true``, e.g. small Qwen2 models): the embedding and the
-head usually sit on different pipeline stages, so the head gets its own copy of the matrix and the
-two are trained independently (no cross-stage gradient sum). :func:`save_hf_checkpoint` keeps the
-checkpoint tied when the two copies are still equal and otherwise writes both matrices with
-``tie_word_embeddings: false``, so that the saved model gives exactly the pipeline's logits.
+head usually sit on different pipeline stages, so the head gets its own copy of the matrix;
+``CausalLMPipelineModule.pipeline_tied_parameters`` names the pair, and the strategy sums their
+gradients so that the copies stay equal (one shared parameter). :func:`save_hf_checkpoint` keeps the
+checkpoint tied when the two copies are equal and otherwise (e.g. layers trained without the
+strategy) writes both matrices with ``tie_word_embeddings: false``, so that the saved model gives
+exactly the pipeline's logits.
 """
 
 from __future__ import annotations

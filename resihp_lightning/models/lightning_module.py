@@ -105,6 +105,12 @@ class CausalLMPipelineModule(ResiHPModule):
         """``num_hidden_layers + 2`` layers: embedding, one per decoder layer, norm + head."""
         return list(self.layers)
 
+    def pipeline_tied_parameters(self) -> Sequence[Sequence[str]]:
+        """With ``tie_word_embeddings`` the LM head's matrix is the input embedding's (one parameter)."""
+        if not getattr(self.hf_config, "tie_word_embeddings", False):
+            return ()
+        return [("0.embed_tokens.weight", f"{len(self.layers) - 1}.lm_head.weight")]
+
     def pipeline_loss(self, outputs: Tensor, labels: Tensor) -> Tensor:
         """Token-mean cross-entropy of one micro-batch (labels already shifted, -100 ignored)."""
         return causal_lm_loss(outputs, labels)

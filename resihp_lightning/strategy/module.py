@@ -30,6 +30,10 @@ class ResiHPModuleMixin:
         """The mean loss of one micro-batch (see :class:`ResiHPModule`)."""
         raise NotImplementedError
 
+    def pipeline_tied_parameters(self) -> Sequence[Sequence[str]]:
+        """Groups of parameters that are one parameter (see :class:`ResiHPModule`); default: none."""
+        return ()
+
     def pipeline_batch(self, batch: Any) -> tuple[Any, Any, Tensor | None]:
         """Default: ``batch`` is ``(inputs, labels)`` or, for ``trainer.predict``, a tensor of inputs."""
         if isinstance(batch, Tensor):
@@ -65,7 +69,14 @@ class ResiHPModule(ResiHPModuleMixin, LightningModule):
       tensors) and returns a tensor or a tuple of tensors; the first layer gets the ``inputs`` of
       :meth:`pipeline_batch`. ``nn.Module`` layers are used as they are (keep them as attributes,
       e.g. an ``nn.ModuleList``, so that ``configure_optimizers`` sees them); ``LayerSpec`` layers are
-      built only on the ranks that hold them. Called once, at setup. Tied layers are not supported.
+      built only on the ranks that hold them. Called once, at setup. DeepSpeed ``TiedLayerSpec``\ s
+      are not accepted; tie parameters with ``pipeline_tied_parameters`` instead.
+    * ``pipeline_tied_parameters(self) -> Sequence[Sequence[str]]`` (optional): groups of parameters
+      that are one parameter used in several layers, each named ``"<layer index>.<name in the
+      layer>"`` — e.g. ``[("0.embed_tokens.weight", "9.lm_head.weight")]`` for tied input and output
+      embeddings. Each layer keeps its own copy; the copies start equal (the first one's value), get
+      the summed gradient and identical updates, so training is that of one shared parameter.
+      Needs the plain fp32 optimizer (no ZeRO / bf16 / fp16).
     * ``pipeline_loss(self, outputs, labels) -> Tensor`` (required): the mean loss over one
       micro-batch, computed on the last stage from the last layer's outputs.
     * ``pipeline_batch(self, batch) -> (inputs, labels, seq_lens)`` (optional): turns a batch from the

@@ -94,6 +94,7 @@ class ResiHPStrategyMixin:
         self._num_micro: int | None = options.micro_batches
         self._engine: Any = None
         self._reducer: Any = None
+        self._tied: list[tuple[tuple[int, str], ...]] = []
         self._pipe: Any = None
         self._position: Position | None = None
         self._optimizer: torch.optim.Optimizer | None = None
@@ -297,6 +298,7 @@ class ResiHPStrategyMixin:
                 "micro-batches already (set micro_batches / the batch size instead)"
             )
         self._specs = self._layer_specs(module)
+        self._tied = self._tied_parameters(module)
         reuse = None
         if self._pipe is None:
             self._plan = self._initial_plan()
@@ -459,12 +461,43 @@ class ResiHPStrategyMixin:
             raise self.misconfiguration_error(f"{type(module).__name__}.pipeline_layers() returned no layers")
         for i, spec in enumerate(specs):
             if isinstance(spec, TiedLayerSpec):
-                raise self.misconfiguration_error(f"pipeline_layers()[{i}] is a TiedLayerSpec; tied layers are not supported")
+                raise self.misconfiguration_error(
+                    f"pipeline_layers()[{i}] is a TiedLayerSpec; give plain layers and name the shared parameters in "
+                    "pipeline_tied_parameters() instead"
+                )
             if not isinstance(spec, (torch.nn.Module, LayerSpec)):
                 raise self.misconfiguration_error(
                     f"pipeline_layers()[{i}] is a {type(spec).__name__}; layers must be nn.Module or deepspeed LayerSpec"
                 )
         return specs
+
+    def _tied_parameters(self, module: Any) -> list[tuple[tuple[int, str], ...]]:
+        """The module's ``pipeline_tied_parameters()`` as ``(layer, name)`` groups, checked."""
+        getter = getattr(module, "pipeline_tied_parameters", None)
+        groups = list(getter() or ()) if getter is not None else []
+        out = []
+        for g, group in enumerate(groups):
+            keys = [group] if isinstance(group, str) else list(group)
+            if len(keys) < 2:
+                raise self.misconfiguration_error(
+                    f"pipeline_tied_parameters()[{g}] names {len(keys)} parameter; a tie needs at least two"
+                )
+            members = []
+            for key in keys:
+                layer, sep, name = str(key).partition(".")
+                if not sep or not name or not layer.isdigit() or int(layer) >= len(self._specs):
+                    raise self.misconfiguration_error(
+                        f"pipeline_tied_parameters()[{g}]: {key!r} is not '<layer index>.<parameter name>' with a "
+                        f"layer index below {len(self._specs)}"
+                    )
+                members.append((int(layer), name))
+            out.append(tuple(members))
+        if out and self._wrapped_optimizer():
+            raise self.misconfiguration_error(
+                "pipeline_tied_parameters() needs the plain fp32 optimizer: ties are kept by the strategy's layer-wise "
+                "gradient reduction, which ZeRO / bf16 / fp16 in deepspeed_config replace"
+            )
+        return out
 
     def _initial_plan(self) -> Plan:
         world, layers = self.world_size, len(self._specs)
@@ -586,7 +619,7 @@ class ResiHPStrategyMixin:
         if layerwise:
             from resihp_lightning.strategy.layerwise import LayerwiseReducer, install
 
-            self._reducer = LayerwiseReducer(plan, self.global_rank, self._pipe.local_layers())
+            self._reducer = LayerwiseReducer(plan, self.global_rank, self._pipe.local_layers(), tied=self._tied)
         engine = build_engine(self._pipe, self._optimizer, config, broadcast=broadcast and not layerwise)
         if layerwise:
             if broadcast:

@@ -177,8 +177,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     per_element = OPTIMIZERS[args.optimizer][1]
     print(f"optimizer: {args.optimizer}\n")
-    print("| model | params | re-plan | bytes moved | = layers new to ranks | total s | p2p s | rebuild s | p2p GB/s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| model | params | re-plan | bytes moved | = layers new to ranks | total s | p2p s | rebuild s | of which state s | p2p GB/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name in args.sizes.split(","):
         hidden = SIZES[name]
         params = LAYERS * (hidden * hidden + hidden)
@@ -192,7 +192,8 @@ def main(argv: list[str] | None = None) -> None:
             print(
                 f"| {name} | {params / 1e6:.2f} M | {label} | {rec['bytes_moved'] / 2**20:.1f} MiB | "
                 f"{'yes' if rec['bytes_moved'] == expected else f'NO ({expected / 2**20:.1f} MiB)'} | "
-                f"{rec['seconds']:.3f} | {rec['transfer_seconds']:.3f} | {rec['rebuild_seconds']:.3f} | {rate:.2f} |"
+                f"{rec['seconds']:.3f} | {rec['transfer_seconds']:.3f} | {rec['rebuild_seconds']:.3f} | "
+                f"{rec['state_seconds']:.3f} | {rate:.2f} |"
             )
             old = new
         print(f"<!-- {name}: job {time.perf_counter() - start:.0f} s -->", file=sys.stderr)

@@ -20,7 +20,7 @@ import os
 import pytest
 import torch
 
-from test_strategy_e2e import M, MBS, ROWS, build_model, make_loader, make_plan, make_recorder, make_trainer, reference_run
+from test_strategy_e2e import WIDTH, M, MBS, ROWS, build_model, make_loader, make_plan, make_recorder, make_trainer, reference_run
 
 ZERO1 = {"zero_optimization": {"stage": 1}}
 BF16 = {"bf16": {"enabled": True}}
@@ -35,11 +35,19 @@ BF16_STEPS = 6
 
 
 def _fit(world: int, steps: int, config: dict, schedule: dict | None = None, **kwargs) -> tuple:
+    import lightning.pytorch as pl
+
     from resihp_lightning.strategy.strategy import ResiHPStrategy
+
+    class Profile(pl.Callback):
+        """Keeps the last step's layer profile (collective; the engine is gone after fit)."""
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            recorder.static_mb = [c.static_mb for c in trainer.strategy.layer_profile()]
 
     recorder = make_recorder({step: make_plan(r) for step, r in (schedule or {}).items()})
     strategy = ResiHPStrategy(pipeline_degree=2, micro_batch_size=MBS, deepspeed_config=config)
-    trainer = make_trainer(strategy, world, steps, callbacks=[recorder], **kwargs)
+    trainer = make_trainer(strategy, world, steps, callbacks=[recorder, Profile()], **kwargs)
     trainer.fit(build_model(), make_loader())
     return recorder, strategy
 
@@ -54,6 +62,7 @@ def _wrapped_rank(rank: int, world: int, ckpt_dir: str) -> dict:
     out["zero_losses"], out["zero_plans"], out["zero_refused"] = recorder.losses, recorder.plans, recorder.refused
     out["zero_migrations"] = [m["bytes_moved"] for m in recorder.migrations]
     out["zero_state"] = strategy.lightning_module_state_dict()
+    out["zero_profile"] = recorder.static_mb
 
     # Checkpoint under 2x1 (end of epoch 0), resume under 1x2 into zeroed weights.
     per_epoch = ROWS // (M * MBS)
@@ -83,6 +92,7 @@ def _wrapped_rank(rank: int, world: int, ckpt_dir: str) -> dict:
     out["bf16_plans"] = moved.plans
     out["bf16_state_moved"] = moved_strategy.lightning_module_state_dict()
     out["bf16_state_still"] = still_strategy.lightning_module_state_dict()
+    out["bf16_profile"] = moved.static_mb
     return out
 
 
@@ -111,6 +121,13 @@ def test_zero1_and_bf16_move_layers_and_resume_exactly(distributed, tmp_path):
     # Every layer moves twice; the way back to 2x1 needs nothing (each rank held the whole model).
     moved_bytes = results[0]["zero_migrations"]
     assert len(moved_bytes) == 3 and moved_bytes[0] > 0 and moved_bytes[1] > 0 and moved_bytes[2] == 0, moved_bytes
+    # Static memory per layer counts the wrapper's fp32 master and two moments (12 B per element; both
+    # runs end with D = 1, so the partition is everything; ZeRO may pad it slightly) on top of the
+    # weight and its gradient (fp32: 8 B, bf16: 4 B).
+    elements = WIDTH * WIDTH + WIDTH
+    for profile, weight_and_grad in ((results[0]["zero_profile"], 8), (results[0]["bf16_profile"], 4)):
+        for static_mb in profile:
+            assert 1.0 <= static_mb * 2**20 / (elements * (weight_and_grad + 12)) < 1.05, profile
     moved, still = results[0]["bf16_state_moved"], results[0]["bf16_state_still"]
     assert sorted(moved) == sorted(still) and all(moved[k].dtype == torch.bfloat16 for k in moved)
     for key in still:

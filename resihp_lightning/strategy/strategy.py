@@ -152,7 +152,9 @@ class ResiHPStrategyMixin:
 
         Keys: ``seconds`` (this rank, request applied to engine ready), ``bytes_moved`` (all ranks
         together: parameters + optimizer state sent), ``plan``, ``transfer_seconds`` (the
-        point-to-point exchange) and ``rebuild_seconds`` (the rest: engine teardown and rebuild).
+        point-to-point exchange), ``rebuild_seconds`` (the rest: engine teardown and rebuild) and
+        ``state_seconds`` (the part of it spent reading and writing a ZeRO-1 / bf16 wrapper's per-parameter
+        state; 0 for the plain optimizer).
         """
         return dict(self._last_migration)
 
@@ -236,18 +238,25 @@ class ResiHPStrategyMixin:
         """Measured cost of every layer, gathered over ranks (collective: call on every rank).
 
         ``compute_ms``: forward + backward per micro-batch (median over recent recorded steps on the
-        owning rank; median over replicas); ``static_mb``: parameters + gradients + optimizer state;
+        owning rank; median over replicas); ``static_mb``: parameters + gradients + optimizer state
+        (under ZeRO-1 / bf16: the wrapper's fp32 masters and moments, this rank's partition);
         ``activation_mb``: the layer's output size per micro-batch.
         """
+        from resihp_lightning.strategy import wrapped_state
+
         mine: dict[int, tuple[float, float, float]] = {}
         if self._pipe is not None:
             compute = self._profiler.layer_compute_ms() if self._profiler is not None else {}
+            wrapped = self._engine is not None and wrapped_state.is_wrapped(self._engine)
+            per_element = wrapped_state.state_bytes_per_element(self._engine) if wrapped else 0.0
             for index, layer in self._pipe.local_layers().items():
-                static = 0
+                static = 0.0
                 for p in layer.parameters():
                     size = p.numel() * p.element_size()
                     static += size * (2 if p.requires_grad else 1)
-                    if self._optimizer is not None:
+                    if wrapped and p.requires_grad:
+                        static += p.numel() * per_element
+                    elif self._optimizer is not None:
                         static += sum(
                             v.numel() * v.element_size()
                             for v in self._optimizer.state.get(p, {}).values()
@@ -643,7 +652,7 @@ class ResiHPStrategyMixin:
         old = self.current_plan
         start = time.perf_counter()
         same_layout = [(r.devices, r.bounds) for r in old.replicas] == [(r.devices, r.bounds) for r in plan.replicas]
-        sent, transfer_s = 0, 0.0
+        sent, transfer_s, state_s = 0, 0.0, 0.0
         if same_layout:
             set_micro_batches(self._engine, plan.replicas[self._position.replica].micro_batches)
             self._plan = plan
@@ -657,7 +666,9 @@ class ResiHPStrategyMixin:
             if wrapped:
                 # Collective over each stage's data-parallel group: before the engine's groups go.
                 old_params = self._local_params()
+                exporting = time.perf_counter()
                 exported = wrapped_state.export_state(self._engine, old_params)
+                state_s += time.perf_counter() - exporting
                 scaler = wrapped_state.export_scaler(self._engine)
                 carried = {old_params[key]: entry for key, entry in exported.items()}
             recording = self._profiler.record_layers
@@ -683,9 +694,11 @@ class ResiHPStrategyMixin:
                 optim.assign(self._optimizer, self._groups, self._group_of, self._local_params(), None if wrapped else state)
             self._engine = self._new_engine(plan, broadcast=False)
             if wrapped:
+                importing = time.perf_counter()
                 kept = {key: entry for key, entry in exported.items() if int(key.split(".", 1)[0]) in self._position.layers}
                 wrapped_state.import_state(self._engine, self._local_params(), {**kept, **state})
                 wrapped_state.import_scaler(self._engine, scaler)
+                state_s += time.perf_counter() - importing
             self._profiler.record_layers = recording
         total = torch.tensor([float(sent)], dtype=torch.float64, device=self.root_device)
         if not same_layout:
@@ -698,6 +711,7 @@ class ResiHPStrategyMixin:
                 "plan": plan,
                 "transfer_seconds": transfer_s,
                 "rebuild_seconds": seconds - transfer_s,
+                "state_seconds": state_s,
             }
             log.info("applied plan %s: %d bytes moved in %.3f s", plan.layout_key(), int(total.item()), self._last_migration["seconds"])
 

@@ -286,3 +286,19 @@ def as_wrapped_entry(entry: Mapping[str, Any], param: nn.Parameter) -> dict[str,
 def as_plain_entry(entry: Mapping[str, Any]) -> tuple[dict[str, Any], Tensor | None]:
     """A saved per-parameter state for the plain optimizer, and the fp32 master value if it had one."""
     return {k: v for k, v in entry.items() if k not in (MASTER, PARTITIONED)}, entry.get(MASTER)
+
+
+def state_bytes_per_element(engine: Any) -> float:
+    """Bytes of wrapper-held state (fp32 masters and optimizer tensors) per trained model element here.
+
+    The wrapper keeps them in flat partitions (1 / D of each group under ZeRO-1), so this is this
+    rank's actual memory for them spread evenly over its trained parameters.
+    """
+    wrapper = _checked_wrapper(engine)
+    held = 0
+    for group in range(len(_lp_groups(wrapper))):
+        flat = _flat(wrapper, group)
+        held += flat.numel() * flat.element_size()
+        held += sum(v.numel() * v.element_size() for v in wrapper.optimizer.state.get(flat, {}).values() if torch.is_tensor(v))
+    elements = sum(p.numel() for group in _lp_groups(wrapper) for p in group)
+    return held / elements if elements else 0.0

@@ -279,7 +279,7 @@ def _tied_reference(path):
         for k in range(rows):
             loss = causal_lm_loss(_run(layers, tuple(t[k : k + 1] for t in inputs)), labels[k : k + 1]) / rows
             loss.backward()
-            total += float(loss)
+            total += float(loss.detach())
         optimizer.step()
         losses.append(total)
     return losses, layers[0].embed_tokens.weight.detach().clone()

@@ -97,11 +97,17 @@ def reference_run(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, params
 
 
-def build_model():
-    """The ResiHPModule used by these tests (defined lazily: importing Lightning costs seconds)."""
-    from resihp_lightning.strategy.module import ResiHPModule
+def build_model(base: type | None = None):
+    """The ResiHPModule used by these tests (defined lazily: importing Lightning costs seconds).
 
-    class Stack(ResiHPModule):
+    Args:
+        base: the module base class (default ``resihp_lightning.ResiHPModule``; the standalone
+            ``pytorch_lightning`` test passes its own).
+    """
+    if base is None:
+        from resihp_lightning.strategy.module import ResiHPModule as base
+
+    class Stack(base):
         def __init__(self) -> None:
             super().__init__()
             self.layers = nn.ModuleList([Block(i) for i in range(MODULE_LAYERS)])

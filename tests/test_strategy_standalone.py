@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
-from torch.nn import functional as F
 
-from test_strategy_e2e import DEPTH, MODULE_LAYERS, Block, make_loader, make_optimizer, make_plan, reference_run
+from test_strategy_e2e import build_model, make_loader, make_plan, reference_run
 
 pytest.importorskip("pytorch_lightning")
 
@@ -29,23 +27,6 @@ def _standalone_rank(rank: int, world: int) -> dict:
 
     import resihp_lightning  # noqa: F401 - registers "resihp" in pytorch_lightning's registry
     from resihp_lightning.strategy.standalone import ResiHPModule, ResiHPStrategy
-
-    class Stack(ResiHPModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layers = nn.ModuleList([Block(i) for i in range(MODULE_LAYERS)])
-
-        def pipeline_layers(self):
-            from deepspeed.pipe import LayerSpec
-
-            return list(self.layers) + [LayerSpec(Block, i) for i in range(MODULE_LAYERS, DEPTH)]
-
-        def pipeline_loss(self, outputs, labels):
-            return F.mse_loss(outputs, labels)
-
-        def configure_optimizers(self):
-            opt, sched = make_optimizer(self.parameters())
-            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     class Recorder(pl.Callback):
         def __init__(self) -> None:
@@ -73,11 +54,11 @@ def _standalone_rank(rank: int, world: int) -> dict:
     misconfigured = ""
     try:
         pl.Trainer(strategy=ResiHPStrategy(), accelerator="cpu", devices=world, accumulate_grad_batches=2).fit(
-            Stack(), make_loader()
+            build_model(ResiHPModule), make_loader()
         )
     except pl.utilities.exceptions.MisconfigurationException as err:
         misconfigured = str(err)
-    trainer.fit(Stack(), make_loader())
+    trainer.fit(build_model(ResiHPModule), make_loader())
     return {
         "strategy": f"{type(trainer.strategy).__module__}.{type(trainer.strategy).__name__}",
         "is_pl_strategy": isinstance(trainer.strategy, pl.strategies.Strategy),

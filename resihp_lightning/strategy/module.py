@@ -69,7 +69,7 @@ class ResiHPModule(ResiHPModuleMixin, LightningModule):
       tensors) and returns a tensor or a tuple of tensors; the first layer gets the ``inputs`` of
       :meth:`pipeline_batch`. ``nn.Module`` layers are used as they are (keep them as attributes,
       e.g. an ``nn.ModuleList``, so that ``configure_optimizers`` sees them); ``LayerSpec`` layers are
-      built only on the ranks that hold them. Called once, at setup. DeepSpeed ``TiedLayerSpec``\ s
+      built only on the ranks that hold them. Called once, at setup. DeepSpeed ``TiedLayerSpec`` layers
       are not accepted; tie parameters with ``pipeline_tied_parameters`` instead.
     * ``pipeline_tied_parameters(self) -> Sequence[Sequence[str]]`` (optional): groups of parameters
       that are one parameter used in several layers, each named ``"<layer index>.<name in the

@@ -20,6 +20,22 @@ log = get_logger(__name__)
 _comm_ready = False
 
 
+class _OncePerProcess(logging.Filter):
+    """Lets each distinct DeepSpeed warning through once: engines are rebuilt on every re-plan, and
+    DeepSpeed repeats its configuration warnings (e.g. on bf16 gradient accumulation) at each build."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message in self._seen:
+            return False
+        self._seen.add(message)
+        return True
+
+
 def init_deepspeed_comm(backend: str) -> None:
     """Points ``deepspeed.comm`` at the process group Lightning created (once per process).
 
@@ -35,6 +51,7 @@ def init_deepspeed_comm(backend: str) -> None:
 
     for name in ("DeepSpeed", "deepspeed"):
         logging.getLogger(name).setLevel(logging.WARNING)
+        logging.getLogger(name).addFilter(_OncePerProcess())
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
     _comm_ready = True
 

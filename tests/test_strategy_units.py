@@ -131,3 +131,25 @@ def test_options_refuse_bad_values_by_name(kwargs, option):
 def test_options_accept_a_plan_as_json_dict():
     plan = Plan((Replica((0, 1), (0, 2, 4), 2),))
     assert StrategyOptions(plan=plan.to_dict()).plan.layout_key() == plan.layout_key()
+
+
+def test_tied_parameter_names_are_checked():
+    from types import SimpleNamespace
+
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    from resihp_lightning.strategy.module import tied_parameters
+
+    def module(groups):
+        return SimpleNamespace(pipeline_tied_parameters=lambda: groups)
+
+    assert tied_parameters(module([("0.embed.weight", "9.head.weight")]), 10) == [((0, "embed.weight"), (9, "head.weight"))]
+    assert tied_parameters(SimpleNamespace(), 10) == []
+    for groups, message in (
+        ([("0.embed.weight",)], "a tie needs at least two"),
+        ([("0.embed.weight", "10.head.weight")], "layer index below 10"),
+        ([("embed.weight", "9.head.weight")], "'<layer index>.<parameter name>'"),
+        ([("0.", "9.head.weight")], "'<layer index>.<parameter name>'"),
+    ):
+        with pytest.raises(MisconfigurationException, match=message):
+            tied_parameters(module(groups), 10)

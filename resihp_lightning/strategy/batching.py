@@ -143,6 +143,27 @@ def eval_shares(rows: int, micro_batch_size: int, weights: Sequence[int]) -> lis
     return shares
 
 
+def to_cpu(value: Any) -> Any:
+    """A last-stage output (a tensor or a list of tensors), detached, on the CPU (to gather it)."""
+    if isinstance(value, Tensor):
+        return value.detach().cpu()
+    return [to_cpu(v) for v in value]
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    """:func:`concat_rows`'s result on ``device`` (lists become tuples)."""
+    if isinstance(value, Tensor):
+        return value.to(device)
+    return tuple(to_device(v, device) for v in value)
+
+
+def concat_rows(outputs: Sequence[Any]) -> Any:
+    """Joins per-micro-batch outputs (tensors, or lists of tensors) along rows."""
+    if isinstance(outputs[0], Tensor):
+        return torch.cat(list(outputs), dim=0)
+    return tuple(torch.cat([out[i] for out in outputs], dim=0) for i in range(len(outputs[0])))
+
+
 def iterate(items: Sequence[MicroBatch]) -> Iterator[tuple[Any, Any]]:
     """The iterator handed to ``train_batch`` / ``eval_batch``."""
     return iter([mb.as_pipeline_item() for mb in items])

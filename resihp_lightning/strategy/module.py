@@ -114,3 +114,45 @@ def check_contract(module: Any, error: type[Exception] = MisconfigurationExcepti
             "pipeline_layers(self) -> list of layers in model order and "
             "pipeline_loss(self, outputs, labels) -> mean loss of a micro-batch"
         )
+
+
+def layer_specs(module: Any, error: type[Exception] = MisconfigurationException) -> list[Any]:
+    """``module.pipeline_layers()`` checked: a non-empty list of ``nn.Module`` / DeepSpeed ``LayerSpec``."""
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
+    specs = list(module.pipeline_layers())
+    if not specs:
+        raise error(f"{type(module).__name__}.pipeline_layers() returned no layers")
+    for i, spec in enumerate(specs):
+        if isinstance(spec, TiedLayerSpec):
+            raise error(
+                f"pipeline_layers()[{i}] is a TiedLayerSpec; give plain layers and name the shared parameters in "
+                "pipeline_tied_parameters() instead"
+            )
+        if not isinstance(spec, (nn.Module, LayerSpec)):
+            raise error(f"pipeline_layers()[{i}] is a {type(spec).__name__}; layers must be nn.Module or deepspeed LayerSpec")
+    return specs
+
+
+def tied_parameters(
+    module: Any, num_layers: int, error: type[Exception] = MisconfigurationException
+) -> list[tuple[tuple[int, str], ...]]:
+    """``module.pipeline_tied_parameters()`` as ``(layer, name)`` groups, checked against ``num_layers``."""
+    getter = getattr(module, "pipeline_tied_parameters", None)
+    groups = list(getter() or ()) if getter is not None else []
+    out = []
+    for g, group in enumerate(groups):
+        keys = [group] if isinstance(group, str) else list(group)
+        if len(keys) < 2:
+            raise error(f"pipeline_tied_parameters()[{g}] names {len(keys)} parameter; a tie needs at least two")
+        members = []
+        for key in keys:
+            layer, sep, name = str(key).partition(".")
+            if not sep or not name or not layer.isdigit() or int(layer) >= num_layers:
+                raise error(
+                    f"pipeline_tied_parameters()[{g}]: {key!r} is not '<layer index>.<parameter name>' with a "
+                    f"layer index below {num_layers}"
+                )
+            members.append((int(layer), name))
+        out.append(tuple(members))
+    return out

@@ -25,7 +25,7 @@ from resihp_lightning.config import PlannerConfig
 from resihp_lightning.errors import ConfigError, PlanError
 from resihp_lightning.plan import Device, Layer, Plan, Problem, even_split, validate
 from resihp_lightning.strategy import batching, checkpoint, optim
-from resihp_lightning.strategy.module import check_contract
+from resihp_lightning.strategy.module import check_contract, layer_specs, tied_parameters
 from resihp_lightning.strategy.options import StrategyOptions
 from resihp_lightning.strategy.placement import Position, position, row_offset
 from resihp_lightning.telemetry import LayerCost, MicroBatchStats, StepStats
@@ -306,7 +306,7 @@ class ResiHPStrategyMixin:
                 "Trainer(accumulate_grad_batches) must be 1 with ResiHPStrategy; the pipeline accumulates over "
                 "micro-batches already (set micro_batches / the batch size instead)"
             )
-        self._specs = self._layer_specs(module)
+        self._specs = layer_specs(module, self.misconfiguration_error)
         self._tied = self._tied_parameters(module)
         reuse = None
         if self._pipe is None:
@@ -462,51 +462,14 @@ class ResiHPStrategyMixin:
         super().teardown()
 
     # ----------------------------------------------------------------------------- internals
-    def _layer_specs(self, module: Any) -> list[Any]:
-        from deepspeed.pipe import LayerSpec, TiedLayerSpec
-
-        specs = list(module.pipeline_layers())
-        if not specs:
-            raise self.misconfiguration_error(f"{type(module).__name__}.pipeline_layers() returned no layers")
-        for i, spec in enumerate(specs):
-            if isinstance(spec, TiedLayerSpec):
-                raise self.misconfiguration_error(
-                    f"pipeline_layers()[{i}] is a TiedLayerSpec; give plain layers and name the shared parameters in "
-                    "pipeline_tied_parameters() instead"
-                )
-            if not isinstance(spec, (torch.nn.Module, LayerSpec)):
-                raise self.misconfiguration_error(
-                    f"pipeline_layers()[{i}] is a {type(spec).__name__}; layers must be nn.Module or deepspeed LayerSpec"
-                )
-        return specs
-
     def _tied_parameters(self, module: Any) -> list[tuple[tuple[int, str], ...]]:
-        """The module's ``pipeline_tied_parameters()`` as ``(layer, name)`` groups, checked."""
-        getter = getattr(module, "pipeline_tied_parameters", None)
-        groups = list(getter() or ()) if getter is not None else []
-        out = []
-        for g, group in enumerate(groups):
-            keys = [group] if isinstance(group, str) else list(group)
-            if len(keys) < 2:
-                raise self.misconfiguration_error(
-                    f"pipeline_tied_parameters()[{g}] names {len(keys)} parameter; a tie needs at least two"
-                )
-            members = []
-            for key in keys:
-                layer, sep, name = str(key).partition(".")
-                if not sep or not name or not layer.isdigit() or int(layer) >= len(self._specs):
-                    raise self.misconfiguration_error(
-                        f"pipeline_tied_parameters()[{g}]: {key!r} is not '<layer index>.<parameter name>' with a "
-                        f"layer index below {len(self._specs)}"
-                    )
-                members.append((int(layer), name))
-            out.append(tuple(members))
-        if out and self._wrapped_optimizer():
+        tied = tied_parameters(module, len(self._specs), self.misconfiguration_error)
+        if tied and self._wrapped_optimizer():
             raise self.misconfiguration_error(
                 "pipeline_tied_parameters() needs the plain fp32 optimizer: ties are kept by the strategy's layer-wise "
                 "gradient reduction, which ZeRO / bf16 / fp16 in deepspeed_config replace"
             )
-        return out
+        return tied
 
     def _initial_plan(self) -> Plan:
         world, layers = self.world_size, len(self._specs)
@@ -762,30 +725,11 @@ class ResiHPStrategyMixin:
         items, outputs = self._run_share(batch, compute_loss=False)
         mine = None
         if outputs is not None:
-            mine = (self._position.replica, [_to_cpu(out) for out in outputs])
+            mine = (self._position.replica, [batching.to_cpu(out) for out in outputs])
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         parts = [part for _, part in sorted(entry for entry in gathered if entry is not None)]
-        return _to_device(_concat_rows([out for part in parts for out in part]), self.root_device)
-
-
-def _to_cpu(value: Any) -> Any:
-    if isinstance(value, Tensor):
-        return value.detach().cpu()
-    return [_to_cpu(v) for v in value]
-
-
-def _to_device(value: Any, device: torch.device) -> Any:
-    if isinstance(value, Tensor):
-        return value.to(device)
-    return tuple(_to_device(v, device) for v in value)
-
-
-def _concat_rows(outputs: list[Any]) -> Any:
-    """Joins per-micro-batch outputs (tensors, or lists of tensors) along rows."""
-    if isinstance(outputs[0], Tensor):
-        return torch.cat(outputs, dim=0)
-    return tuple(torch.cat([out[i] for out in outputs], dim=0) for i in range(len(outputs[0])))
+        return batching.to_device(batching.concat_rows([out for part in parts for out in part]), self.root_device)
 
 
 class ResiHPStrategy(ResiHPStrategyMixin, DDPStrategy):

@@ -229,10 +229,9 @@ class ResiHPStrategyMixin:
                 )
 
     def _wrapped_optimizer(self) -> bool:
-        config = self.options.deepspeed_config
-        zero = (config.get("zero_optimization") or {}).get("stage", 0)
-        half = any((config.get(key) or {}).get("enabled", False) for key in ("bf16", "fp16"))
-        return bool(zero) or half
+        from resihp_lightning.strategy.wrapped_state import wraps_optimizer
+
+        return wraps_optimizer(self.options.deepspeed_config)
 
     def layer_profile(self) -> list[LayerCost]:
         """Measured cost of every layer, gathered over ranks (collective: call on every rank).
@@ -247,7 +246,7 @@ class ResiHPStrategyMixin:
         mine: dict[int, tuple[float, float, float]] = {}
         if self._pipe is not None:
             compute = self._profiler.layer_compute_ms() if self._profiler is not None else {}
-            wrapped = self._engine is not None and wrapped_state.is_wrapped(self._engine)
+            wrapped = wrapped_state.is_wrapped(self._engine)
             per_element = wrapped_state.state_bytes_per_element(self._engine) if wrapped else 0.0
             for index, layer in self._pipe.local_layers().items():
                 static = 0.0

@@ -236,6 +236,12 @@ def release(engine: Any) -> None:
         wrapper._resihp_released = True
 
 
+def wraps_optimizer(config: Mapping[str, Any]) -> bool:
+    """Whether DeepSpeed wraps the optimizer under ``config`` (ZeRO stage >= 1, bf16 or fp16)."""
+    stage = int((config.get("zero_optimization") or {}).get("stage", 0) or 0)
+    return stage > 0 or engine_param_dtype(config) != torch.float32
+
+
 def engine_param_dtype(config: Mapping[str, Any]) -> torch.dtype:
     """The dtype DeepSpeed gives model parameters under ``config`` (bf16 / fp16 / fp32)."""
     if (config.get("bf16") or {}).get("enabled", False):

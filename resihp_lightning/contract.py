@@ -1,0 +1,121 @@
+"""The contract between the strategy and the callbacks (pure Python: imports no torch).
+
+The callbacks of :mod:`resihp_lightning.callbacks` talk to ``trainer.strategy`` only through the
+members named here. Each callback checks the protocol it needs at ``setup`` with :func:`require`,
+which raises a :class:`~resihp_lightning.errors.ConfigError` naming every missing member, so a job
+with the wrong strategy fails at once instead of silently doing nothing.
+
+* :class:`StepStatsSource`: ``last_step_stats`` (the detector, the progress bar);
+* :class:`LayerHost`: ``local_layers()`` (the fault injector slows the rank's own layers);
+* :class:`Replannable`: the above plus the re-planning API (the controller).
+
+:class:`MigrationRecord` is what ``strategy.last_migration`` holds after a plan was applied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from resihp_lightning.errors import ConfigError
+from resihp_lightning.plan import Plan
+from resihp_lightning.telemetry import LayerCost, StepStats
+
+
+@dataclass(frozen=True)
+class MigrationRecord:
+    """One applied plan change, as this rank measured it.
+
+    Attributes:
+        plan: the plan that was put in force.
+        seconds: this rank's time from the start of the switch to the new engine being ready.
+        bytes_moved: parameters + optimizer state sent, summed over all ranks (0 when only
+            micro-batch counts changed).
+        transfer_seconds: the point-to-point exchange of moved layers.
+        rebuild_seconds: the rest (engine teardown and rebuild, groups).
+        state_seconds: the part spent reading and writing a ZeRO-1 / bf16 wrapper's per-parameter
+            state (0 for the plain optimizer).
+    """
+
+    plan: Plan
+    seconds: float
+    bytes_moved: int
+    transfer_seconds: float = 0.0
+    rebuild_seconds: float = 0.0
+    state_seconds: float = 0.0
+
+
+@runtime_checkable
+class StepStatsSource(Protocol):
+    """A strategy that measures each training step on each rank."""
+
+    @property
+    def last_step_stats(self) -> StepStats | None:
+        """This rank's statistics of the last training step (``None`` before the first)."""
+
+
+@runtime_checkable
+class LayerHost(Protocol):
+    """A strategy that can name the layer modules this rank runs."""
+
+    def local_layers(self) -> Mapping[int, Any]:
+        """This rank's layer modules by global layer index (they change after a re-plan)."""
+
+
+@runtime_checkable
+class Replannable(StepStatsSource, LayerHost, Protocol):
+    """A strategy whose layout the controller can change while training."""
+
+    @property
+    def current_plan(self) -> Plan:
+        """The plan in force (device ids are global ranks)."""
+
+    @property
+    def micro_batches(self) -> int | None:
+        """M, micro-batches per global batch (``None`` until known)."""
+
+    @property
+    def supports_per_replica_bounds(self) -> bool:
+        """Whether replicas may have different stage bounds."""
+
+    @property
+    def last_migration(self) -> MigrationRecord | None:
+        """The last applied plan change (``None`` before one)."""
+
+    profiler_recording: bool
+    """Whether training steps feed :meth:`layer_profile` (the controller pauses it while a device is slow)."""
+
+    def request_plan(self, plan: Plan) -> None:
+        """Applies ``plan`` at the next step boundary (all ranks); raises ``PlanError`` when it cannot run."""
+
+    def layer_profile(self) -> list[LayerCost]:
+        """Measured per-layer costs (collective: every rank calls it at the same step)."""
+
+
+def missing_members(obj: Any, protocol: type) -> list[str]:
+    """The members of ``protocol`` that ``obj`` lacks, in declaration order (bases first)."""
+    names: list[str] = []
+    for cls in reversed(protocol.__mro__):
+        if cls is object or cls is Protocol or not getattr(cls, "_is_protocol", False):
+            continue
+        for name in list(getattr(cls, "__annotations__", {})) + [n for n in vars(cls) if not n.startswith("_")]:
+            if name not in names:
+                names.append(name)
+    return [name for name in names if not hasattr(obj, name)]
+
+
+def require(strategy: Any, protocol: type, user: str) -> None:
+    """Raises :class:`ConfigError` when ``strategy`` does not provide ``protocol``.
+
+    Args:
+        strategy: ``trainer.strategy``.
+        protocol: one of the protocols of this module.
+        user: who needs it, for the message (e.g. ``"ReplanController"``).
+    """
+    missing = missing_members(strategy, protocol)
+    if missing:
+        raise ConfigError(
+            f"{user} needs a strategy with {', '.join(missing)} ({protocol.__name__} in resihp_lightning.contract); "
+            f"{type(strategy).__name__} lacks them: use Trainer(strategy='resihp')"
+        )

@@ -21,6 +21,7 @@ the bytes the layers new to each rank hold (weights + Adam's two moments + its s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import multiprocessing
 import os
 import socket
@@ -102,7 +103,7 @@ def _rank(rank: int, port: int, hidden: int, optimizer: str, queue) -> None:
     class Replanner(pl.Callback):
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             migration = trainer.strategy.last_migration
-            if migration and (not records or records[-1]["plan"] is not migration["plan"]):
+            if migration is not None and (not records or records[-1].plan is not migration.plan):
                 records.append(migration)
             if trainer.global_step in schedule:
                 trainer.strategy.request_plan(schedule[trainer.global_step])
@@ -117,7 +118,7 @@ def _rank(rank: int, port: int, hidden: int, optimizer: str, queue) -> None:
     )
     trainer.fit(Model(), DataLoader(data, batch_size=4))
     if rank == 0:
-        queue.put([{k: v for k, v in r.items() if k != "plan"} for r in records])
+        queue.put([{k: v for k, v in dataclasses.asdict(r).items() if k != "plan"} for r in records])
 
 
 class Block:  # replaced below by the nn.Module (kept import-light for the parent process)

@@ -7,6 +7,7 @@ plain-PyTorch run of the same model, data, optimizer and LR schedule.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -171,7 +172,7 @@ def make_recorder(schedule: dict[int, object] | None = None):
             self.losses.append(float(outputs["loss"]))
             self.stats.append(strategy.last_step_stats)
             self.plans.append(strategy.current_plan.to_dict())
-            if strategy.last_migration and (not self.migrations or self.migrations[-1] != strategy.last_migration):
+            if strategy.last_migration is not None and (not self.migrations or self.migrations[-1] is not strategy.last_migration):
                 self.migrations.append(strategy.last_migration)
             request = (schedule or {}).get(trainer.global_step)
             if request is not None:
@@ -225,7 +226,7 @@ def _reconfigure_rank(rank: int, world: int) -> dict:
         "predictions": [p.clone() for p in predictions],
         "losses": recorder.losses,
         "plans": recorder.plans,
-        "migrations": [{**m, "plan": m["plan"].to_dict()} for m in recorder.migrations],
+        "migrations": [{**dataclasses.asdict(m), "plan": m.plan.to_dict()} for m in recorder.migrations],
         "refused": recorder.refused,
         "stats": recorder.stats,
         "state": strategy.lightning_module_state_dict(),

@@ -185,15 +185,13 @@ class ReplanController(Callback):
         if self._awaiting is None:
             return
         record = strategy.last_migration
-        plan = record.get("plan") if record else None
-        if plan is None:
+        if record is None:
             return
-        if isinstance(plan, dict):
-            plan = Plan.from_dict(plan)
+        plan = record.plan
         if plan.layout_key() != self._awaiting.layout_key():
             return
         self._awaiting = None
-        seconds, moved = float(record.get("seconds", 0.0)), float(record.get("bytes_moved", 0))
+        seconds, moved = record.seconds, float(record.bytes_moved)
         self._log("plan_applied", step, plan=plan, migration_seconds=seconds, bytes_moved=int(moved))
         self._overhead_s, self._bandwidth = calibrate(seconds, moved / 2**20, self._overhead_s, self._bandwidth)
 

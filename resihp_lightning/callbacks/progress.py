@@ -120,9 +120,7 @@ class StepRecorder(Callback):
 
 def _migration_key(strategy: Any) -> Any:
     record = getattr(strategy, "last_migration", None)
-    if not record:
-        return None
-    return (record.get("seconds"), id(record.get("plan")))
+    return None if record is None else (record.seconds, id(record.plan))
 
 
 class ResiHPProgressBar(TQDMProgressBar):

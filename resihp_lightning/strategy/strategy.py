@@ -22,6 +22,7 @@ from torch import Tensor
 from resihp_lightning import _registration
 from resihp_lightning._logging import get_logger
 from resihp_lightning.config import PlannerConfig
+from resihp_lightning.contract import MigrationRecord
 from resihp_lightning.errors import ConfigError, PlanError
 from resihp_lightning.plan import Device, Layer, Plan, Problem, even_split, validate
 from resihp_lightning.strategy import batching, checkpoint, optim
@@ -104,7 +105,7 @@ class ResiHPStrategyMixin:
         self._loss_scale = 1.0
         self._profiler: Any = None
         self._last_step_stats: StepStats | None = None
-        self._last_migration: dict[str, Any] = {}
+        self._last_migration: MigrationRecord | None = None
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
@@ -147,16 +148,13 @@ class ResiHPStrategyMixin:
         return self._last_step_stats
 
     @property
-    def last_migration(self) -> dict[str, Any]:
-        """The last applied re-plan (empty before one).
+    def last_migration(self) -> MigrationRecord | None:
+        """The last applied re-plan (``None`` before one); see :class:`~resihp_lightning.contract.MigrationRecord`."""
+        return self._last_migration
 
-        Keys: ``seconds`` (this rank, request applied to engine ready), ``bytes_moved`` (all ranks
-        together: parameters + optimizer state sent), ``plan``, ``transfer_seconds`` (the
-        point-to-point exchange), ``rebuild_seconds`` (the rest: engine teardown and rebuild) and
-        ``state_seconds`` (the part of it spent reading and writing a ZeRO-1 / bf16 wrapper's per-parameter
-        state; 0 for the plain optimizer).
-        """
-        return dict(self._last_migration)
+    def local_layers(self) -> dict[int, torch.nn.Module]:
+        """This rank's layer modules by global layer index (they change after a re-plan)."""
+        return self._pipe.local_layers() if self._pipe is not None else {}
 
     @property
     def supports_per_replica_bounds(self) -> bool:
@@ -667,15 +665,15 @@ class ResiHPStrategyMixin:
             dist.all_reduce(total)
         if record:
             seconds = time.perf_counter() - start
-            self._last_migration = {
-                "seconds": seconds,
-                "bytes_moved": int(total.item()),
-                "plan": plan,
-                "transfer_seconds": transfer_s,
-                "rebuild_seconds": seconds - transfer_s,
-                "state_seconds": state_s,
-            }
-            log.info("applied plan %s: %d bytes moved in %.3f s", plan.layout_key(), int(total.item()), self._last_migration["seconds"])
+            self._last_migration = MigrationRecord(
+                plan=plan,
+                seconds=seconds,
+                bytes_moved=int(total.item()),
+                transfer_seconds=transfer_s,
+                rebuild_seconds=seconds - transfer_s,
+                state_seconds=state_s,
+            )
+            log.info("applied plan %s: %d bytes moved in %.3f s", plan.layout_key(), int(total.item()), seconds)
 
     _rows = 0
 

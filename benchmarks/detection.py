@@ -1,6 +1,6 @@
 """Detection benchmark: many seeded fail-slow scenarios over variable-length traces.
 
-For each scenario a synthetic trace (``resihp_lightning.callbacks.synthetic``) is generated: packed,
+For each scenario a synthetic trace (``tests/synthetic.py``) is generated: packed,
 long-tailed documents; stages of unequal cost; noise and rare spikes; optionally one rank slowed by a
 factor in 1.2-4x from a random step (sometimes healing later). Three detectors see the same trace:
 
@@ -13,12 +13,12 @@ factor in 1.2-4x from a random step (sometimes healing later). Three detectors s
 
 Reported: detection rate by factor, false alarms per 1000 healthy steps, latency (steps from the
 fault's start to the alarm), speed-estimate error, healing, and the detector's per-step cost on a
-256-rank trace. Run: ``python benchmarks/detection.py [--scenarios N] [--seed S]`` (about a minute).
+256-rank trace. Run: ``python benchmarks/detection.py [--scenarios N] [--seed S]``.
 
 ``--closed-loop`` instead runs the whole loop on 4 real gloo processes (``Trainer(strategy="resihp")``,
 2 stages x 2 replicas, an MLP of 8 layers): ``FaultInjector`` slows rank 1 by 2x from step 16,
 ``StragglerDetector`` + ``ReplanController`` detect, plan and apply; the same job without the
-controller is the baseline. It prints the events and the median step time per phase (a few minutes).
+controller is the baseline. It prints the events and the median step time per phase.
 """
 
 from __future__ import annotations
@@ -32,10 +32,12 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # the synthetic traces live with the tests that also use them
 
 from resihp_lightning.callbacks.straggler import DetectorConfig, LocalTracker, StragglerCore, run_on_trace  # noqa: E402
-from resihp_lightning.callbacks.synthetic import SyntheticFault, TraceSpec, generate_trace  # noqa: E402
+from synthetic import SyntheticFault, TraceSpec, generate_trace  # noqa: E402
 
 FACTOR_BINS = ((1.2, 1.5), (1.5, 2.0), (2.0, 3.0), (3.0, 4.01))
 LAYOUTS = {"4x4": dict(stages=4, replicas=4, micro_batches=16), "8x4": dict(stages=8, replicas=4, micro_batches=32),
@@ -262,7 +264,7 @@ def _closed_loop_rank(rank: int, world: int, log_dir: str, steps: int, control: 
             stats = trainer.strategy.last_step_stats
             step_ms.append((stats.step, stats.step_ms))
 
-    # This CPU box runs 4 processes on 2 shared cores: busy-time noise is 40-60%, so decisions pool 6 steps.
+    # 4 processes on shared CPU cores: busy-time noise is large, so decisions pool 6 steps.
     detector = StragglerDetector(warmup_steps=2, fit_steps=8, window=6, significance=2.0, patience=3,
                                  gpu_individual_perf_threshold=0.75, gpu_relative_perf_threshold=0.75,
                                  recovery_threshold=0.85, events=events)
@@ -282,7 +284,6 @@ def _closed_loop_rank(rank: int, world: int, log_dir: str, steps: int, control: 
 def closed_loop(steps: int) -> None:
     import tempfile
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from multiproc import run_distributed
 
     for control in (False, True):
@@ -315,7 +316,7 @@ def main() -> None:
     parser.add_argument("--scenarios", type=int, default=300)
     parser.add_argument("--steps", type=int, default=70)
     parser.add_argument("--seed", type=int, default=2026)
-    parser.add_argument("--closed-loop", action="store_true", help="run the 4-process loop instead (a few minutes)")
+    parser.add_argument("--closed-loop", action="store_true", help="run the 4-process loop instead")
     args = parser.parse_args()
     if args.closed_loop:
         closed_loop(args.steps if args.steps != 70 else 40)

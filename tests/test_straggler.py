@@ -7,9 +7,10 @@ from dataclasses import replace
 import pytest
 
 from resihp_lightning.callbacks.straggler import DetectorConfig, StragglerCore, run_on_trace
-from resihp_lightning.callbacks.synthetic import SyntheticFault, TraceSpec, generate_trace
 from resihp_lightning.errors import ConfigError
 from resihp_lightning.telemetry import StepStats
+
+from synthetic import SyntheticFault, TraceSpec, generate_trace
 
 CFG = DetectorConfig()  # warmup 2, fit 10, patience 3
 HEAVY = dict(length_log_sigma=2.0, beta=3 * 0.01 / 4096)  # long tail, attention-dominated

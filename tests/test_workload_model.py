@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from resihp_lightning.callbacks.synthetic import TraceSpec, pack_micro_batch
 from resihp_lightning.callbacks.workload_model import OnlineWorkloadFit, fit_workload
 from resihp_lightning.errors import ConfigError
+
+from synthetic import TraceSpec, pack_micro_batch
 
 ALPHA, BETA, GAMMA = 0.01, 0.01 / 4096, 2.0
 

@@ -1,4 +1,7 @@
-"""Seeded synthetic timing traces for the detector's tests and benchmark.
+"""Seeded synthetic timing traces for the detector's tests and ``benchmarks/detection.py``.
+
+Test-only code, kept out of the package: tests import it as ``synthetic`` (``tests/`` is on
+``sys.path`` through ``conftest.py``) and the benchmark puts ``tests/`` on its path.
 
 A trace is what a P-stage x D-replica pipeline job would hand the detector: per step and per rank a
 :class:`~resihp_lightning.telemetry.StepStats` whose micro-batches carry packed, long-tailed document

@@ -14,6 +14,7 @@ with the wrong strategy fails at once instead of silently doing nothing.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -21,6 +22,9 @@ from typing import Any, Protocol, runtime_checkable
 from resihp_lightning.errors import ConfigError
 from resihp_lightning.plan import Plan
 from resihp_lightning.telemetry import LayerCost, StepStats
+
+
+_MISSING = object()
 
 
 @dataclass(frozen=True)
@@ -102,7 +106,8 @@ def missing_members(obj: Any, protocol: type) -> list[str]:
         for name in list(getattr(cls, "__annotations__", {})) + [n for n in vars(cls) if not n.startswith("_")]:
             if name not in names:
                 names.append(name)
-    return [name for name in names if not hasattr(obj, name)]
+    # getattr_static: a property must not run here (``current_plan`` raises before Trainer setup).
+    return [name for name in names if inspect.getattr_static(obj, name, _MISSING) is _MISSING]
 
 
 def require(strategy: Any, protocol: type, user: str) -> None:

@@ -8,8 +8,9 @@ Everything is configured in YAML and overridable on the command line (jsonargpar
 
 Top-level sections: ``model`` (a local HF checkpoint dir or a ``scratch`` shape), ``data`` (JSONL,
 folder, text file, or the Python standard library's sources), ``trainer``, ``strategy`` (pipeline
-degree, micro-batches), ``planner``, ``detector``, ``controller`` (``replan: false`` turns it off),
-``fault`` (one injected fault, or ``null``) and ``run_dir``. ``--print_config`` prints the full config.
+degree, micro-batches), ``planner`` (the re-planning controller's planner options), ``detector``,
+``controller`` (``replan: false`` turns it off), ``fault`` (one injected fault, or ``null``) and
+``run_dir``. ``--print_config`` prints the full config.
 
 On one machine the script launches its ``trainer.devices`` processes itself: Lightning's subprocess
 launcher re-runs this script with torchrun-style variables (under ``torchrun`` / SLURM it uses those).
@@ -36,7 +37,7 @@ from jsonargparse import ActionConfigFile, ArgumentParser, Namespace  # noqa: E4
 from resihp_lightning.callbacks.faults import FaultConfig  # noqa: E402
 from resihp_lightning.callbacks.replan_policy import ControllerConfig  # noqa: E402
 from resihp_lightning.callbacks.straggler import DetectorConfig  # noqa: E402
-from resihp_lightning.config import PlannerConfig, ScratchModelConfig  # noqa: E402
+from resihp_lightning.config import PlannerConfig, ScratchModelConfig, moved_option  # noqa: E402
 from resihp_lightning.errors import ConfigError, ResiHPError, invalid_option  # noqa: E402
 
 RUN_DIR_ENV = "RESIHP_RUN_DIR"
@@ -119,7 +120,8 @@ class _OneLineParser(ArgumentParser):
         text = " ".join(lines[:3]) if lines else "invalid arguments"
         unknown = _unknown_key(text)
         if unknown:
-            text = f"unknown config key '{unknown}' (see --print_config for every key)"
+            moved = moved_option(unknown)
+            text = str(moved) if moved else f"unknown config key '{unknown}' (see --print_config for every key)"
         _fail(text)
 
 
@@ -129,6 +131,9 @@ def _unknown_key(message: str) -> str | None:
     match = re.search(r'No action for key "([^"]+)"', message) or re.search(r"[Uu]nrecognized arguments: (\S+)", message)
     if match:
         return match.group(1).lstrip("-")
+    match = re.search(r"Group '([^']+)' does not accept option '([^']+)'", message)
+    if match:
+        return f"{match.group(1)}.{match.group(2)}"
     match = re.search(r"Key '([^']+)' is not expected", message) or re.search(r'key "([^"]+)" is not expected', message)
     return match.group(1) if match else None
 
@@ -227,7 +232,7 @@ def run(raw: Namespace) -> Path:
 
     strategy = ResiHPStrategy(pipeline_degree=s.pipeline_degree, micro_batch_size=s.micro_batch_size,
                               micro_batches=s.micro_batches, deepspeed_config=dict(s.deepspeed_config),
-                              planner=cfg.planner, process_group_backend=s.process_group_backend)
+                              process_group_backend=s.process_group_backend)
     recorder = StepRecorder(run_dir)
     callbacks: list[Any] = [recorder]
     if cfg.fault is not None:

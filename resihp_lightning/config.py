@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any, TypeVar
 
-from resihp_lightning.errors import invalid_option
+from resihp_lightning.errors import ConfigError, invalid_option
 from resihp_lightning.plan import Problem
 
 T = TypeVar("T")
@@ -18,6 +18,9 @@ PULP_ENGINES = ("cbc", "highs")
 @dataclass(frozen=True)
 class PlannerConfig:
     """Options of the planner.
+
+    The one place for them: ``resihp plan`` reads them from the command line, and a training job
+    gives them to :class:`~resihp_lightning.callbacks.ReplanController` (``planner=...``).
 
     Attributes:
         solver: backend: ``"cpsat"`` (OR-Tools CP-SAT MILP, default), ``"pulp"`` (the same MILP through
@@ -32,8 +35,10 @@ class PlannerConfig:
         pulp_engine: MILP engine for ``solver="pulp"``: ``"cbc"`` (bundled) or ``"highs"`` (needs
             ``highspy``).
         pipeline_degrees: allowed pipeline degrees; ``None`` keeps the problem's (default: all that fit).
-        shared_partition: ``None`` keeps the problem's; ``True`` forces one stage partition for every
-            replica (stock DeepSpeed), ``False`` allows per-replica partitions.
+        shared_partition: ``True`` forces one stage partition for every replica (stock DeepSpeed),
+            ``False`` allows per-replica partitions. ``None`` keeps the problem's: for the
+            re-planning controller that is what the strategy can run (per-replica partitions when
+            ``strategy.supports_per_replica_bounds``, i.e. the plain fp32 optimizer; else shared).
         allow_exclude: ``None`` keeps the problem's; ``True`` lets the plan leave devices unused.
         min_layers_per_stage: ``None`` keeps the problem's; otherwise the fewest layers per stage (>= 1).
     """
@@ -66,6 +71,9 @@ class PlannerConfig:
             object.__setattr__(self, "pipeline_degrees", tuple(self.pipeline_degrees))
             if not self.pipeline_degrees or any(not isinstance(p, int) or p < 1 for p in self.pipeline_degrees):
                 raise invalid_option("planner.pipeline_degrees", self.pipeline_degrees, "a non-empty list of integers >= 1")
+        for name in ("shared_partition", "allow_exclude"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise invalid_option(f"planner.{name}", getattr(self, name), "true, false or null")
         if self.min_layers_per_stage is not None and (
             not isinstance(self.min_layers_per_stage, int) or self.min_layers_per_stage < 1
         ):
@@ -79,6 +87,48 @@ class PlannerConfig:
             if getattr(self, name) is not None
         }
         return replace(problem, **changes) if changes else problem
+
+
+#: Options that moved to another section: ``"section.option"`` -> where it lives now.
+MOVED_OPTIONS = {
+    "controller.shared_partition": "planner.shared_partition",
+}
+
+
+def moved_option(key: str) -> ConfigError | None:
+    """The error for an option that moved to another section (``None`` when ``key`` did not move).
+
+    Args:
+        key: ``"section.option"`` as the user spelled it (``"controller.shared_partition"``).
+    """
+    new = MOVED_OPTIONS.get(key)
+    if new is None:
+        return None
+    return ConfigError(f"option `{key}` was removed; use `{new}` instead (the planner's options are all in "
+                       f"PlannerConfig, given to ReplanController(planner=...))")
+
+
+def config_from_dict(cls: type[T], data: T | Mapping[str, Any], section: str) -> T:
+    """A config dataclass from itself or a mapping (e.g. YAML), refusing unknown keys by name.
+
+    Args:
+        cls: the config dataclass.
+        data: an instance of ``cls`` (returned as is) or a mapping of its fields.
+        section: the section's name for messages (``"controller"``).
+
+    Raises:
+        ConfigError: ``data`` is neither, or has a key that is not a field (a moved option says where
+            it lives now).
+    """
+    if isinstance(data, cls):
+        return data
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"`{section}` must be a {cls.__name__} or a mapping, got {type(data).__name__}")
+    known = {f.name for f in fields(cls)}
+    for key in sorted(set(data) - known):
+        raise moved_option(f"{section}.{key}") or ConfigError(
+            f"unknown option `{section}.{key}`; allowed: {', '.join(sorted(known))}")
+    return cls(**data)
 
 
 def config_from_options(cls: type[T], config: T | None, options: Mapping[str, Any], owner: str) -> T:

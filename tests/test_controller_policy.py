@@ -108,19 +108,32 @@ def test_slow_rank_then_recovery_replans_and_replans_back():
     assert again.apply
 
 
-def test_shared_partition_follows_the_strategy_unless_configured():
-    from types import SimpleNamespace
+def test_shared_partition_follows_the_strategy_unless_the_planner_sets_it():
+    auto = PlannerConfig()
+    assert auto.shared_partition is None
+    per_replica = build_problem(_profile(4), {}, [0, 1], 4, CFG, auto, per_replica_bounds=True)
+    shared_only = build_problem(_profile(4), {}, [0, 1], 4, CFG, auto, per_replica_bounds=False)
+    assert per_replica.shared_partition is False and shared_only.shared_partition is True
+    forced = build_problem(_profile(4), {}, [0, 1], 4, CFG, PlannerConfig(shared_partition=True), per_replica_bounds=True)
+    assert forced.shared_partition is True
+    assert build_problem(_profile(4), {}, [0, 1], 4, CFG).shared_partition is True  # default: what any strategy runs
+    with pytest.raises(ConfigError, match="planner.shared_partition"):
+        PlannerConfig(shared_partition="yes")
 
+
+def test_shared_partition_is_a_planner_option_only():
     from resihp_lightning.callbacks.controller import ReplanController
 
-    per_replica, shared_only = SimpleNamespace(supports_per_replica_bounds=True), SimpleNamespace()
-    auto = ReplanController()
-    assert auto.config.shared_partition is None
-    assert auto._resolved(per_replica).shared_partition is False
-    assert auto._resolved(shared_only).shared_partition is True
-    forced = ReplanController(config=ControllerConfig(shared_partition=True))
-    assert forced._resolved(per_replica).shared_partition is True
-    problem = build_problem(_profile(4), {}, [0, 1], 4, auto._resolved(per_replica))
-    assert problem.shared_partition is False
-    with pytest.raises(ConfigError, match="controller.shared_partition"):
-        ControllerConfig(shared_partition="yes")
+    moved = r"`controller.shared_partition` was removed; use `planner.shared_partition`"
+    with pytest.raises(ConfigError, match=moved):
+        ControllerConfig.from_dict({"shared_partition": True})
+    with pytest.raises(ConfigError, match=moved):
+        ReplanController({"cooldown_steps": 2, "shared_partition": False})
+    with pytest.raises(ConfigError, match=r"unknown option `controller.cooldwn_steps`; allowed: .*cooldown_steps"):
+        ControllerConfig.from_dict({"cooldwn_steps": 2})
+    controller = ReplanController({"cooldown_steps": 2}, planner={"solver": "exact", "shared_partition": False})
+    assert controller.config == ControllerConfig(cooldown_steps=2)
+    assert controller.planner == PlannerConfig(solver="exact", shared_partition=False)
+    assert ReplanController().planner == PlannerConfig()
+    with pytest.raises(ConfigError, match=r"unknown option `planner.workers`"):
+        ReplanController(planner={"workers": 2})

@@ -143,44 +143,62 @@ def test_fault_config_is_validated_and_reads_yaml_mappings():
         FaultConfig.from_dict({"kind": "slow", "speed": 0.5})
 
 
-@pytest.mark.slow
-def test_fault_injector_callback_slows_training_and_logs(tmp_path):
+def _slowed_rank(rank: int, world: int, log_dir: str) -> dict:
     import lightning.pytorch as pl
+    from torch.nn import functional as F
 
-    from resihp_lightning.callbacks.events import read_events
     from resihp_lightning.callbacks.fault_injector import FaultInjector
+    from resihp_lightning.strategy.module import ResiHPModule
+    from resihp_lightning.strategy.strategy import ResiHPStrategy
 
-    class Tiny(pl.LightningModule):
+    class Tiny(ResiHPModule):
         def __init__(self):
             super().__init__()
-            self.layer = FakeLayer()
+            self.layers = nn.ModuleList([FakeLayer(), FakeLayer()])
 
-        def training_step(self, batch, batch_idx):
-            return self.layer(batch[0].requires_grad_()).sum()
+        def pipeline_layers(self):
+            return list(self.layers)
+
+        def pipeline_loss(self, outputs, labels):
+            return F.mse_loss(outputs, labels)
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.0)
 
-        def train_dataloader(self):
-            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(8, 3000)), batch_size=1)
-
-    times = []
+    steps = []
 
     class Timer(pl.Callback):
         def on_train_batch_start(self, *args):
             self.t = time.perf_counter()
 
-        def on_train_batch_end(self, *args):
-            times.append(time.perf_counter() - self.t)
+        def on_train_batch_end(self, trainer, *args):
+            busy = sum(mb.compute_ms for mb in trainer.strategy.last_step_stats.micro_batches)
+            steps.append((time.perf_counter() - self.t, busy))
 
-    injector = FaultInjector([{"kind": "slow", "rank": 0, "factor": 3.0, "start_step": 4}], log_dir=str(tmp_path))
-    trainer = pl.Trainer(max_steps=8, accelerator="cpu", devices=1, callbacks=[injector, Timer()], logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         default_root_dir=str(tmp_path))
-    trainer.fit(Tiny())
-    assert min(times[5:]) > 2.0 * min(times[1:4])
+    injector = FaultInjector([{"kind": "slow", "rank": 0, "factor": 4.0, "start_step": 4}], log_dir=log_dir)
+    trainer = pl.Trainer(max_steps=8, accelerator="cpu", devices=1, strategy=ResiHPStrategy(micro_batch_size=100),
+                         callbacks=[injector, Timer()], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=log_dir)
+    rows = torch.ones(8 * 400, 1)
+    trainer.fit(Tiny(), torch.utils.data.DataLoader(torch.utils.data.TensorDataset(rows, rows), batch_size=400))
+    return {"steps": steps}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_fault_injector_callback_slows_the_strategys_layers_and_logs(distributed, tmp_path):
+    """One rank, ``Trainer(strategy="resihp")``: the slow fault wraps the layers ``strategy.local_layers()``
+    names; their busy time (what the detector sees) and the step time grow from ``start_step``."""
+    from resihp_lightning.callbacks.events import read_events
+
+    (result,) = distributed(_slowed_rank, 1, timeout=180, log_dir=str(tmp_path))
+    wall = [w for w, _ in result["steps"]]
+    busy = [b for _, b in result["steps"]]
+    # The first layer's input needs no gradient, so only its forward waits: about 3x busy time at factor 4.
+    assert min(busy[5:]) > 2.0 * min(busy[1:4]), busy
+    assert min(wall[5:]) > 1.5 * min(wall[1:4]), wall
     events = read_events(tmp_path)
-    assert [(e["event"], e["step"], e["rank"], e["factor"]) for e in events] == [("fault_injected", 4, 0, 3.0)]
+    assert [(e["event"], e["step"], e["rank"], e["factor"]) for e in events] == [("fault_injected", 4, 0, 4.0)]
 
 
 @pytest.mark.slow

@@ -99,3 +99,12 @@ def test_empty_dataset_is_one_line(tmp_path: Path, capsys, monkeypatch) -> None:
     line = _in_process_error(["--data.source", str(empty), "--run_dir", str(tmp_path / "r")], capsys, monkeypatch)
     assert "dataset is empty" in line
     assert not (tmp_path / "r").exists()
+
+
+def test_shared_partition_under_controller_names_its_new_place(tmp_path: Path, capsys, monkeypatch) -> None:
+    moved = tmp_path / "moved.yaml"
+    moved.write_text("controller:\n  shared_partition: true\n")
+    for args in (["--config", str(moved)], ["--controller.shared_partition", "true"]):
+        line = _in_process_error([*args, "--run_dir", str(tmp_path / "r")], capsys, monkeypatch)
+        assert "`controller.shared_partition` was removed; use `planner.shared_partition`" in line
+    assert not (tmp_path / "r").exists()

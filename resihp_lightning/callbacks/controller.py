@@ -21,16 +21,20 @@ A healed device changes the speeds back, so the same path plans the job back to 
 Fail-stop is not re-planned live (a dead rank breaks the process group); the
 :class:`~.heartbeat_callback.HeartbeatMonitor` reports it and the job restarts from a checkpoint.
 
-Put the controller after the detector in ``callbacks`` (Lightning runs them in order).
+Put the controller after the detector in ``callbacks`` (Lightning runs them in order). The strategy
+must provide :class:`~resihp_lightning.contract.Replannable` (``Trainer(strategy="resihp")``); any
+other strategy is refused at ``setup`` with a :class:`~resihp_lightning.errors.ConfigError` naming
+what it lacks.
 """
 
 from __future__ import annotations
 
-import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
 
 from resihp_lightning._logging import get_logger, user_info
 from resihp_lightning.callbacks.detector import StragglerDetector
@@ -43,7 +47,8 @@ from resihp_lightning.callbacks.replan_policy import (
     decide,
     estimate_migration_s,
 )
-from resihp_lightning.config import PlannerConfig
+from resihp_lightning.config import PlannerConfig, config_from_dict
+from resihp_lightning.contract import Replannable, require
 from resihp_lightning.errors import ConfigError, PlanError, ResiHPError
 from resihp_lightning.plan import Plan, evaluate
 
@@ -54,22 +59,28 @@ class ReplanController(Callback):
     """Re-plans the job when the detector's speeds change.
 
     Args:
-        config: controller options (:class:`~.replan_policy.ControllerConfig`).
-        planner: planner options; default: the strategy's ``planner`` (or ``PlannerConfig()``).
+        config: controller options (:class:`~.replan_policy.ControllerConfig` or a mapping of its fields).
+        planner: planner options (:class:`~resihp_lightning.config.PlannerConfig` or a mapping of its
+            fields); default ``PlannerConfig()``. Its ``shared_partition=None`` plans per-replica
+            partitions when the strategy can run them.
         events: the event log; default ``<trainer.log_dir>/events.jsonl``.
         log_dir: where to put the default event log instead of the trainer's log directory.
+
+    Raises:
+        ConfigError: an unknown option (a moved one, e.g. ``controller.shared_partition``, says where it
+            lives now).
     """
 
     def __init__(
         self,
-        config: ControllerConfig | None = None,
+        config: ControllerConfig | Mapping[str, Any] | None = None,
         *,
-        planner: PlannerConfig | None = None,
+        planner: PlannerConfig | Mapping[str, Any] | None = None,
         events: EventLog | None = None,
         log_dir: str | None = None,
     ) -> None:
-        self.config = config or ControllerConfig()
-        self.planner = planner
+        self.config = ControllerConfig() if config is None else ControllerConfig.from_dict(config)
+        self.planner = PlannerConfig() if planner is None else config_from_dict(PlannerConfig, planner, "planner")
         self.events = events
         self.log_dir = log_dir
         self.rank = 0
@@ -79,12 +90,13 @@ class ReplanController(Callback):
         self._profile: list[Any] | None = None
         self._last_change_step: int | None = None
         self._awaiting: Plan | None = None
-        self._applied_migrations = 0
         self._overhead_s = self.config.migration_overhead_s
         self._bandwidth = self.config.migration_bandwidth_mb_s
 
     # ---------------------------------------------------------------------------- callbacks
+    @override
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        require(trainer.strategy, Replannable, "ReplanController")
         self.rank = trainer.global_rank
         detectors = [i for i, cb in enumerate(trainer.callbacks) if isinstance(cb, StragglerDetector)]
         mine = next(i for i, cb in enumerate(trainer.callbacks) if cb is self)
@@ -96,18 +108,16 @@ class ReplanController(Callback):
         if self.events is None:
             self.events = self.detector.events or EventLog(
                 Path(self.log_dir or trainer.log_dir or trainer.default_root_dir), rank=self.rank)
-        if self.planner is None:
-            self.planner = getattr(trainer.strategy, "planner", None) or PlannerConfig()
 
+    @override
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        strategy = trainer.strategy
-        if not hasattr(strategy, "request_plan") or self.detector is None:
-            return
+        strategy: Replannable = trainer.strategy
+        if self.detector is None:
+            return  # setup did not run
         step = trainer.global_step
         self._note_applied(strategy, step)
         flagged = bool(self.detector.flagged)
-        if hasattr(strategy, "profiler_recording"):
-            strategy.profiler_recording = not flagged
+        strategy.profiler_recording = not flagged
         interval = self.config.profile_interval_steps
         first = self.detector.config.warmup_steps + self.detector.config.fit_steps
         due = (self._profile is None and step >= first) or (interval and step > 0 and step % interval == 0)
@@ -132,22 +142,16 @@ class ReplanController(Callback):
         self._last_change_step = step
 
     # ---------------------------------------------------------------------------- internals
-    def _resolved(self, strategy: Any) -> ControllerConfig:
-        """The config with ``shared_partition`` decided by what the strategy can run."""
-        if self.config.shared_partition is not None:
-            return self.config
-        per_replica = bool(getattr(strategy, "supports_per_replica_bounds", False))
-        return dataclasses.replace(self.config, shared_partition=not per_replica)
-
     def _plan_on_rank0(self, trainer: Any, step: int) -> dict[str, Any] | None:
         from resihp_lightning.solver import solve
 
-        strategy = trainer.strategy
+        strategy: Replannable = trainer.strategy
         current: Plan = strategy.current_plan
         ranks = sorted(current.device_ids)
         micro = strategy.micro_batches or sum(r.micro_batches for r in current.replicas)
         try:
-            problem = build_problem(self._profile, self.detector.speeds, ranks, micro, self._resolved(strategy), self.planner)
+            problem = build_problem(self._profile, self.detector.speeds, ranks, micro, self.config, self.planner,
+                                    per_replica_bounds=strategy.supports_per_replica_bounds)
             plan = solve(problem, self.planner)
         except ResiHPError as err:
             self._log("plan_rejected", step, reason=f"planner failed: {err}")
@@ -181,7 +185,7 @@ class ReplanController(Callback):
         user_info(f"re-planning at step {step}: {decision.reason}")
         return plan.to_dict()
 
-    def _note_applied(self, strategy: Any, step: int) -> None:
+    def _note_applied(self, strategy: Replannable, step: int) -> None:
         if self._awaiting is None:
             return
         record = strategy.last_migration
@@ -196,7 +200,7 @@ class ReplanController(Callback):
         self._overhead_s, self._bandwidth = calibrate(seconds, moved / 2**20, self._overhead_s, self._bandwidth)
 
     def _remaining(self, trainer: Any, step: int) -> int:
-        max_steps = getattr(trainer, "max_steps", -1)
+        max_steps = trainer.max_steps
         if max_steps is not None and max_steps > 0:
             return max(max_steps - step, 0)
         return self.config.horizon_steps

@@ -1,7 +1,8 @@
 """``StragglerDetector``: the Lightning callback around the fail-slow core (:mod:`.straggler`).
 
 Each rank reads ``trainer.strategy.last_step_stats`` (its own busy compute per micro-batch and the
-micro-batches' workload) in ``on_train_batch_end`` and summarises it locally. Every report interval
+micro-batches' workload; the strategy must provide :class:`~resihp_lightning.contract.StepStatsSource`,
+checked at ``setup``) in ``on_train_batch_end`` and summarises it locally. Every report interval
 the summaries are all-gathered over the default process group (``all_gather_object``), so every rank
 folds the same data into its own :class:`~.straggler.StragglerCore` and holds the same speeds, flags
 and events, which lets a controller act on them without another round of communication.
@@ -17,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
 
-from resihp_lightning._logging import get_logger, user_info, user_warn
+from resihp_lightning._logging import get_logger, user_info
 from resihp_lightning.callbacks.events import EventLog
 from resihp_lightning.callbacks.straggler import (
     DetectorConfig,
@@ -27,6 +29,7 @@ from resihp_lightning.callbacks.straggler import (
     StragglerCore,
 )
 from resihp_lightning.config import config_from_options
+from resihp_lightning.contract import StepStatsSource, require
 
 log = get_logger(__name__)
 
@@ -60,7 +63,6 @@ class StragglerDetector(Callback):
         self._interval = self.config.report_interval_steps
         self._last_step: int | None = None
         self._next_report: int | None = None
-        self._warned = False
 
     # ------------------------------------------------------------------------------ results
     @property
@@ -70,6 +72,7 @@ class StragglerDetector(Callback):
 
     @property
     def flagged(self) -> list[int]:
+        """Ranks flagged slow, ascending (the same on every rank)."""
         return self.core.flagged
 
     @property
@@ -78,22 +81,22 @@ class StragglerDetector(Callback):
         return self.core.version
 
     # ---------------------------------------------------------------------------- callbacks
+    @override
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        require(trainer.strategy, StepStatsSource, "StragglerDetector")
         self.rank = trainer.global_rank
         if self.events is None:
             log_dir = self.log_dir or trainer.log_dir or trainer.default_root_dir
             self.events = EventLog(Path(log_dir), rank=self.rank)
 
+    @override
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        stats = getattr(trainer.strategy, "last_step_stats", None)
+        strategy: StepStatsSource = trainer.strategy
+        stats = strategy.last_step_stats
         if stats is None:
-            if not self._warned:
-                self._warned = True
-                user_warn("StragglerDetector: the strategy reports no per-micro-batch statistics "
-                          "(last_step_stats); use strategy='resihp'. Detection is off.")
-            return
+            return  # no step measured yet
         if stats.step == self._last_step:
-            return  # no new step (e.g. gradient accumulation in another strategy)
+            return  # no new step
         self._last_step = stats.step
         self._pending.append(self.tracker.summarize(stats))
         if self._next_report is None:

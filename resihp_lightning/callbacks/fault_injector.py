@@ -4,28 +4,35 @@ Per fault (:class:`~resihp_lightning.callbacks.faults.FaultConfig`), on the rank
 
 * ``slow``: from ``start_step`` to ``end_step`` the rank's own layers run at ``1/factor`` speed
   (:class:`~resihp_lightning.callbacks.faults.Slowdown`: the waits sit inside each layer's forward
-  and backward, in proportion to the measured compute). The layers are found through the strategy
-  (``strategy.local_layers()`` when it offers one, else its pipeline module's ``local_layers()``)
-  and re-wrapped after every re-plan, since a rebuild may hand the rank other modules.
+  and backward, in proportion to the measured compute). The layers are the strategy's
+  ``local_layers()`` (:class:`~resihp_lightning.contract.LayerHost`, checked at ``setup`` on a rank
+  that has a ``slow`` fault; other faults need nothing from the strategy), re-wrapped after every
+  re-plan, since a rebuild may hand the rank other modules.
 * ``delay_p2p``: every pipeline send waits ``delay_ms`` while active.
 * ``kill``: at ``start_step`` the process ends with ``os._exit(exit_code)``.
 
 Each fault writes one ``fault_injected`` event when it starts (by the faulted rank, which may not be
 rank 0, so the write is forced).
+
+The injector keeps no state across a resume: faults are scheduled by ``trainer.global_step``, which
+Lightning restores, so a fault in force at the checkpoint is in force again after it (and, being
+injected anew into the new process, is logged again).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
 
 from resihp_lightning._logging import get_logger
 from resihp_lightning.callbacks.events import EventLog
 from resihp_lightning.callbacks.faults import DelayedCall, FaultConfig, Slowdown, delay_p2p_sends
+from resihp_lightning.contract import LayerHost, require
 
 log = get_logger(__name__)
 
@@ -70,17 +77,22 @@ class FaultInjector(Callback):
         return sum(f.delay_ms for f in self._mine if f.kind == "delay_p2p" and f.active(self.step)) / 1000.0
 
     # ------------------------------------------------------------------------- callbacks
+    @override
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self.rank = trainer.global_rank
+        self._mine = [f for f in self.faults if f.rank == self.rank]
+        slow = any(f.kind == "slow" for f in self._mine)
+        if slow:
+            require(trainer.strategy, LayerHost, "FaultInjector (a slow fault on this rank)")
         if self.events is None:
             log_dir = self.log_dir or trainer.log_dir or trainer.default_root_dir
             self.events = EventLog(Path(log_dir), rank=self.rank)
-        self._mine = [f for f in self.faults if f.rank == self.rank]
-        if any(f.kind == "slow" for f in self._mine):
+        if slow:
             self._slowdown = Slowdown(self.current_factor)
         if any(f.kind == "delay_p2p" for f in self._mine):
             self._delay = delay_p2p_sends(self.current_delay_s)
 
+    @override
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if self._slowdown is not None:
             self._slowdown.unwrap_all()
@@ -88,6 +100,7 @@ class FaultInjector(Callback):
             self._delay.restore()
             self._delay = None
 
+    @override
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self.step = trainer.global_step
         for index, fault in enumerate(self._mine):
@@ -100,18 +113,6 @@ class FaultInjector(Callback):
             if fault.kind == "kill":
                 os._exit(fault.exit_code)
         if self._slowdown is not None and self.current_factor() > 1.0:
-            for module in _local_layers(trainer.strategy, pl_module):
+            host: LayerHost = trainer.strategy
+            for module in host.local_layers().values():
                 self._slowdown.wrap(module)
-
-
-def _local_layers(strategy: Any, pl_module: Any) -> Iterable[Any]:
-    """This rank's layer modules, however the strategy exposes them."""
-    finder = getattr(strategy, "local_layers", None)
-    if callable(finder):
-        layers = finder()
-    else:
-        pipe = getattr(strategy, "_pipe", None)
-        layers = pipe.local_layers() if pipe is not None and hasattr(pipe, "local_layers") else None
-    if layers is None:  # a plain strategy: the whole module's direct children
-        return list(pl_module.children())
-    return list(layers.values()) if isinstance(layers, Mapping) else list(layers)

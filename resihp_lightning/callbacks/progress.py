@@ -12,15 +12,22 @@ time         Unix seconds at the end of the step
 wall_ms      wall time since the previous step's end (the first: since training started) —
              everything the job spent on the step, callbacks and re-plans included
 step_ms      rank 0's ``engine.train_batch`` time (the strategy's ``last_step_stats``)
-tokens       real tokens of the global batch (padding excluded)
+tokens       real tokens of the global batch (padding excluded; 0 when the batch carries no
+             ``seq_lens``, i.e. the count is not known)
 loss         the step's training loss
 P, D         pipeline and data degree of the plan the step ran under
 micro        micro-batches per replica under that plan
 migrated     whether a re-plan was applied at the start of this step
 ============ ==================================================================================
 
-:class:`ResiHPProgressBar` is Lightning's TQDM bar plus ``tok/s`` (over the last few steps) and
-``plan`` (P×D, with the per-replica micro-batch counts when they differ).
+:class:`ResiHPProgressBar` is Lightning's TQDM bar plus ``tok/s`` (over the last few steps, shown
+only when the batches carry sequence lengths) and ``plan`` (P×D, with the per-replica micro-batch
+counts when they differ).
+
+Both read the plan in force and the last migration, so they need the re-planning strategy
+(:class:`~resihp_lightning.contract.Replannable`, checked at ``setup``; ``Trainer(strategy="resihp")``).
+With another strategy use Lightning's own ``TQDMProgressBar``. Neither saves state in checkpoints:
+they only report (``tok/s`` restarts its window after a resume).
 """
 
 from __future__ import annotations
@@ -28,19 +35,22 @@ from __future__ import annotations
 import json
 import time
 from collections import deque
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.pytorch.callbacks import Callback, TQDMProgressBar
+from typing_extensions import override
+
+from resihp_lightning.contract import MigrationRecord, Replannable, require
+from resihp_lightning.errors import ConfigError
+from resihp_lightning.plan import Plan
 
 STEPS_FILE = "steps.jsonl"
 
 
-def _plan_fields(strategy: Any) -> dict[str, Any]:
-    plan = getattr(strategy, "current_plan", None)
-    if plan is None:
-        return {"P": 1, "D": 1, "micro": []}
+def _plan_fields(plan: Plan) -> dict[str, Any]:
     return {"P": plan.pipeline_degree, "D": plan.data_degree, "micro": [r.micro_batches for r in plan.replicas]}
 
 
@@ -65,13 +75,14 @@ class StepRecorder(Callback):
         self.path = None if run_dir is None else Path(run_dir) / STEPS_FILE
         self.records: list[dict[str, Any]] = []
         self.rank = 0
-        self._recent: deque[tuple[int, float]] = deque(maxlen=max(window, 1))
+        self._recent: deque[tuple[int, float]] = deque(maxlen=max(window, 1))  # steps with known tokens
         self._last_end: float | None = None
-        self._last_migration: Any = None
+        self._last_migration: MigrationRecord | None = None
 
     @property
     def tokens_per_s(self) -> float | None:
-        """Tokens per second over the last ``window`` steps (``None`` before the first step)."""
+        """Tokens per second over the last ``window`` steps whose token count is known (``None`` when
+        there is none: before the first step, or for batches without ``seq_lens``)."""
         if not self._recent:
             return None
         seconds = sum(ms for _, ms in self._recent) / 1000.0
@@ -81,46 +92,55 @@ class StepRecorder(Callback):
     def last(self) -> dict[str, Any] | None:
         return self.records[-1] if self.records else None
 
+    @override
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        require(trainer.strategy, Replannable, "StepRecorder")
         self.rank = trainer.global_rank
         if self.path is not None and self.rank == 0:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.write_text("")
 
+    @override
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        strategy: Replannable = trainer.strategy
         self._last_end = time.perf_counter()
-        self._last_migration = _migration_key(trainer.strategy)
+        self._last_migration = strategy.last_migration
 
+    @override
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        strategy: Replannable = trainer.strategy
         now = time.perf_counter()
         wall_ms = (now - (self._last_end or now)) * 1000.0
         self._last_end = now
-        stats = getattr(trainer.strategy, "last_step_stats", None)
-        migration = _migration_key(trainer.strategy)
-        migrated = migration is not None and migration != self._last_migration
+        stats = strategy.last_step_stats
+        migration = strategy.last_migration
+        migrated = migration is not None and migration is not self._last_migration
         self._last_migration = migration
-        tokens = int(batch["seq_lens"].to(torch.long).sum()) if isinstance(batch, dict) and "seq_lens" in batch else 0
+        tokens = _tokens(batch)
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         record = {
             "step": int(trainer.global_step) - 1,
             "time": time.time(),
             "wall_ms": wall_ms,
             "step_ms": None if stats is None else float(stats.step_ms),
-            "tokens": tokens,
+            "tokens": 0 if tokens is None else tokens,
             "loss": None if loss is None else float(loss.detach().float()) if torch.is_tensor(loss) else float(loss),
-            **_plan_fields(trainer.strategy),
+            **_plan_fields(strategy.current_plan),
             "migrated": migrated,
         }
         self.records.append(record)
-        self._recent.append((tokens, wall_ms))
+        if tokens is not None:
+            self._recent.append((tokens, wall_ms))
         if self.path is not None and self.rank == 0:
             with open(self.path, "a", encoding="utf-8") as handle:
                 handle.write(json.dumps(record) + "\n")
 
 
-def _migration_key(strategy: Any) -> Any:
-    record = getattr(strategy, "last_migration", None)
-    return None if record is None else (record.seconds, id(record.plan))
+def _tokens(batch: Any) -> int | None:
+    """Real tokens of a packed batch (its ``seq_lens``); ``None`` when the batch does not say."""
+    if isinstance(batch, Mapping) and "seq_lens" in batch:
+        return int(batch["seq_lens"].to(torch.long).sum())
+    return None
 
 
 class ResiHPProgressBar(TQDMProgressBar):
@@ -135,6 +155,16 @@ class ResiHPProgressBar(TQDMProgressBar):
         super().__init__(refresh_rate=refresh_rate)
         self.recorder = recorder
 
+    @override
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        callbacks = list(trainer.callbacks)
+        if not any(cb is self.recorder for cb in callbacks):
+            raise ConfigError("ResiHPProgressBar(recorder) needs that StepRecorder in Trainer(callbacks=[...]) too")
+        if callbacks.index(self.recorder) > callbacks.index(self):
+            raise ConfigError("put the StepRecorder before the ResiHPProgressBar in Trainer(callbacks=[...])")
+
+    @override
     def get_metrics(self, trainer: Any, pl_module: Any) -> dict[str, Any]:
         metrics = super().get_metrics(trainer, pl_module)
         metrics.pop("v_num", None)

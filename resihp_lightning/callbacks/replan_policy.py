@@ -16,8 +16,9 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from resihp_lightning.config import PlannerConfig
+from resihp_lightning.config import PlannerConfig, config_from_dict
 from resihp_lightning.errors import invalid_option
 from resihp_lightning.plan import Device, Layer, Plan, Problem
 from resihp_lightning.telemetry import LayerCost
@@ -25,7 +26,8 @@ from resihp_lightning.telemetry import LayerCost
 
 @dataclass(frozen=True, kw_only=True)
 class ControllerConfig:
-    """Options of the re-planning controller.
+    """Options of the re-planning controller (when and whether to re-plan; how to plan is
+    :class:`~resihp_lightning.config.PlannerConfig`).
 
     Attributes:
         min_relative_gain: the new plan's predicted time must be at least this fraction below the
@@ -42,9 +44,6 @@ class ControllerConfig:
         p2p_ms: activation + gradient transfer between stages per micro-batch, for the Problem.
         allreduce_ms: data-parallel gradient sync per iteration, for the Problem.
         memory_mb: memory per device for the Problem (``None``: unlimited).
-        shared_partition: ``True`` plans one stage partition for every replica; ``False`` lets each
-            replica have its own (needs the strategy's layer-wise gradient reduction, plain fp32
-            optimizer only); ``None`` picks per-replica partitions whenever the strategy can run them.
         profile_interval_steps: refresh the cached healthy layer profile this often while no rank
             is flagged (the profile is a collective; 0 = only when first needed).
     """
@@ -59,7 +58,6 @@ class ControllerConfig:
     p2p_ms: float = 0.0
     allreduce_ms: float = 0.0
     memory_mb: float | None = None
-    shared_partition: bool | None = None
     profile_interval_steps: int = 50
 
     def __post_init__(self) -> None:
@@ -79,8 +77,16 @@ class ControllerConfig:
                 raise invalid_option(f"controller.{name}", value, f"an integer >= {low}")
         if self.memory_mb is not None and (not _number(self.memory_mb) or not self.memory_mb > 0):
             raise invalid_option("controller.memory_mb", self.memory_mb, "null or a number > 0")
-        if self.shared_partition is not None and not isinstance(self.shared_partition, bool):
-            raise invalid_option("controller.shared_partition", self.shared_partition, "true, false or null")
+
+    @classmethod
+    def from_dict(cls, data: ControllerConfig | Mapping[str, Any]) -> ControllerConfig:
+        """Builds the config from a mapping (YAML); an unknown or moved key is refused by name.
+
+        Raises:
+            ConfigError: e.g. ``shared_partition``, which is a planner option
+                (:attr:`PlannerConfig.shared_partition <resihp_lightning.config.PlannerConfig>`).
+        """
+        return config_from_dict(cls, data, "controller")
 
 
 @dataclass(frozen=True)
@@ -114,6 +120,8 @@ def build_problem(
     micro_batches: int,
     config: ControllerConfig,
     planner: PlannerConfig | None = None,
+    *,
+    per_replica_bounds: bool = False,
 ) -> Problem:
     """The planning problem for the devices as they are now.
 
@@ -122,8 +130,12 @@ def build_problem(
         speeds: per-rank speed (ranks missing here are healthy, 1.0).
         ranks: the ranks that can hold stages (dead ones left out).
         micro_batches: M per step.
-        config: controller options (p2p, all-reduce, memory, speed quantum, shared partition).
-        planner: the planner's model options, written over the problem (pipeline degrees, ...).
+        config: controller options (p2p, all-reduce, memory, speed quantum).
+        planner: the planner's model options, written over the problem (pipeline degrees, shared
+            partition, ...) where they are not ``None``.
+        per_replica_bounds: whether the strategy can run replicas with different stage bounds
+            (``strategy.supports_per_replica_bounds``); the problem's ``shared_partition`` is its
+            negation unless ``planner.shared_partition`` says otherwise.
     """
     ordered = sorted(profile, key=lambda c: c.index)
     compute = [max(c.compute_ms, 0.0) for c in ordered]
@@ -139,7 +151,7 @@ def build_problem(
         micro_batches=int(micro_batches),
         p2p_ms=config.p2p_ms,
         allreduce_ms=config.allreduce_ms,
-        shared_partition=True if config.shared_partition is None else config.shared_partition,
+        shared_partition=not per_replica_bounds,
     )
     return planner.apply_to(problem) if planner is not None else problem
 

@@ -101,7 +101,7 @@ class _Variant:
         from resihp_lightning.strategy.engine import build_engine, engine_config
         from resihp_lightning.strategy.layerwise import LayerwiseReducer, install
         from resihp_lightning.strategy.pipeline_module import BoundedPipelineModule
-        from resihp_lightning.strategy.placement import position
+        from resihp_lightning.placement import position
         from resihp_lightning.strategy.topology import PlanTopology
 
         bounds0, bounds1, layerwise = VARIANTS[name]

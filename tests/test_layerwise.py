@@ -16,7 +16,7 @@ from torch.nn import functional as F
 
 from resihp_lightning.errors import PlanError
 from resihp_lightning.plan import Plan, Replica
-from resihp_lightning.strategy.layerwise import holder_sets, layer_holders
+from resihp_lightning.placement import holder_sets, layer_holders
 
 WIDTH, DEPTH, MBS, LR, STEPS = 5, 8, 2, 0.05, 3
 
@@ -134,7 +134,7 @@ def _run_scenario(rank: int, replicas, reduction: str, clip: float) -> dict:
     from resihp_lightning.strategy.layerwise import LayerwiseReducer, install
     from resihp_lightning.strategy.optim import local_parameters
     from resihp_lightning.strategy.pipeline_module import BoundedPipelineModule
-    from resihp_lightning.strategy.placement import position, row_offset
+    from resihp_lightning.placement import position, row_offset
     from resihp_lightning.strategy.topology import PlanTopology
 
     plan = _plan(*replicas)

@@ -11,9 +11,9 @@ import torch
 from resihp_lightning.errors import ConfigError
 from resihp_lightning.plan import Plan, Replica
 from resihp_lightning.strategy import batching
-from resihp_lightning.strategy.migration import plan_transfers
+from resihp_lightning.placement import plan_transfers
 from resihp_lightning.strategy.options import StrategyOptions
-from resihp_lightning.strategy.placement import owners, position, row_offset
+from resihp_lightning.placement import owners, position, row_offset
 
 
 def _random_plan(rng: random.Random, world: int, layers: int) -> Plan:

@@ -60,7 +60,7 @@ def _wrapped_rank(rank: int, world: int, ckpt_dir: str) -> dict:
     out: dict = {}
     recorder, strategy = _fit(world, ZERO_STEPS, ZERO1, ZERO_SCHEDULE)
     out["zero_losses"], out["zero_plans"], out["zero_refused"] = recorder.losses, recorder.plans, recorder.refused
-    out["zero_migrations"] = [m["bytes_moved"] for m in recorder.migrations]
+    out["zero_migrations"] = [m.bytes_moved for m in recorder.migrations]
     out["zero_state"] = strategy.lightning_module_state_dict()
     out["zero_profile"] = recorder.static_mb
 

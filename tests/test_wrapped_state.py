@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import io
 import math
-import types
 
 import pytest
 import torch
@@ -83,7 +82,7 @@ class Run:
     def _build(self, plan, reuse, incoming=()):
         from resihp_lightning.strategy import optim, wrapped_state
         from resihp_lightning.strategy.pipeline_module import BoundedPipelineModule
-        from resihp_lightning.strategy.placement import position
+        from resihp_lightning.placement import position
         from resihp_lightning.strategy.topology import PlanTopology
 
         self.plan, self.pos = plan, position(plan, self.rank)
@@ -118,8 +117,8 @@ class Run:
         """
         from resihp_lightning.strategy import wrapped_state
         from resihp_lightning.strategy.engine import destroy_engine
-        from resihp_lightning.strategy.migration import migrate, plan_transfers
-        from resihp_lightning.strategy.placement import position
+        from resihp_lightning.placement import plan_transfers, position
+        from resihp_lightning.strategy.migration import migrate
 
         old_plan, old_layers = self.plan, self.pipe.local_layers()
         exported = wrapped_state.export_state(self.engine, self.params)
@@ -131,9 +130,7 @@ class Run:
         incoming = {t.layer for t in transfers if t.dst == self.rank}
         keep = set(position(plan, self.rank).layers)
         new_layers = self._build(plan, {i: m for i, m in old_layers.items() if i in keep}, incoming)
-        # migrate() reads only ``optimizer.state``: hand it the exported per-parameter state (with
-        # migrate's proposed ``state=`` argument this becomes ``state=by_param``).
-        _, received = migrate(transfers, self.rank, old_layers, new_layers, types.SimpleNamespace(state=by_param))
+        _, received = migrate(transfers, self.rank, old_layers, new_layers, by_param)
         state = {key: entry for key, entry in exported.items() if int(key.split(".")[0]) in keep}
         state.update({f"{layer}.{name}": s for layer, per in received.items() for name, s in per.items()})
         self.start_engine(broadcast=False)

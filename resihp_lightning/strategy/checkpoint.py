@@ -23,6 +23,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from resihp_lightning.errors import ConfigError
+from resihp_lightning.strategy.wrapped_state import as_plain_entry
 
 FORMAT = "resihp-layerwise-v1"
 
@@ -52,21 +53,18 @@ def gather_model_state(params: Mapping[str, nn.Parameter], sends: bool) -> dict[
 
 
 def gather_optimizer_state(
-    optimizer: Optimizer, groups: list[dict[str, Any]], group_of: Mapping[str, int],
-    params: Mapping[str, nn.Parameter], sends: bool, state: Mapping[str, Mapping[str, Any]] | None = None,
+    groups: list[dict[str, Any]], group_of: Mapping[str, int], state: Mapping[str, Mapping[str, Any]], sends: bool
 ) -> dict[str, Any]:
     """The optimizer's layer-keyed state on rank 0 (hyper-parameters on every rank); collective.
 
     Args:
-        state: per-parameter state by key to save instead of ``optimizer.state`` (what a DeepSpeed
-            wrapper holds, from :func:`~resihp_lightning.strategy.wrapped_state.export_state`).
+        groups: the optimizer's parameter-group dicts (their hyper-parameters are saved).
+        group_of: parameter key -> group index.
+        state: this rank's per-parameter state by key
+            (:meth:`~resihp_lightning.strategy.runtime.PipelineRuntime.optimizer_checkpoint_state`).
+        sends: whether this rank contributes (ranks of replica 0).
     """
-    part = {}
-    if sends:
-        for key, p in params.items():
-            entry = state.get(key) if state is not None else optimizer.state.get(p)
-            if entry:
-                part[key] = {k: _cpu(v) for k, v in entry.items()}
+    part = {key: {k: _cpu(v) for k, v in entry.items()} for key, entry in state.items() if entry} if sends else {}
     return {
         "format": FORMAT,
         "param_groups": [{k: v for k, v in group.items() if k != "params"} for group in groups],
@@ -112,8 +110,6 @@ def load_optimizer_state(
 
     A state saved under a DeepSpeed wrapper carries the fp32 master value: it becomes the parameter's value.
     """
-    from resihp_lightning.strategy.wrapped_state import as_plain_entry
-
     load_hyperparameters(groups, saved)
     for key, p in params.items():
         if key in saved["state"]:

@@ -39,38 +39,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from resihp_lightning.errors import ConfigError, PlanError, invalid_option
 from resihp_lightning.plan import Plan
-from resihp_lightning.strategy.placement import owners, position
-
-
-def num_layers(plan: Plan) -> int:
-    """L, the number of layers ``plan`` partitions (checked to be the same in every replica)."""
-    if not plan.replicas:
-        raise PlanError("plan has no replicas")
-    stops = {r.bounds[-1] for r in plan.replicas}
-    stages = {len(r.bounds) - 1 for r in plan.replicas}
-    if len(stops) != 1 or len(stages) != 1:
-        raise PlanError(
-            f"every replica must have the same number of stages and layers; got stages {sorted(stages)}, "
-            f"layers {sorted(stops)}"
-        )
-    return stops.pop()
-
-
-def layer_holders(plan: Plan) -> list[tuple[int, ...]]:
-    """For every layer, the ranks holding it: one per replica, in replica order."""
-    return [tuple(owners(plan, layer)) for layer in range(num_layers(plan))]
-
-
-def holder_sets(plan: Plan) -> list[tuple[int, ...]]:
-    """The distinct holder sets of ``plan``'s layers, in order of their first layer.
-
-    Every rank computes the same list from the same plan, so groups created from it in this order
-    match on every rank. Sets of one rank (D = 1) are included; they need no communication.
-    """
-    seen: dict[tuple[int, ...], None] = {}
-    for holders in layer_holders(plan):
-        seen.setdefault(holders, None)
-    return list(seen)
+from resihp_lightning.placement import holder_sets, layer_holders, position
 
 
 #: Elements per flattened all-reduce at most (plus one tensor): DeepSpeed's ``MEMORY_OPT_ALLREDUCE_SIZE``.

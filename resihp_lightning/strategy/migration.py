@@ -11,52 +11,16 @@ chosen to spread the bytes over the old owners; nothing else crosses the wire. S
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.optim import Optimizer
 
-from resihp_lightning.plan import Plan
-from resihp_lightning.strategy.placement import owners, position
+from resihp_lightning.placement import Transfer
 
 #: Tensors with at most this many elements travel inside the metadata exchange.
 SMALL_NUMEL = 16
-
-
-@dataclass(frozen=True)
-class Transfer:
-    """Layer ``layer`` goes from old owner ``src`` to new owner ``dst``."""
-
-    layer: int
-    src: int
-    dst: int
-
-
-def plan_transfers(old: Plan, new: Plan, layer_weights: Sequence[int]) -> list[Transfer]:
-    """The transfers that turn ``old`` into ``new`` (deterministic: every rank computes the same list).
-
-    Args:
-        old: the plan in force.
-        new: the plan to apply.
-        layer_weights: a size per layer (parameter count) used to balance the senders.
-    """
-    load: dict[int, int] = {}
-    transfers = []
-    held = {device: set(position(old, device).layers) for device in old.device_ids}
-    for replica in new.replicas:
-        for stage, device in enumerate(replica.devices):
-            for layer in range(replica.bounds[stage], replica.bounds[stage + 1]):
-                if layer in held.get(device, ()):
-                    continue
-                sources = owners(old, layer)
-                src = min(sources, key=lambda s: (load.get(s, 0), s))
-                load[src] = load.get(src, 0) + layer_weights[layer]
-                transfers.append(Transfer(layer, src, device))
-    transfers.sort(key=lambda t: (t.layer, t.dst))
-    return transfers
 
 
 def _describe(value: Any) -> tuple[str, Any]:
@@ -85,8 +49,7 @@ def migrate(
     rank: int,
     old_layers: Mapping[int, nn.Module],
     new_layers: Mapping[int, nn.Module],
-    optimizer: Optimizer | None,
-    state: Mapping[torch.Tensor, Mapping[str, Any]] | None = None,
+    state: Mapping[torch.Tensor, Mapping[str, Any]],
 ) -> tuple[int, dict[int, dict[str, dict[str, Any]]]]:
     """Runs the transfers; collective over the world group (every rank calls it).
 
@@ -95,15 +58,17 @@ def migrate(
     optimizer's parameter groups are rebuilt afterwards.
 
     Args:
-        state: per-parameter state to carry instead of ``optimizer.state`` (parameter -> name -> value),
-            e.g. :func:`~resihp_lightning.strategy.wrapped_state.export_state` re-keyed by parameter when
-            a DeepSpeed wrapper owns the optimizer state.
+        transfers: every transfer of the switch (:func:`~resihp_lightning.placement.plan_transfers`,
+            device ids being ranks of the current process group).
+        rank: this process's rank.
+        old_layers: this rank's layers under the old plan, by global index.
+        new_layers: this rank's layers under the new plan, by global index.
+        state: per-parameter optimizer state to carry (old parameter -> name -> value), from
+            :meth:`~resihp_lightning.strategy.optimizer_state.StateCarrier.outgoing`.
 
     Returns:
         (bytes this rank sent, received optimizer state: layer -> parameter name -> state dict).
     """
-    if state is None:
-        state = optimizer.state if optimizer is not None else {}
     outgoing = [t for t in transfers if t.src == rank]
     meta: dict[tuple[int, int], list[tuple[str, tuple, dict[str, tuple[str, Any]]]]] = {}
     for t in outgoing:

@@ -9,6 +9,7 @@ re-plan, refills their ``params`` with this rank's parameters. Every parameter i
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
@@ -71,3 +72,29 @@ def assign(
     for key, value in (received_state or {}).items():
         optimizer.state[params[key]] = value
     optimizer.param_groups[:] = groups
+
+
+@dataclass
+class BoundOptimizer:
+    """The user's optimizer with the parameter-group dicts it was configured with.
+
+    Attributes:
+        optimizer: the optimizer from ``configure_optimizers`` (lives for the whole run).
+        groups: its parameter-group dicts as first configured (schedulers write ``lr`` into them).
+        group_of: parameter key -> group index, over every layer of the model.
+    """
+
+    optimizer: Optimizer
+    groups: list[dict[str, Any]]
+    group_of: dict[str, int]
+
+    @classmethod
+    def bind(cls, optimizer: Optimizer, params: Mapping[str, nn.Parameter]) -> BoundOptimizer:
+        """Keeps ``optimizer``'s groups and makes it train ``params`` (collective: gathers the group map)."""
+        bound = cls(optimizer, list(optimizer.param_groups), group_assignment(optimizer, params))
+        bound.assign(params)
+        return bound
+
+    def assign(self, params: Mapping[str, nn.Parameter], received_state: Mapping[str, dict[str, Any]] | None = None) -> None:
+        """Makes the optimizer train exactly ``params`` (see :func:`assign`)."""
+        assign(self.optimizer, self.groups, self.group_of, params, received_state)

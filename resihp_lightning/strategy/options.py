@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from resihp_lightning.config import PlannerConfig
 from resihp_lightning.errors import invalid_option
 from resihp_lightning.plan import Plan
 
@@ -29,7 +28,6 @@ class StrategyOptions:
         deepspeed_config: DeepSpeed config entries written over the strategy's defaults (ZeRO-1,
             ``bf16``, activation checkpointing pass through). ``gradient_clipping`` defaults to 0.0
             (off) rather than DeepSpeed's 1.0.
-        planner: planner options, stored for the controller callback.
         process_group_backend: ``"gloo"`` or ``"nccl"``; ``None`` picks nccl on CUDA, gloo otherwise.
         timeout: collective timeout.
     """
@@ -39,7 +37,6 @@ class StrategyOptions:
     micro_batch_size: int = 1
     micro_batches: int | None = None
     deepspeed_config: dict[str, Any] = field(default_factory=dict)
-    planner: PlannerConfig = field(default_factory=PlannerConfig)
     process_group_backend: str | None = None
     timeout: timedelta = timedelta(minutes=30)
 
@@ -66,10 +63,6 @@ class StrategyOptions:
         stage = (self.deepspeed_config.get("zero_optimization") or {}).get("stage", 0)
         if stage not in (0, 1):
             raise invalid_option("deepspeed_config.zero_optimization.stage", stage, (0, 1))
-        if isinstance(self.planner, dict):
-            self.planner = PlannerConfig(**self.planner)
-        if not isinstance(self.planner, PlannerConfig):
-            raise invalid_option("planner", self.planner, "a PlannerConfig")
         if self.process_group_backend is not None and self.process_group_backend not in BACKENDS:
             raise invalid_option("process_group_backend", self.process_group_backend, BACKENDS)
         if isinstance(self.timeout, (int, float)):

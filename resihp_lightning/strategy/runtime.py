@@ -1,0 +1,392 @@
+"""``PipelineRuntime``: the pipeline of one plan on one process group, and the switch to another plan.
+
+The runtime owns everything that depends on the plan in force: the
+:class:`~resihp_lightning.strategy.pipeline_module.BoundedPipelineModule` holding this process's
+layers, the DeepSpeed ``PipelineEngine``, the layer-wise gradient reducer (plain fp32 optimizer), the
+stage profiler and the optimizer-state carrier. It knows nothing of Lightning: the strategy feeds it
+micro-batches and asks it to switch plans.
+
+Identity: plans name *devices* (the global rank each process started with). DeepSpeed and
+``torch.distributed`` address *ranks of the current default process group*. ``ranks`` maps one to the
+other (identity when the group is the job's original world), so the runtime can be built on any
+subset of the job's processes once they form a process group of their own.
+
+Lifecycle::
+
+    runtime = PipelineRuntime(config, plan, device)     # builds this process's layers
+    runtime.start(optimizer)                            # binds the optimizer, builds the engine
+    loss, busy_ms = runtime.train_batch(items, loss_scale)
+    record = runtime.switch(new_plan)                   # collective; moves only what changes owner
+    runtime.teardown()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from resihp_lightning._logging import get_logger
+from resihp_lightning.contract import MigrationRecord
+from resihp_lightning.placement import Position, plan_transfers, position, relabel, same_layout
+from resihp_lightning.plan import Plan
+from resihp_lightning.strategy import batching, engine as engines
+from resihp_lightning.strategy.layerwise import LayerwiseReducer, install
+from resihp_lightning.strategy.migration import migrate, persistent_buffers
+from resihp_lightning.strategy.optim import BoundOptimizer, local_parameters
+from resihp_lightning.strategy.optimizer_state import StateCarrier, carrier_for
+from resihp_lightning.strategy.pipeline_module import BoundedPipelineModule
+from resihp_lightning.strategy.profiling import StageProfiler
+from resihp_lightning.strategy.topology import PlanTopology
+from resihp_lightning.telemetry import LayerCost
+
+log = get_logger(__name__)
+
+_MB = float(2**20)
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """What stays the same whatever the plan.
+
+    Attributes:
+        layers: the model's layers in order (``nn.Module`` or DeepSpeed ``LayerSpec``).
+        loss_fn: ``loss_fn(outputs, labels)``, the mean loss of one micro-batch on the last stage.
+        micro_batch_size: rows per micro-batch.
+        deepspeed_config: DeepSpeed config entries over the defaults (see ``engine.engine_config``).
+        device: where this process's layers run.
+        tied: groups of ``(layer, name)`` that are one parameter.
+    """
+
+    layers: Sequence[Any]
+    loss_fn: Callable[[Any, Any], Tensor]
+    micro_batch_size: int
+    deepspeed_config: Mapping[str, Any]
+    device: torch.device
+    tied: Sequence[tuple[tuple[int, str], ...]] = field(default_factory=tuple)
+
+
+class PipelineRuntime:
+    """This process's part of a pipeline x data-parallel job under one plan (see the module docstring).
+
+    Building one is collective over the current default process group (DeepSpeed creates its groups).
+
+    Args:
+        config: what does not depend on the plan.
+        plan: the plan to build (device ids).
+        device: this process's device id in ``plan``.
+        ranks: device id -> rank in the current default process group; default: the identity.
+        reuse: layer modules this process already holds, by global layer index (kept as they are).
+        profiler: a profiler to keep measuring with (its per-layer history carries over); default: a new one.
+    """
+
+    def __init__(
+        self,
+        config: RuntimeConfig,
+        plan: Plan,
+        device: int,
+        ranks: Mapping[int, int] | None = None,
+        reuse: Mapping[int, nn.Module] | None = None,
+        profiler: StageProfiler | None = None,
+    ) -> None:
+        self.config = config
+        self.device = device
+        self._ranks = dict(ranks) if ranks is not None else None
+        self._plan = plan
+        self._position = position(plan, device)
+        self._loss_scale = 1.0
+        self._pipe = self._build_pipe(plan, reuse)
+        self._engine: Any = None
+        self._reducer: LayerwiseReducer | None = None
+        self._carrier: StateCarrier = carrier_for(None, config.deepspeed_config)
+        self._profiler = profiler if profiler is not None else StageProfiler(config.device)
+        self._layer_numel: list[int] = []
+
+    # ------------------------------------------------------------------------------ views
+    @property
+    def plan(self) -> Plan:
+        """The plan in force."""
+        return self._plan
+
+    @property
+    def position(self) -> Position:
+        """This process's replica, stage and layers under the plan in force."""
+        return self._position
+
+    @property
+    def pipe(self) -> BoundedPipelineModule:
+        """The DeepSpeed pipeline module holding this process's layers."""
+        return self._pipe
+
+    @property
+    def engine(self) -> Any:
+        """The DeepSpeed ``PipelineEngine`` (``None`` before :meth:`start`)."""
+        return self._engine
+
+    @property
+    def per_replica_bounds(self) -> bool:
+        """Whether replicas may have different stage bounds (the plain fp32 optimizer)."""
+        return self._carrier.per_replica_bounds
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """The dtype DeepSpeed gives the parameters (floating-point inputs are cast to it)."""
+        return self._carrier.param_dtype
+
+    @property
+    def profiler(self) -> StageProfiler:
+        return self._profiler
+
+    def local_layers(self) -> dict[int, nn.Module]:
+        """This process's layer modules by global layer index."""
+        return self._pipe.local_layers()
+
+    def local_parameters(self) -> dict[str, nn.Parameter]:
+        """This process's parameters by stable key ``"<layer>.<name>"``."""
+        return local_parameters(self.local_layers())
+
+    def local_tensors(self) -> dict[str, Tensor]:
+        """Parameters and persistent buffers by key: what a checkpoint stores of this process's layers."""
+        tensors: dict[str, Tensor] = dict(self.local_parameters())
+        for index, layer in self.local_layers().items():
+            tensors.update({f"{index}.{name}": b for name, b in persistent_buffers(layer).items()})
+        return tensors
+
+    # -------------------------------------------------------------------------- lifecycle
+    def start(self, optimizer: Optimizer | None, broadcast: bool = True) -> None:
+        """Binds the user's optimizer (``None`` outside fitting) and builds the engine (collective).
+
+        Args:
+            optimizer: the optimizer from ``configure_optimizers``; the runtime keeps its parameter
+                groups and refills them with this process's parameters after every switch.
+            broadcast: make every replica's copy of a layer equal to the first replica's (at the start,
+                when replicas may have built layers with different random values).
+        """
+        params = self.local_parameters()
+        bound = BoundOptimizer.bind(optimizer, params) if optimizer is not None else None
+        self._carrier = carrier_for(bound, self.config.deepspeed_config)
+        self._layer_numel = self._gather_layer_sizes()
+        self._build_engine(broadcast)
+
+    def switch(self, plan: Plan) -> MigrationRecord:
+        """Puts ``plan`` in force (collective when the layout changes); returns what it cost.
+
+        Only micro-batch counts changed: the engine is updated in place. Otherwise the engine is rebuilt
+        around the layers this process keeps, and the layers new to it arrive, with their optimizer
+        state, point to point from one old holder each (:func:`~resihp_lightning.placement.plan_transfers`).
+        """
+        start = time.perf_counter()
+        if same_layout(self._plan, plan):
+            engines.set_micro_batches(self._engine, plan.replicas[self._position.replica].micro_batches)
+            self._plan = plan
+            return MigrationRecord(plan=plan, seconds=time.perf_counter() - start, bytes_moved=0)
+        old, old_layers = self._plan, self.local_layers()
+        transfers = plan_transfers(self._in_ranks(old), self._in_ranks(plan), self._layer_numel)
+        state_start = time.perf_counter()
+        captured = self._carrier.capture(self._engine, self.local_parameters())
+        state_s = time.perf_counter() - state_start
+        recording = self._profiler.record_layers
+        self._stop_engine()
+        self._plan, self._position = plan, position(plan, self.device)
+        me = self._rank(self.device)
+        incoming = {t.layer for t in transfers if t.dst == me}
+        reuse = {i: m for i, m in old_layers.items() if i in self._position.layers}
+        self._pipe = self._build_pipe(plan, reuse, skip_init=incoming)
+        new_layers = self.local_layers()
+        self._carrier.prepare_incoming([new_layers[i] for i in incoming if i in new_layers])
+        moving = time.perf_counter()
+        sent, received = migrate(transfers, me, old_layers, new_layers, self._carrier.outgoing(captured))
+        transfer_s = time.perf_counter() - moving
+        received_by_key = {f"{layer}.{name}": s for layer, per in received.items() for name, s in per.items()}
+        params = self.local_parameters()
+        self._carrier.bind(params, received_by_key)
+        self._build_engine(broadcast=False)
+        state_start = time.perf_counter()
+        self._carrier.restore(self._engine, params, captured, received_by_key)
+        state_s += time.perf_counter() - state_start
+        self._profiler.record_layers = recording
+        total = torch.tensor([float(sent)], dtype=torch.float64, device=self.config.device)
+        dist.all_reduce(total)
+        seconds = time.perf_counter() - start
+        log.info("applied plan %s: %d bytes moved in %.3f s", plan.layout_key(), int(total.item()), seconds)
+        return MigrationRecord(
+            plan=plan,
+            seconds=seconds,
+            bytes_moved=int(total.item()),
+            transfer_seconds=transfer_s,
+            rebuild_seconds=seconds - transfer_s,
+            state_seconds=state_s,
+        )
+
+    def teardown(self) -> None:
+        """Releases the engine, its process groups and the reducer's (the layers stay usable)."""
+        if self._engine is not None:
+            self._stop_engine()
+
+    # --------------------------------------------------------------------------- running
+    def train_batch(self, items: Sequence[batching.MicroBatch], loss_scale: float = 1.0) -> tuple[Tensor, list[float]]:
+        """One training step on this replica's micro-batches.
+
+        Args:
+            items: this replica's micro-batches.
+            loss_scale: factor on each micro-batch loss (``m_r * D / M`` makes unequal replicas exact).
+
+        Returns:
+            (the global batch's mean loss, this process's busy ms per micro-batch).
+        """
+        self._loss_scale = loss_scale
+        self._profiler.begin_step()
+        try:
+            loss = self._engine.train_batch(batching.iterate(self._cast(items)))
+        finally:
+            self._loss_scale = 1.0
+        return loss, self._profiler.end_step()
+
+    def eval_batch(self, items: Sequence[batching.MicroBatch], compute_loss: bool) -> list[Any] | None:
+        """Runs this replica's evaluation micro-batches (collective; may be empty).
+
+        Returns:
+            the per-micro-batch losses (``compute_loss``) or outputs on the last stage, else ``None``.
+        """
+        if not items:
+            dist.barrier()  # eval_batch's own barrier, so that replicas without work stay in step
+            return None
+        outputs = self._engine.eval_batch(
+            batching.iterate(self._cast(items)),
+            compute_loss=compute_loss,
+            reduce_output=None,
+            bcast_loss=False,
+            num_micro_batches=len(items),
+        )
+        return outputs if self._position.stage == self._plan.pipeline_degree - 1 else None
+
+    def layer_profile(self) -> list[LayerCost]:
+        """Measured cost of every layer, gathered over the group (collective).
+
+        ``compute_ms``: forward + backward per micro-batch (median over recent recorded steps on the
+        holding process; median over replicas); ``static_mb``: parameters + gradients + optimizer
+        state (under ZeRO-1 / bf16: the wrapper's fp32 masters and moments, this process's share);
+        ``activation_mb``: the layer's output size per micro-batch.
+        """
+        compute = self._profiler.layer_compute_ms()
+        mine: dict[int, tuple[float, float, float]] = {}
+        for index, layer in self.local_layers().items():
+            static = 0.0
+            for p in layer.parameters():
+                static += p.numel() * p.element_size() * (2 if p.requires_grad else 1)
+                static += self._carrier.state_bytes(self._engine, p)
+            activation = self._profiler.activation_bytes.get(index, 0)
+            mine[index] = (compute.get(index, 0.0), static / _MB, activation / _MB)
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        out = []
+        for index in range(len(self.config.layers)):
+            values = [part[index] for part in gathered if index in part]
+            median = statistics.median(v[0] for v in values)
+            out.append(LayerCost(index, median, max(v[1] for v in values), max(v[2] for v in values)))
+        return out
+
+    # ------------------------------------------------------------------------ checkpoints
+    def optimizer_checkpoint_state(self) -> dict[str, dict[str, Any]]:
+        """This process's per-parameter optimizer state by key (collective over stages when wrapped)."""
+        return self._carrier.checkpoint_state(self._engine, self.local_parameters())
+
+    def load_optimizer_checkpoint(self, saved: Mapping[str, Any]) -> None:
+        """Restores hyper-parameters and this process's optimizer state from a saved optimizer state."""
+        self._carrier.load_checkpoint(self._engine, self.local_parameters(), saved)
+
+    def weights_loaded(self) -> None:
+        """Tells the optimizer wrapper that new values were written into the parameters."""
+        if self._carrier.bound is not None:
+            self._carrier.weights_loaded(self._engine, self.local_parameters())
+
+    @property
+    def optimizer(self) -> BoundOptimizer | None:
+        """The bound user optimizer (``None`` outside fitting)."""
+        return self._carrier.bound
+
+    # ------------------------------------------------------------------------- internals
+    def _rank(self, device: int) -> int:
+        return device if self._ranks is None else self._ranks[device]
+
+    def _in_ranks(self, plan: Plan) -> Plan:
+        return plan if self._ranks is None else relabel(plan, self._ranks)
+
+    def _scaled_loss(self, outputs: Any, labels: Any) -> Tensor:
+        loss = self.config.loss_fn(outputs, labels)
+        return loss * self._loss_scale if self._loss_scale != 1.0 else loss
+
+    def _cast(self, items: Sequence[batching.MicroBatch]) -> list[batching.MicroBatch]:
+        """Floating-point inputs in the engine's parameter dtype (bf16 / fp16 runs get float32 batches)."""
+        dtype = self.param_dtype
+        return list(items) if dtype == torch.float32 else batching.cast_inputs(items, dtype)
+
+    def _build_pipe(
+        self, plan: Plan, reuse: Mapping[int, nn.Module] | None, skip_init: set[int] | frozenset[int] = frozenset()
+    ) -> BoundedPipelineModule:
+        kwargs: dict[str, Any] = {}
+        interval = (self.config.deepspeed_config.get("pipeline") or {}).get("activation_checkpoint_interval")
+        if interval:
+            kwargs["activation_checkpoint_interval"] = interval
+        # DeepSpeed prints its seed settings and topology on every build; keep re-plans quiet.
+        with contextlib.redirect_stdout(io.StringIO()):
+            return BoundedPipelineModule(
+                self.config.layers,
+                PlanTopology(self._in_ranks(plan)),
+                plan.replicas[position(plan, self.device).replica].bounds,
+                loss_fn=self._scaled_loss,
+                reuse=reuse,
+                skip_init=skip_init,
+                **kwargs,
+            )
+
+    def _build_engine(self, broadcast: bool) -> None:
+        """Builds the engine for the pipe in force (collective)."""
+        plan = self._plan
+        replica = plan.replicas[self._position.replica]
+        config = engines.engine_config(
+            self.config.micro_batch_size, replica.micro_batches, plan.data_degree, self.config.deepspeed_config
+        )
+        # Plain fp32: the layer-wise reduction (any bounds; exact gradient clipping). ZeRO / bf16 / fp16
+        # keep DeepSpeed's own (the strategy then requires shared bounds).
+        layerwise = self._carrier.per_replica_bounds
+        if layerwise:
+            self._reducer = LayerwiseReducer(
+                self._in_ranks(plan), self._rank(self.device), self.local_layers(), tied=self.config.tied
+            )
+        bound = self._carrier.bound
+        self._engine = engines.build_engine(
+            self._pipe, bound.optimizer if bound is not None else None, config, broadcast=broadcast and not layerwise
+        )
+        if self._reducer is not None:
+            if broadcast:
+                self._reducer.broadcast()
+            install(self._engine, self._reducer)
+        self._profiler.attach(self._engine, self.local_layers())
+
+    def _stop_engine(self) -> None:
+        self._profiler.detach()
+        engines.destroy_engine(self._engine)
+        self._engine = None
+        if self._reducer is not None:
+            self._reducer.destroy()
+            self._reducer = None
+
+    def _gather_layer_sizes(self) -> list[int]:
+        mine = {i: sum(p.numel() for p in m.parameters()) for i, m in self.local_layers().items()}
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        sizes = [0] * len(self.config.layers)
+        for part in gathered:
+            for i, n in part.items():
+                sizes[i] = n
+        return sizes

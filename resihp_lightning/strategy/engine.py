@@ -39,7 +39,7 @@ class _OncePerProcess(logging.Filter):
 def init_deepspeed_comm(backend: str) -> None:
     """Points ``deepspeed.comm`` at the process group Lightning created (once per process).
 
-    DeepSpeed's torch backend JIT-compiles a shared-memory op with g++ (~30 s) that only inference
+    DeepSpeed's torch backend JIT-compiles a shared-memory op with g++ (tens of seconds) that only inference
     uses; it is skipped. The module must be patched through ``importlib`` (``import a.b.c as m``
     would bind the ``torch`` attribute deepspeed.comm re-exports, not the submodule).
     """
@@ -111,8 +111,8 @@ def _no_memory_reports() -> Iterator[None]:
     """Silences DeepSpeed's forced memory reports while an engine is built.
 
     ``BF16_Optimizer.__init__`` calls ``see_memory_usage(..., force=True)`` four times; each runs
-    ``gc.collect()`` and prints. With Lightning loaded that was 1.24 s of a 1.26 s bf16 engine build
-    (measured here), i.e. nearly all of a re-plan's rebuild time, for diagnostics nobody reads.
+    ``gc.collect()`` and prints; with Lightning loaded that is nearly all of a bf16 engine build, and so
+    of a re-plan's rebuild time, for diagnostics nobody reads (``benchmarks/README.md`` has the numbers).
     """
     module = importlib.import_module("deepspeed.runtime.bf16_optimizer")
     saved = module.see_memory_usage

@@ -29,14 +29,15 @@ from typing_extensions import override
 from resihp_lightning import _registration
 from resihp_lightning.contract import MigrationRecord
 from resihp_lightning.errors import ConfigError, PlanError
-from resihp_lightning.placement import row_offset, same_layout
-from resihp_lightning.plan import Device, Layer, Plan, Problem, even_split, validate
+from resihp_lightning.placement import row_offset
+from resihp_lightning.plan import Plan, even_split
 from resihp_lightning.strategy import batching, checkpoint
 from resihp_lightning.strategy.engine import init_deepspeed_comm
 from resihp_lightning.strategy.module import check_contract, layer_specs, tied_parameters
 from resihp_lightning.strategy.options import StrategyOptions
+from resihp_lightning.strategy.plan_rules import check_plan, initial_plan
 from resihp_lightning.strategy.runtime import PipelineRuntime, RuntimeConfig
-from resihp_lightning.strategy.wrapped_state import wrapped_config_reason, wraps_optimizer
+from resihp_lightning.strategy.wrapped_state import wraps_optimizer
 from resihp_lightning.telemetry import LayerCost, MicroBatchStats, StepStats
 
 
@@ -181,34 +182,9 @@ class ResiHPStrategyMixin:
         self._pending = plan
 
     def check_plan(self, plan: Plan) -> None:
-        """Raises :class:`PlanError` when ``plan`` cannot run on this job."""
-        if not isinstance(plan, Plan):
-            raise PlanError(f"request_plan needs a resihp_lightning.plan.Plan, got {type(plan).__name__}")
-        world = self.world_size
-        if not plan.replicas:
-            raise PlanError("plan has no replicas")
-        used = plan.pipeline_degree * plan.data_degree
-        if used != world:
-            raise PlanError(
-                f"plan uses P x D = {plan.pipeline_degree} x {plan.data_degree} = {used} ranks but the job has "
-                f"{world}; every rank must hold a stage"
-            )
-        if not plan.shared_bounds and not self.supports_per_replica_bounds:
-            raise PlanError(
-                "replicas have different stage bounds, which needs the plain fp32 optimizer (no ZeRO / bf16 / fp16 "
-                "in deepspeed_config)"
-            )
-        total = self._num_micro if self._num_micro is not None else sum(r.micro_batches for r in plan.replicas)
-        problem = Problem(
-            layers=tuple(Layer(0.0) for _ in range(self.num_layers or max(plan.replicas[0].bounds))),
-            devices=tuple(Device(i) for i in range(world)),
-            micro_batches=total,
-            shared_partition=False,
-        )
-        validate(problem, plan, check_memory=False)
-        reason = wrapped_config_reason(self.options.deepspeed_config)
-        if self._runtime is not None and reason is not None and not same_layout(self._runtime.plan, plan):
-            raise PlanError(f"moving layers is not supported with {reason}; only per-replica micro-batch counts can change")
+        """Raises :class:`PlanError` when ``plan`` cannot run on this job (see ``plan_rules.check_plan``)."""
+        current = self._runtime.plan if self._runtime is not None else None
+        check_plan(plan, self.world_size, self.num_layers, self._num_micro, self.options.deepspeed_config, current)
 
     def layer_profile(self) -> list[LayerCost]:
         """Measured cost of every layer, gathered over ranks (collective: call on every rank).
@@ -415,29 +391,13 @@ class ResiHPStrategyMixin:
         return tied
 
     def _initial_plan(self) -> Plan:
-        world, layers = self.world_size, len(self._specs)
-        if self.options.plan is not None:
-            plan = self.options.plan
-            try:
-                self.check_plan(plan)
-            except PlanError as err:
-                raise self.misconfiguration_error(f"ResiHPStrategy(plan=...) is not valid for this job: {err}") from None
-            if self._num_micro is None:
-                self._num_micro = sum(r.micro_batches for r in plan.replicas)
-            return plan
-        p = self.options.pipeline_degree
-        if p is None:
-            p = 2 if world > 2 and world % 2 == 0 and layers >= 2 else 1
-        if world % p or p > layers:
-            raise ConfigError(
-                f"invalid value {p!r} for option `pipeline_degree`; allowed: a divisor of the world size {world} "
-                f"that is at most the {layers} layers"
-            )
-        d = world // p
-        total = self._num_micro if self._num_micro is not None else d
-        if total < d:
-            raise ConfigError(f"invalid value {total!r} for option `micro_batches`; allowed: at least D = {d}")
-        return Plan.uniform(list(range(world)), layers, p, total)
+        try:
+            plan = initial_plan(self.options, self.world_size, len(self._specs))
+        except PlanError as err:
+            raise self.misconfiguration_error(f"ResiHPStrategy(plan=...) is not valid for this job: {err}") from None
+        if self.options.plan is not None and self._num_micro is None:
+            self._num_micro = sum(r.micro_batches for r in plan.replicas)
+        return plan
 
     def _settle_micro_batches(self, rows: int) -> None:
         """Checks a training batch's size; the first one fixes M when the options left it open."""

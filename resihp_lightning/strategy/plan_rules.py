@@ -1,0 +1,83 @@
+"""Which plans a job can run: the initial plan from the options, and the checks on a requested plan."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from resihp_lightning.errors import ConfigError, PlanError
+from resihp_lightning.placement import same_layout
+from resihp_lightning.plan import Device, Layer, Plan, Problem, validate
+from resihp_lightning.strategy.options import StrategyOptions
+from resihp_lightning.strategy.wrapped_state import wrapped_config_reason, wraps_optimizer
+
+
+def check_plan(
+    plan: Any,
+    world: int,
+    num_layers: int,
+    micro_batches: int | None,
+    deepspeed_config: Mapping[str, Any],
+    current: Plan | None = None,
+) -> None:
+    """Raises :class:`PlanError` when ``plan`` cannot run on the job.
+
+    Args:
+        plan: the candidate.
+        world: the number of ranks; every rank must hold a stage.
+        num_layers: L (0 before the model is known: then the plan's own bounds count).
+        micro_batches: M, when known; the plan's per-replica counts must add up to it.
+        deepspeed_config: the strategy's DeepSpeed entries (some configurations cannot move layers).
+        current: the plan in force, if any.
+    """
+    if not isinstance(plan, Plan):
+        raise PlanError(f"request_plan needs a resihp_lightning.plan.Plan, got {type(plan).__name__}")
+    if not plan.replicas:
+        raise PlanError("plan has no replicas")
+    used = plan.pipeline_degree * plan.data_degree
+    if used != world:
+        raise PlanError(
+            f"plan uses P x D = {plan.pipeline_degree} x {plan.data_degree} = {used} ranks but the job has "
+            f"{world}; every rank must hold a stage"
+        )
+    if not plan.shared_bounds and wraps_optimizer(deepspeed_config):
+        raise PlanError(
+            "replicas have different stage bounds, which needs the plain fp32 optimizer (no ZeRO / bf16 / fp16 "
+            "in deepspeed_config)"
+        )
+    total = micro_batches if micro_batches is not None else sum(r.micro_batches for r in plan.replicas)
+    problem = Problem(
+        layers=tuple(Layer(0.0) for _ in range(num_layers or max(plan.replicas[0].bounds))),
+        devices=tuple(Device(i) for i in range(world)),
+        micro_batches=total,
+        shared_partition=False,
+    )
+    validate(problem, plan, check_memory=False)
+    reason = wrapped_config_reason(deepspeed_config)
+    if current is not None and reason is not None and not same_layout(current, plan):
+        raise PlanError(f"moving layers is not supported with {reason}; only per-replica micro-batch counts can change")
+
+
+def initial_plan(options: StrategyOptions, world: int, num_layers: int) -> Plan:
+    """The plan the job starts with: ``options.plan`` (checked) or a uniform P x D plan.
+
+    Raises:
+        PlanError: ``options.plan`` does not fit the job.
+        ConfigError: ``pipeline_degree`` or ``micro_batches`` does not fit the job.
+    """
+    if options.plan is not None:
+        check_plan(options.plan, world, num_layers, options.micro_batches, options.deepspeed_config)
+        return options.plan
+    p = options.pipeline_degree
+    if p is None:
+        p = 2 if world > 2 and world % 2 == 0 and num_layers >= 2 else 1
+    if world % p or p > num_layers:
+        raise ConfigError(
+            f"invalid value {p!r} for option `pipeline_degree`; allowed: a divisor of the world size {world} "
+            f"that is at most the {num_layers} layers"
+        )
+    d = world // p
+    total = options.micro_batches if options.micro_batches is not None else d
+    if total < d:
+        raise ConfigError(f"invalid value {total!r} for option `micro_batches`; allowed: at least D = {d}")
+    return Plan.uniform(list(range(world)), num_layers, p, total)

@@ -1,0 +1,47 @@
+"""In-process recovery from lost training processes: detect, abort, regroup the survivors.
+
+The pieces, one job each:
+
+* :mod:`.store` / :mod:`.store_host`: a rendezvous store in a process of its own, so that no
+  worker's death (rank 0's included) takes it down;
+* :mod:`.detector`: heartbeats and progress over that store; every process watches every other one;
+* :mod:`.sockets`: which TCP connections belong to a generation's groups; cutting them releases a
+  blocked gloo collective;
+* :mod:`.membership`: how the survivors agree on the next generation's members;
+* :mod:`.world`: :class:`ElasticWorld`, the lifecycle of the job's groups, generation by generation;
+* :mod:`.frameworks`: forgetting DeepSpeed's cached groups after a regroup;
+* :mod:`.harness`: running a local job whose members die on purpose (tests, benchmarks).
+
+``import resihp_lightning.resilience`` does not import torch; the names below load on first use.
+"""
+
+from __future__ import annotations
+
+from resihp_lightning._lazy import lazy_getattr
+
+_LAZY = {
+    "ElasticWorld": "resihp_lightning.resilience.world",
+    "WorldConfig": "resihp_lightning.resilience.world",
+    "Generation": "resihp_lightning.resilience.world",
+    "is_transport_error": "resihp_lightning.resilience.world",
+    "DetectorConfig": "resihp_lightning.resilience.detector",
+    "FailureDetector": "resihp_lightning.resilience.detector",
+    "Failure": "resihp_lightning.resilience.detector",
+    "StoreConfig": "resihp_lightning.resilience.store",
+    "RendezvousStore": "resihp_lightning.resilience.store",
+    "SocketTracker": "resihp_lightning.resilience.sockets",
+    "reset_deepspeed": "resihp_lightning.resilience.frameworks",
+    "ResilienceError": "resihp_lightning.resilience.errors",
+    "PeerFailure": "resihp_lightning.resilience.errors",
+    "EvictedError": "resihp_lightning.resilience.errors",
+    "RegroupError": "resihp_lightning.resilience.errors",
+    "StoreUnavailable": "resihp_lightning.resilience.errors",
+}
+
+__all__ = sorted(_LAZY)
+
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -1,0 +1,53 @@
+"""Exceptions of the in-process recovery mechanism.
+
+The training loop catches :class:`PeerFailure` around its steps (see
+:meth:`~resihp_lightning.resilience.world.ElasticWorld.guard`) and answers it with a regroup; the
+others mean that this process cannot take part in the next generation and should end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from resihp_lightning.errors import ResiHPError
+
+
+class ResilienceError(ResiHPError):
+    """Base class of the recovery mechanism's errors."""
+
+
+class PeerFailure(ResilienceError):
+    """The current generation was aborted because peers failed (or a collective broke).
+
+    Attributes:
+        generation: the generation that was aborted.
+        failed: original rank -> reason, for the failures known when this was raised. It may be
+            empty when this process's own collective broke before any detector had named the dead
+            peer; :meth:`ElasticWorld.regroup` settles who is gone.
+        reason: what triggered the abort.
+    """
+
+    def __init__(self, generation: int, failed: Mapping[int, str], reason: str) -> None:
+        self.generation = generation
+        self.failed = dict(failed)
+        self.reason = reason
+        named = ", ".join(f"{rank} ({why})" for rank, why in sorted(self.failed.items())) or "not yet known"
+        super().__init__(f"generation {generation} aborted: {reason}; failed ranks: {named}")
+
+
+class EvictedError(ResilienceError):
+    """This process is not a member of the new generation (its peers declared it failed)."""
+
+    def __init__(self, rank: int, generation: int, members: list[int]) -> None:
+        self.rank = rank
+        self.generation = generation
+        self.members = list(members)
+        super().__init__(f"rank {rank} was left out of generation {generation} (members: {self.members})")
+
+
+class RegroupError(ResilienceError):
+    """The survivors could not form a new generation in time, or too few of them are left."""
+
+
+class StoreUnavailable(ResilienceError):
+    """The rendezvous store cannot be reached (its host process is gone or never came up)."""

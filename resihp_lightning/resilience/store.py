@@ -1,0 +1,398 @@
+"""A rendezvous store that no training process's death takes down.
+
+Today's default group rendezvouses through a ``TCPStore`` that lives *inside* rank 0 (Lightning's
+launcher and ``env://`` start its server there), so losing rank 0 loses the store, and with it every
+way for the survivors to agree on anything. Here the store's server lives in a small process of its
+own, :mod:`resihp_lightning.resilience.store_host`, which belongs to no training process:
+
+* **who starts it**: whichever worker comes first. Workers serialise on an ``flock`` in the job's
+  run directory (``$TMPDIR/resihp-<uid>/<run id>`` by default); the holder connects to the host named
+  in ``store.json`` if its process lives, or else spawns a new host (``python -m
+  resihp_lightning.resilience.store_host``, with ``start_new_session=True`` and a second fork, so
+  that neither a signal to the job's process group nor the spawner's death reaches it, and nobody
+  has to reap it), waits for it to publish its address, and registers itself, all under the lock;
+* **how the others find it**: the address file, with a free port the host picked (no port clash
+  with the job's ``MASTER_PORT`` or another job). With a fixed ``port`` (the multi-node layout,
+  where other machines cannot read the file) it is ``(host, port)``;
+* **when it ends**: every worker registers (pid, start time, pid namespace). The host checks them
+  every 0.2 s on its own machine through ``/proc`` (a killed worker, zombie or gone, is dead at once;
+  a SIGSTOPped one is alive) and, for members on other machines, by whether their heartbeat key
+  still changes. It exits ``linger_s`` (2 s) after the last member is gone, left (``close``) or was
+  evicted by the survivors, or when nobody registered within ``startup_timeout_s``. It takes the
+  lock before it exits, so a worker cannot register with a host that is going away. It never
+  outlives its job by more than ``linger_s`` plus a poll.
+
+Why not a ``FileStore`` on local disk, which would need no process at all: torch's ``FileStore``
+appends every ``set`` to one file and has every reader replay it, so a heartbeat of 5 writes per
+second per rank grows the file and the cost of every read without bound over a long job; it removes
+its file when the last instance is destroyed (what "last" means is unclear once processes die
+uncleanly); it waits by polling; and it cannot span machines without a shared file system whose
+``flock`` is reliable. The store host costs one process per job (and one torch import, about 2 s, at
+start) and gives an in-memory store with blocking waits, ``compare_set`` and ``append``.
+
+Multi-node: pass a fixed ``port`` and ``host`` = an address of the node that runs the host, and
+``spawn=False`` on the other nodes. The host's machine is then a single point of failure: if that
+machine dies, so does the store; the survivors notice (:class:`~.errors.StoreUnavailable`) and the
+job has to be restarted from a checkpoint (a restartable or replicated store is future work).
+
+Keys: host bookkeeping lives under ``resihp/host/``; everything else a job writes goes under
+``resihp/<run id>/a<attempt>`` (:attr:`RendezvousStore.namespace`), so that the next attempt of a
+restarted job (``TORCHELASTIC_RESTART_COUNT``) never reads the keys of the last one. Relaunching the
+same run id and attempt within ``linger_s`` of the end of the last launch could reuse its host and
+keys: give each launch its own run id.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import fcntl
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from resihp_lightning._logging import get_logger
+from resihp_lightning.errors import invalid_option
+from resihp_lightning.resilience.errors import StoreUnavailable
+from resihp_lightning.resilience.procs import ProcessIdentity
+
+log = get_logger(__name__)
+
+HOST_PREFIX = "resihp/host/"
+ADDRESS_FILE = "store.json"
+LOCK_FILE = "store.lock"
+LOG_FILE = "store_host.log"
+
+
+def host_key(name: str) -> str:
+    """A host bookkeeping key (``count``, ``member/<i>``, ``left/<i>``, ``shutdown``)."""
+    return HOST_PREFIX + name
+
+
+def _positive(option: str, value: Any) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+        raise invalid_option(option, value, "seconds > 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreConfig:
+    """Where the store host runs and how long its parts wait.
+
+    Attributes:
+        run_dir: directory of the lock, the address file and the host's log; default
+            ``$TMPDIR/resihp-<uid>/<run_id>``. Must be on a local disk.
+        run_id: names the job; default ``$TORCHELASTIC_RUN_ID`` (unless ``"none"``), else
+            ``$SLURM_JOB_ID``, else ``<MASTER_ADDR>-<MASTER_PORT>``.
+        attempt: restart count of the job; default ``$TORCHELASTIC_RESTART_COUNT`` or
+            ``$SLURM_RESTART_COUNT`` or 0.
+        host: address the host binds and workers connect to; default 127.0.0.1, or
+            ``$MASTER_ADDR`` when ``port`` is fixed.
+        port: fixed port of the host (multi-node); None: a free port published in ``run_dir``.
+        spawn: whether this process may start the host (False on nodes that do not run it).
+        timeout_s: timeout of each store operation.
+        connect_timeout_s: how long a worker waits for a host to be reachable (spawn included).
+        linger_s: the host exits this long after its last member is gone.
+        startup_timeout_s: the host exits if nobody registers within this long.
+        remote_idle_s: a member on another machine counts as alive while its heartbeat key changed
+            within this long.
+    """
+
+    run_dir: str | None = None
+    run_id: str | None = None
+    attempt: int | None = None
+    host: str | None = None
+    port: int | None = None
+    spawn: bool = True
+    timeout_s: float = 30.0
+    connect_timeout_s: float = 60.0
+    linger_s: float = 2.0
+    startup_timeout_s: float = 120.0
+    remote_idle_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name in ("timeout_s", "connect_timeout_s", "linger_s", "startup_timeout_s", "remote_idle_s"):
+            _positive(f"resilience.store.{name}", getattr(self, name))
+        if self.port is not None and (not isinstance(self.port, int) or not 0 < self.port < 65536):
+            raise invalid_option("resilience.store.port", self.port, "null or a TCP port 1-65535")
+        if self.attempt is not None and (not isinstance(self.attempt, int) or self.attempt < 0):
+            raise invalid_option("resilience.store.attempt", self.attempt, "null or an integer >= 0")
+        if self.run_id is not None and not re.fullmatch(r"[A-Za-z0-9_.:-]+", self.run_id):
+            raise invalid_option("resilience.store.run_id", self.run_id, "letters, digits and _ . : -")
+
+    def resolved_run_id(self) -> str:
+        if self.run_id is not None:
+            return self.run_id
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+        if not run_id or run_id == "none":
+            run_id = os.environ.get("SLURM_JOB_ID", "")
+        if not run_id:
+            run_id = f"{os.environ.get('MASTER_ADDR', 'localhost')}-{os.environ.get('MASTER_PORT', '0')}"
+        return re.sub(r"[^A-Za-z0-9_.:-]", "_", run_id)
+
+    def resolved_attempt(self) -> int:
+        if self.attempt is not None:
+            return self.attempt
+        for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"):
+            if os.environ.get(name, "").isdigit():
+                return int(os.environ[name])
+        return 0
+
+    def resolved_run_dir(self) -> Path:
+        if self.run_dir is not None:
+            return Path(self.run_dir)
+        return Path(tempfile.gettempdir()) / f"resihp-{os.getuid()}" / self.resolved_run_id()
+
+    def resolved_host(self) -> str:
+        if self.host is not None:
+            return self.host
+        return os.environ.get("MASTER_ADDR", "127.0.0.1") if self.port is not None else "127.0.0.1"
+
+
+@contextlib.contextmanager
+def file_lock(path: Path, timeout_s: float) -> Iterator[None]:
+    """An exclusive ``flock`` on ``path`` (created if needed), waited for at most ``timeout_s``.
+
+    Raises:
+        StoreUnavailable: the lock was not obtained in time.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise StoreUnavailable(f"could not lock {path} within {timeout_s:.0f} s") from None
+                time.sleep(0.01)
+        try:
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def read_address(run_dir: Path) -> dict[str, Any] | None:
+    """The address file's content (``host``, ``port``, ``identity``), or None."""
+    try:
+        return json.loads((run_dir / ADDRESS_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write_address(run_dir: Path, content: dict[str, Any]) -> None:
+    """Writes the address file atomically (readers never see half of it)."""
+    tmp = run_dir / f".{ADDRESS_FILE}.{os.getpid()}"
+    tmp.write_text(json.dumps(content))
+    os.replace(tmp, run_dir / ADDRESS_FILE)
+
+
+def tcp_client(host: str, port: int, timeout_s: float) -> Any:
+    """A new client connection to the TCPStore at ``host:port`` (raises if none within ``timeout_s``)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+class RendezvousStore:
+    """This worker's handle on the job's store host: finds or starts it, registers, hands out clients.
+
+    A thread that polls the store all the time (the detector) or blocks on it (a generation's
+    groups while they connect) has a connection of its own (:meth:`connect`). :attr:`control` is
+    shared by everyone else, one operation at a time (:class:`LockedStore`); nobody blocks on it.
+
+    Args:
+        config: where the host runs and timeouts.
+        rank: this worker's original rank (names its registration).
+    """
+
+    def __init__(self, config: StoreConfig | None = None, *, rank: int) -> None:
+        self.config = config or StoreConfig()
+        self.rank = rank
+        self.run_dir = self.config.resolved_run_dir()
+        self.namespace = f"resihp/{self.config.resolved_run_id()}/a{self.config.resolved_attempt()}"
+        self.address: tuple[str, int] | None = None
+        self.host_identity: ProcessIdentity | None = None
+        self._raw: Any = None
+        self.control: Any = None
+        self.member_id: int | None = None
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------------------ opening
+    def open(self) -> RendezvousStore:
+        """Connects to the job's store host, starting it if there is none, and registers this process.
+
+        Raises:
+            StoreUnavailable: no host was reachable within ``connect_timeout_s``.
+        """
+        cfg = self.config
+        deadline = time.monotonic() + cfg.connect_timeout_s
+        while True:
+            with file_lock(self.run_dir / LOCK_FILE, max(deadline - time.monotonic(), 0.1)):
+                client = self._find_host()
+                if client is None and cfg.spawn:
+                    client = self._spawn_host(deadline)
+                if client is not None:
+                    self._register(client)
+                    break
+            if time.monotonic() > deadline:
+                raise StoreUnavailable(f"no store host reachable for run dir {self.run_dir} within {cfg.connect_timeout_s:.0f} s")
+            time.sleep(0.2)
+        log.info("rank %d uses the store host at %s:%d", self.rank, *self.address)
+        return self
+
+    def _find_host(self) -> Any:
+        cfg = self.config
+        if cfg.port is not None:
+            address, identity = (cfg.resolved_host(), cfg.port), None
+        else:
+            info = read_address(self.run_dir)
+            if info is None:
+                return None
+            identity = ProcessIdentity(**info["identity"])
+            if not identity.alive():
+                return None
+            address = (info["host"], int(info["port"]))
+        try:
+            client = tcp_client(address[0], address[1], 2.0)
+        except Exception as err:  # noqa: BLE001 - refused, reset, timed out: no host there
+            log.debug("no store host at %s:%d: %s", *address, err)
+            return None
+        self.address, self.host_identity = address, identity
+        return client
+
+    def _spawn_host(self, deadline: float) -> Any:
+        cfg = self.config
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        previous = read_address(self.run_dir)
+        command = [
+            sys.executable, "-m", "resihp_lightning.resilience.store_host",
+            "--run-dir", str(self.run_dir),
+            "--host", cfg.resolved_host(),
+            "--port", str(cfg.port or 0),
+            "--timeout", str(cfg.timeout_s),
+            "--linger", str(cfg.linger_s),
+            "--startup-timeout", str(cfg.startup_timeout_s),
+            "--remote-idle", str(cfg.remote_idle_s),
+            "--spawner", ProcessIdentity.current().to_json(),
+            "--detach",
+        ]
+        env = dict(os.environ)
+        package_root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+        with open(self.run_dir / LOG_FILE, "ab") as log_file:
+            launcher = subprocess.Popen(  # noqa: S603 - our own module, with our interpreter
+                command, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
+                start_new_session=True, close_fds=True, env=env,
+            )
+        try:
+            launcher.wait(timeout=10)  # the intermediate process exits right after its fork
+        except subprocess.TimeoutExpired:
+            launcher.kill()
+            launcher.wait()
+        log.info("rank %d started a store host (run dir %s)", self.rank, self.run_dir)
+        while time.monotonic() < deadline:
+            info = read_address(self.run_dir)
+            if info is not None and info != previous:
+                identity = ProcessIdentity(**info["identity"])
+                try:
+                    client = tcp_client(info["host"], int(info["port"]), max(deadline - time.monotonic(), 0.5))
+                except Exception as err:  # noqa: BLE001
+                    raise StoreUnavailable(f"the store host started but is not reachable: {err}") from err
+                self.address, self.host_identity = (info["host"], int(info["port"])), identity
+                return client
+            time.sleep(0.02)
+        raise StoreUnavailable(f"the store host did not come up; see {self.run_dir / LOG_FILE}")
+
+    def _register(self, client: Any) -> None:
+        import torch.distributed as dist
+
+        client.set_timeout(datetime.timedelta(seconds=self.config.timeout_s))
+        self._raw = LockedStore(client, self._lock)
+        self.control = LockedStore(dist.PrefixStore(self.namespace, client), self._lock)
+        identity = ProcessIdentity.current()
+        self.member_id = int(self._raw.add(host_key("count"), 1)) - 1
+        registration = {
+            "rank": self.rank,
+            "identity": json.loads(identity.to_json()),
+            "beat_key": f"{self.namespace}/{beat_key(self.rank)}",
+        }
+        self._raw.set(host_key(f"member/{self.member_id}"), json.dumps(registration))
+        self.control.set(f"member/{self.rank}", str(self.member_id))
+        self.control.set(f"proc/{self.rank}", identity.to_json())
+
+    # ------------------------------------------------------------------------------ clients
+    def connect(self) -> Any:
+        """A new connection to the store (raw keys; wrap with :meth:`scoped` for job keys)."""
+        if self.address is None:
+            raise StoreUnavailable("the store is not open")
+        return tcp_client(self.address[0], self.address[1], self.config.timeout_s)
+
+    def scoped(self, client: Any) -> Any:
+        """``client`` seen through this job's key namespace."""
+        import torch.distributed as dist
+
+        return dist.PrefixStore(self.namespace, client)
+
+    # ------------------------------------------------------------------------------ leaving
+    def mark_left(self, rank: int, reason: str) -> None:
+        """Tells the host that ``rank`` no longer counts as a member (evicted or finished)."""
+        control = self.control
+        member = control.get(f"member/{rank}").decode() if control.check([f"member/{rank}"]) else None
+        if member is not None:
+            self._raw.set(host_key(f"left/{member}"), reason)
+
+    def close(self, done: bool = True) -> None:
+        """Leaves: with ``done`` the host stops counting this process (it exits once all are done).
+
+        Never raises: at shutdown the host may be gone already.
+        """
+        if self._raw is None:
+            return
+        if done and self.member_id is not None:
+            try:
+                self._raw.set(host_key(f"left/{self.member_id}"), "done")
+            except Exception as err:  # noqa: BLE001
+                log.debug("could not say goodbye to the store host: %s", err)
+        self._raw = self.control = None
+
+
+class LockedStore:
+    """A store connection that several threads share: one operation at a time.
+
+    Args:
+        store: the connection (or a ``PrefixStore`` over it).
+        lock: the lock of the underlying connection (shared by all views of it).
+    """
+
+    def __init__(self, store: Any, lock: threading.Lock) -> None:
+        self._store = store
+        self._lock = lock
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self._store, name)
+        if not callable(attribute):
+            return attribute
+
+        def locked(*args: Any, **kwargs: Any) -> Any:
+            with self._lock:
+                return attribute(*args, **kwargs)
+
+        return locked
+
+
+def beat_key(rank: int) -> str:
+    """The job key of ``rank``'s heartbeat (the detector writes it, the host reads it)."""
+    return f"hb/{rank}"

@@ -1,0 +1,586 @@
+"""A job's process groups as a sequence of generations that survive the loss of members.
+
+:class:`ElasticWorld` owns the whole lifecycle of the default process group, one generation at a
+time (the model is torchft's Manager + reconfigurable ProcessGroup, reduced to one job on gloo):
+
+* **generation 0** is every rank: ``init_process_group(backend, store=PrefixStore(".../gen0/pg",
+  store), rank, world_size)`` over the store host (:mod:`.store`), never over a store inside a
+  worker;
+* **failure** is reported by the detector (:mod:`.detector`) from its thread, or seen by the main
+  thread as a broken collective inside :meth:`ElasticWorld.guard`;
+* **abort** (:meth:`ElasticWorld.abort`, any thread, idempotent) shuts down the generation's TCP
+  connections (:mod:`.sockets`), so that a collective the main thread is blocked in raises at once,
+  and publishes ``gen<g>/abort`` so that the other processes abort within one detector poll even
+  before they have named the dead peer themselves. :meth:`ElasticWorld.guard` turns what the
+  blocked call raises into :class:`~.errors.PeerFailure`;
+* **regroup** (:meth:`ElasticWorld.regroup`, main thread): the survivors agree on the members of
+  generation g+1 (:mod:`.membership`), destroy the old groups, reset DeepSpeed's cached groups
+  (:mod:`.frameworks`), and initialise the new default group under a fresh key prefix (gloo hangs
+  when it rendezvouses over keys used before). If a member fails while the new generation forms,
+  that generation is aborted like any other and the survivors go on to the next one, all inside one
+  ``regroup()`` call, bounded by ``regroup_timeout_s``.
+
+Each process keeps its *original* rank (``RANK`` at start) as its identity for the job's lifetime
+(it names its device and its heartbeat); its rank in the current generation is its index in the
+sorted member list (:meth:`ElasticWorld.rank_of`, :meth:`ElasticWorld.original_of`).
+
+Groups created later in a generation (``dist.new_group`` by a DeepSpeed engine, the layer-wise
+reducer, ...) must be tracked so that an abort cuts their connections too. With
+``track_new_groups`` (default), torch's ``_new_process_group_helper`` (the one function every group
+creation goes through) is wrapped for as long as the world is open; :meth:`ElasticWorld.track` does
+the same explicitly for code that creates groups some other way. ``TORCH_GLOO_LAZY_INIT`` (gloo
+connecting on first use, outside any window) is not supported.
+
+Each generation rendezvouses over a store connection of its own, tracked with the generation, so
+that an abort also releases the main thread when it is blocked inside ``init_process_group``
+waiting for a peer that died after joining.
+
+NCCL: an abort also calls ``abort()`` on the generation's NCCL backends (``ncclCommAbort``), which is
+the documented way to release a blocked NCCL collective; this path has not been exercised here (no
+multi-GPU machine) and the socket shutdown does not apply to NCCL's own transport.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from resihp_lightning._logging import get_logger
+from resihp_lightning.errors import invalid_option
+from resihp_lightning.resilience.detector import DetectorConfig, Failure, FailureDetector, abort_key
+from resihp_lightning.resilience.errors import (
+    EvictedError,
+    PeerFailure,
+    RegroupError,
+    ResilienceError,
+    StoreUnavailable,
+)
+from resihp_lightning.resilience.frameworks import reset_deepspeed
+from resihp_lightning.resilience.membership import agree_members
+from resihp_lightning.resilience.sockets import SocketTracker
+from resihp_lightning.resilience.store import RendezvousStore, StoreConfig
+
+log = get_logger(__name__)
+
+BACKENDS = ("gloo", "nccl")
+
+# Substrings of the errors a collective raises when its transport broke (gloo, NCCL, TCPStore).
+_TRANSPORT_MARKERS = (
+    "gloo/transport",
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Connection refused",
+    "Socket closed",
+    "Timed out",
+    "timed out",
+    "NCCL communicator was aborted",
+    "NCCL error",
+    "ncclRemoteError",
+)
+
+
+def is_transport_error(err: BaseException) -> bool:
+    """Whether ``err`` looks like a broken connection or a timed-out collective (not a program bug)."""
+    import torch.distributed as dist
+
+    if isinstance(err, getattr(dist, "DistNetworkError", ())) or isinstance(err, getattr(dist, "DistStoreError", ())):
+        return True
+    text = str(err)
+    return any(marker in text for marker in _TRANSPORT_MARKERS)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorldConfig:
+    """Options of the elastic world.
+
+    Attributes:
+        backend: ``"gloo"`` or ``"nccl"``.
+        collective_timeout_s: timeout of each generation's process groups. Failures do not wait
+            for it (they are aborted); it only bounds what nothing else catches.
+        join_timeout_s: how long the regroup's leader waits for a survivor that neither joined nor
+            failed (e.g. one still computing when the abort came). Should exceed the longest
+            stretch of compute between two collectives.
+        regroup_timeout_s: bound of one :meth:`ElasticWorld.regroup` call, retries included.
+        min_world_size: a regroup that leaves fewer members raises :class:`RegroupError`.
+        track_new_groups: wrap torch's group creation so that every group of a generation is
+            tracked for abort.
+        reset_deepspeed: forget DeepSpeed's cached groups at each regroup.
+        store: the store host's options.
+        detector: failure detection options.
+    """
+
+    backend: str = "gloo"
+    collective_timeout_s: float = 600.0
+    join_timeout_s: float = 30.0
+    regroup_timeout_s: float = 120.0
+    min_world_size: int = 1
+    track_new_groups: bool = True
+    reset_deepspeed: bool = True
+    store: StoreConfig = field(default_factory=StoreConfig)
+    detector: DetectorConfig = field(default_factory=DetectorConfig)
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise invalid_option("resilience.backend", self.backend, BACKENDS)
+        for name in ("collective_timeout_s", "join_timeout_s", "regroup_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise invalid_option(f"resilience.{name}", value, "seconds > 0")
+        if not isinstance(self.min_world_size, int) or self.min_world_size < 1:
+            raise invalid_option("resilience.min_world_size", self.min_world_size, "an integer >= 1")
+        if self.join_timeout_s >= self.regroup_timeout_s:
+            raise invalid_option("resilience.join_timeout_s", self.join_timeout_s, f"less than regroup_timeout_s ({self.regroup_timeout_s})")
+
+
+@dataclass
+class Generation:
+    """One generation of the job's process groups.
+
+    Attributes:
+        number: 0, 1, 2, ...
+        members: original ranks, sorted; a member's rank in this generation is its index.
+        sockets: the connections of this generation's groups.
+        store_client: the store connection its groups rendezvous through.
+        formed: its default group is initialised and every member confirmed it.
+        aborted_at: ``time.monotonic()`` of the abort, or None.
+        abort_reason: why it was aborted.
+    """
+
+    number: int
+    members: tuple[int, ...]
+    sockets: SocketTracker
+    store_client: Any = None
+    formed: bool = False
+    aborted_at: float | None = None
+    abort_reason: str | None = None
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+    def rank_of(self, original: int) -> int:
+        """The rank in this generation of the process with original rank ``original``."""
+        return self.members.index(original)
+
+    def original_of(self, rank: int) -> int:
+        """The original rank of this generation's rank ``rank``."""
+        return self.members[rank]
+
+
+_active: ElasticWorld | None = None
+_original_helper: Callable[..., Any] | None = None
+
+
+def _tracked_helper(*args: Any, **kwargs: Any) -> Any:
+    """torch's ``_new_process_group_helper``, inside the active generation's tracking window."""
+    assert _original_helper is not None
+    world = _active
+    if world is None or world._gen is None:
+        return _original_helper(*args, **kwargs)
+    with world._gen.sockets.track():
+        return _original_helper(*args, **kwargs)
+
+
+def _install_group_hook(world: ElasticWorld) -> None:
+    global _active, _original_helper
+    from torch.distributed import distributed_c10d as c10d
+
+    if _original_helper is None:
+        helper = getattr(c10d, "_new_process_group_helper", None)
+        if helper is None:
+            log.warning("this torch has no _new_process_group_helper; wrap group creation in world.track()")
+            _active = world
+            return
+        _original_helper = helper
+        c10d._new_process_group_helper = _tracked_helper
+    _active = world
+
+
+def _uninstall_group_hook(world: ElasticWorld) -> None:
+    global _active, _original_helper
+    if _active is not world:
+        return
+    _active = None
+    if _original_helper is not None:
+        from torch.distributed import distributed_c10d as c10d
+
+        c10d._new_process_group_helper = _original_helper
+        _original_helper = None
+
+
+class ElasticWorld:
+    """The job's process groups, regrouped over the survivors when members fail.
+
+    Args:
+        config: options.
+        rank: this process's original rank (default ``$RANK``).
+        world_size: the number of processes at start (default ``$WORLD_SIZE``).
+
+    Example::
+
+        world = ElasticWorld(WorldConfig(detector=DetectorConfig(progress_timeout_s=60))).start()
+        step = 0
+        while step < steps:
+            try:
+                with world.guard():
+                    train_step(step)
+                world.progress(step := step + 1)
+            except PeerFailure as failure:
+                world.regroup()          # now world.world_size == survivors
+                rebuild(world, failure)  # re-plan, new engine, restore lost layers, redo the step
+        world.close()
+    """
+
+    def __init__(self, config: WorldConfig | None = None, *, rank: int | None = None, world_size: int | None = None) -> None:
+        self.config = config or WorldConfig()
+        self.original_rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+        self.initial_world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+        if not 0 <= self.original_rank < self.initial_world_size:
+            raise invalid_option("rank", self.original_rank, f"0 .. {self.initial_world_size - 1}")
+        self.store: RendezvousStore | None = None
+        self.detector: FailureDetector | None = None
+        self._gen: Generation | None = None
+        self._lock = threading.RLock()
+        self.history: list[dict[str, Any]] = []  # one record per abort and per generation formed
+
+    # ------------------------------------------------------------------------ properties
+    @property
+    def current(self) -> Generation:
+        """The current generation."""
+        if self._gen is None:
+            raise ResilienceError("the world is not started")
+        return self._gen
+
+    @property
+    def generation(self) -> int:
+        return self.current.number
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """Original ranks of the current generation's members, in rank order."""
+        return self.current.members
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the current generation."""
+        return self.current.rank_of(self.original_rank)
+
+    @property
+    def world_size(self) -> int:
+        return self.current.world_size
+
+    def rank_of(self, original: int) -> int:
+        """Current rank of the process with original rank ``original`` (ValueError if not a member)."""
+        return self.current.rank_of(original)
+
+    def original_of(self, rank: int) -> int:
+        """Original rank of the current generation's rank ``rank``."""
+        return self.current.original_of(rank)
+
+    @property
+    def failed(self) -> dict[int, str]:
+        """Original rank -> reason, for every failure known to this process."""
+        if self.detector is None:
+            return {}
+        return {rank: f.reason for rank, f in self.detector.failed.items()}
+
+    @property
+    def aborted(self) -> bool:
+        """Whether the current generation is aborted (a regroup is due)."""
+        return self._gen is not None and self._gen.aborted_at is not None
+
+    # ------------------------------------------------------------------------- lifecycle
+    def start(self) -> ElasticWorld:
+        """Opens the store (starting its host if needed), starts detection and forms generation 0.
+
+        Raises:
+            StoreUnavailable: no store host could be reached or started.
+        """
+        cfg = self.config
+        self.store = RendezvousStore(cfg.store, rank=self.original_rank).open()
+        store = self.store
+        self.detector = FailureDetector(
+            cfg.detector,
+            rank=self.original_rank,
+            connect=lambda: store.scoped(store.connect()),
+            on_failures=self._on_failures,
+            on_abort_marker=self._on_abort_marker,
+        ).start()
+        if cfg.track_new_groups:
+            _install_group_hook(self)
+        try:
+            self._form(0, tuple(range(self.initial_world_size)))
+        except PeerFailure:
+            # A member failed while the job started: the survivors regroup as after any failure.
+            self.regroup()
+        return self
+
+    def close(self, done: bool = True) -> None:
+        """Stops detection, destroys the groups and leaves the store (the host ends after the last)."""
+        if self.detector is not None:
+            self.detector.stop()
+        _uninstall_group_hook(self)
+        if self._gen is not None:
+            self._teardown(self._gen)
+        if self.store is not None:
+            self.store.close(done=done)
+
+    def __enter__(self) -> ElasticWorld:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close(done=exc[0] is None)
+
+    # ------------------------------------------------------------------------ training loop
+    def progress(self, step: int) -> None:
+        """Tells peers that the training loop reached ``step`` (feeds the hang check)."""
+        if self.detector is not None:
+            self.detector.progress(step)
+
+    def check(self) -> None:
+        """Raises :class:`PeerFailure` if the current generation is aborted."""
+        gen = self.current
+        if gen.aborted_at is not None:
+            raise self._peer_failure(gen)
+
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
+        """Runs a block of collectives; a failure of the generation comes out as :class:`PeerFailure`.
+
+        Inside, an exception raised while the generation is aborted, or one that looks like a
+        broken transport (:func:`is_transport_error`), aborts the generation (so that every peer
+        learns) and is re-raised as ``PeerFailure`` (chained). Other exceptions pass unchanged.
+        """
+        self.check()
+        gen = self.current
+        try:
+            yield
+        except ResilienceError:
+            raise
+        except Exception as err:
+            if gen.aborted_at is None and not is_transport_error(err):
+                raise
+            first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            self.abort(f"collective failed on rank {self.original_rank}: {first_line[:200]}", generation=gen)
+            raise self._peer_failure(gen) from err
+
+    @contextlib.contextmanager
+    def track(self) -> Iterator[None]:
+        """Records the connections of groups created in the block as the current generation's."""
+        with self.current.sockets.track():
+            yield
+
+    # ----------------------------------------------------------------------------- abort
+    def abort(self, reason: str, *, failed: list[Failure] | None = None, publish: bool = True, generation: Generation | None = None) -> bool:
+        """Aborts the current generation: cuts its connections and tells the other processes.
+
+        Safe from any thread and idempotent. The main thread, if blocked in one of the
+        generation's collectives, gets an exception right away.
+
+        Args:
+            reason: why (logged, published, carried by :class:`PeerFailure`).
+            failed: failures that caused it (published so that peers adopt them).
+            publish: write the generation's abort marker for the other processes.
+            generation: abort only if this is still the current generation.
+
+        Returns:
+            Whether this call aborted the generation (False if it already was, or was replaced).
+        """
+        with self._lock:
+            gen = self._gen
+            if gen is None or gen.aborted_at is not None or (generation is not None and gen is not generation):
+                return False
+            gen.aborted_at = time.monotonic()
+            gen.abort_reason = reason
+        if self.detector is not None:
+            self.detector.hold()
+        cut = gen.sockets.shutdown()
+        self._abort_backends(gen)
+        log.warning("rank %d aborts generation %d (%d connections cut): %s", self.original_rank, gen.number, cut, reason)
+        self.history.append({"event": "abort", "generation": gen.number, "at": gen.aborted_at, "reason": reason})
+        if publish:
+            self._publish_abort(gen, reason, failed or [])
+        return True
+
+    def _publish_abort(self, gen: Generation, reason: str, failed: list[Failure]) -> None:
+        import json
+
+        known = {f.rank: f.reason for f in failed}
+        known.update({r: why for r, why in self.failed.items() if r in gen.members})
+        payload = json.dumps({"by": self.original_rank, "reason": reason, "failed": {str(r): w for r, w in known.items()}})
+        try:
+            on_detector_thread = self.detector is not None and threading.current_thread() is self.detector.thread
+            store = self.detector.store if on_detector_thread else self.store.control  # type: ignore[union-attr]
+            store.compare_set(abort_key(gen.number), "", payload)
+        except Exception as err:  # noqa: BLE001 - peers still find out through their own detectors
+            log.warning("rank %d could not publish the abort of generation %d: %s", self.original_rank, gen.number, err)
+
+    def _abort_backends(self, gen: Generation) -> None:
+        if self.config.backend != "nccl":
+            return
+        import torch
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return
+        for group in list(dist.distributed_c10d._world.pg_map):
+            try:
+                backend = group._get_backend(torch.device("cuda"))
+                backend.abort()
+            except Exception as err:  # noqa: BLE001 - not an NCCL group, or gone already
+                log.debug("no NCCL abort for a group: %s", err)
+
+    def _on_failures(self, failures: list[Failure]) -> None:
+        gen = self._gen
+        if gen is None:
+            return
+        relevant = [f for f in failures if f.rank in gen.members]
+        if relevant:
+            named = ", ".join(f"rank {f.rank} {f.reason}" for f in relevant)
+            self.abort(f"{named} (seen by rank {self.original_rank})", failed=relevant, generation=gen)
+
+    def _on_abort_marker(self, number: int, payload: dict[str, Any]) -> None:
+        now = time.monotonic()
+        by = int(payload.get("by", -1))
+        named = [Failure(int(r), f"{why} (reported by rank {by})", by, now) for r, why in payload.get("failed", {}).items()]
+        if self.detector is not None:
+            self.detector.declare(named)
+        gen = self._gen
+        if gen is not None and gen.number == number and by != self.original_rank:
+            self.abort(f"aborted by rank {by}: {payload.get('reason', '?')}", publish=False, generation=gen)
+
+    def _peer_failure(self, gen: Generation) -> PeerFailure:
+        failed = {r: why for r, why in self.failed.items() if r in gen.members}
+        return PeerFailure(gen.number, failed, gen.abort_reason or "aborted")
+
+    # ----------------------------------------------------------------------------- regroup
+    def regroup(self) -> Generation:
+        """Forms the next generation over the survivors (main thread; call on :class:`PeerFailure`).
+
+        Aborts the current generation if it is not yet. Retries with the generation after if a
+        member fails while the new one forms.
+
+        Returns:
+            The new current generation.
+
+        Raises:
+            EvictedError: this process is not among the survivors (the others declared it failed).
+            RegroupError: no generation could be formed within ``regroup_timeout_s``, or fewer than
+                ``min_world_size`` members are left.
+            StoreUnavailable: the store is gone.
+        """
+        cfg = self.config
+        started = time.monotonic()
+        self.abort(f"regroup requested by rank {self.original_rank}")
+        while True:
+            old = self.current
+            number = old.number + 1
+            remaining = cfg.regroup_timeout_s - (time.monotonic() - started)
+            if remaining <= 0:
+                raise RegroupError(f"rank {self.original_rank}: no new generation within {cfg.regroup_timeout_s:.0f} s")
+            if self.detector is not None and self.detector.store_lost:
+                raise StoreUnavailable("the rendezvous store is lost; the job cannot regroup")
+            try:
+                members = agree_members(
+                    self.store.control,  # type: ignore[union-attr]
+                    generation=number,
+                    me=self.original_rank,
+                    candidates=old.members,
+                    failed=lambda: set(self.failed),
+                    join_timeout_s=cfg.join_timeout_s,
+                    timeout_s=remaining,
+                )
+            except EvictedError:
+                self._teardown(old)
+                raise
+            except ResilienceError:
+                raise
+            except Exception as err:  # noqa: BLE001 - the control connection broke
+                raise StoreUnavailable(f"the rendezvous store failed during the regroup: {err}") from err
+            agreed_at = time.monotonic()
+            if members[0] == self.original_rank:
+                for rank in sorted(set(old.members) - set(members)):
+                    self._try(lambda r=rank: self.store.mark_left(r, "evicted"))  # type: ignore[union-attr]
+            if len(members) < cfg.min_world_size:
+                self._teardown(old)
+                raise RegroupError(f"generation {number} would have {len(members)} members (< {cfg.min_world_size})")
+            self._teardown(old)
+            try:
+                self._form(number, tuple(members))
+            except PeerFailure as failure:
+                log.warning("rank %d: generation %d failed while forming: %s", self.original_rank, number, failure)
+                continue
+            self.history[-1].update(agreed_at=agreed_at, regroup_started=started)
+            return self.current
+
+    def _form(self, number: int, members: tuple[int, ...]) -> None:
+        import torch
+        import torch.distributed as dist
+
+        cfg = self.config
+        assert self.store is not None and self.detector is not None
+        port = self.store.address[1] if self.store.address else 0
+        gen = Generation(number, members, SocketTracker(exclude_peers=[("*", port)]))
+        with self._lock:
+            self._gen = gen
+        if number > 0:  # generation 0: watch once formed (ranks start at different times)
+            self.detector.watch(members, number)
+        try:
+            with gen.sockets.track(include_excluded=True):
+                gen.store_client = self.store.connect()
+            self.check()
+            prefix = dist.PrefixStore(f"{self.store.namespace}/gen{number}/pg", gen.store_client)
+            with self.guard(), gen.sockets.track():
+                dist.init_process_group(
+                    cfg.backend,
+                    store=prefix,
+                    rank=gen.rank_of(self.original_rank),
+                    world_size=len(members),
+                    timeout=datetime.timedelta(seconds=cfg.collective_timeout_s),
+                )
+            device = torch.device("cuda", torch.cuda.current_device()) if cfg.backend == "nccl" else torch.device("cpu")
+            confirm = torch.ones(1, device=device)
+            with self.guard():
+                dist.all_reduce(confirm)
+            if int(confirm.item()) != len(members):
+                raise RegroupError(f"generation {number}: confirmation summed to {confirm.item()}, not {len(members)}")
+        except PeerFailure:
+            raise
+        except ResilienceError:
+            raise
+        except Exception as err:  # noqa: BLE001 - init failed some other way: abort it like a failure
+            self.abort(f"generation {number} could not form on rank {self.original_rank}: {err}", generation=gen)
+            raise self._peer_failure(gen) from err
+        if number == 0:
+            self.detector.watch(members, number)
+        gen.formed = True
+        self.history.append({"event": "formed", "generation": number, "members": list(members), "at": time.monotonic()})
+        log.info("rank %d: generation %d formed with members %s", self.original_rank, number, list(members))
+
+    def _teardown(self, gen: Generation) -> None:
+        import torch.distributed as dist
+
+        gen.sockets.shutdown()
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception as err:  # noqa: BLE001 - a broken group may not destroy cleanly
+                log.debug("destroying generation %d: %s", gen.number, err)
+        gen.sockets.clear()
+        gen.store_client = None
+        if self.config.reset_deepspeed:
+            reset_deepspeed()
+
+    @staticmethod
+    def _try(action: Callable[[], Any]) -> None:
+        try:
+            action()
+        except Exception as err:  # noqa: BLE001 - bookkeeping only
+            log.debug("store bookkeeping failed: %s", err)

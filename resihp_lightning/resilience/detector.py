@@ -54,7 +54,8 @@ DEFAULT_COMM_FRAMES = (
     f"torch{_SEP}distributed{_SEP}",
     f"deepspeed{_SEP}comm{_SEP}",
     f"deepspeed{_SEP}runtime{_SEP}pipe{_SEP}p2p.py",
-    f"resihp_lightning{_SEP}resilience{_SEP}",
+    f"resihp_lightning{_SEP}resilience{_SEP}world.py",
+    f"resihp_lightning{_SEP}resilience{_SEP}membership.py",
 )
 # Entry points that wrap a whole program (torchrun's @record) are not communication.
 _NOT_COMM_FRAMES = (f"torch{_SEP}distributed{_SEP}elastic{_SEP}", f"torch{_SEP}distributed{_SEP}run.py")
@@ -80,7 +81,8 @@ class DetectorConfig:
         probe_local_pids: check peers on this machine through ``/proc`` (detects exits at once).
         store_grace_s: store errors for this long set :attr:`FailureDetector.store_lost`.
         comm_frames: path fragments of modules whose frames mean "waiting in communication".
-        comm_frame_depth: how many innermost frames of the main thread are looked at.
+        comm_frame_depth: how many innermost frames of the main thread are looked at (few: the
+            outer frames of any program eventually include its launcher's).
     """
 
     interval_s: float = 0.2
@@ -89,7 +91,7 @@ class DetectorConfig:
     probe_local_pids: bool = True
     store_grace_s: float = 5.0
     comm_frames: tuple[str, ...] = DEFAULT_COMM_FRAMES
-    comm_frame_depth: int = 6
+    comm_frame_depth: int = 3
 
     def __post_init__(self) -> None:
         for name in ("interval_s", "timeout_s", "store_grace_s"):

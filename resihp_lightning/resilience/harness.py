@@ -80,9 +80,11 @@ class JobOutcome:
         for r in self.ranks:
             detail = r.error if r.status == "error" else (repr(r.value)[:300] if r.status == "ok" else f"exit {r.exitcode}")
             lines.append(f"  rank {r.rank}: {r.status}: {detail}")
-        log_file = Path(self.run_dir) / "store_host.log"
-        if log_file.exists():
-            lines.append("  store host log:\n    " + "\n    ".join(log_file.read_text().splitlines()[-15:]))
+        for name in [f"rank{r.rank}.log" for r in self.ranks] + ["store_host.log"]:
+            log_file = Path(self.run_dir) / name
+            if log_file.exists():
+                tail = [line[:300] for line in log_file.read_text().splitlines()[-12:]]
+                lines.append(f"  {name}:\n    " + "\n    ".join(tail))
         return "\n".join(lines)
 
 
@@ -100,6 +102,13 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, ru
         }
     )
     os.environ.update(env)
+    import logging
+
+    handler = logging.FileHandler(Path(run_dir) / f"rank{rank}.log")
+    handler.setFormatter(logging.Formatter("%(relativeCreated)8.0f %(name)s: %(message)s"))
+    package_logger = logging.getLogger("resihp_lightning")
+    package_logger.addHandler(handler)
+    package_logger.setLevel(logging.INFO)
     out = Path(run_dir) / f"result-{rank}.pkl"
     try:
         import torch
@@ -184,7 +193,7 @@ def run_job(
         if not ended:
             os.kill(host.pid, signal.SIGKILL)
     outcome = JobOutcome(outcomes, run_dir, wall, host.pid if host else None, ended)
-    if own_dir and all(o.status in ("ok", "died", "killed") for o in outcomes):
+    if own_dir and all(o.status == "ok" for o in outcomes if o.rank in expected):
         _remove(run_dir)
     return outcome
 

@@ -1,0 +1,175 @@
+"""In-process recovery with real gloo processes: kill, stop or hang a rank; the survivors go on.
+
+Each test runs 4 spawned processes (``resihp_lightning.resilience.harness``: a rank that dies is an
+outcome, not a harness failure; everything still running at the end is SIGKILLed, so nothing hangs)
+in a loop of collectives under :class:`ElasticWorld`. The victim leaves the ``time.monotonic()`` of
+its failure (one clock for all processes of a machine); the survivors report when their blocked
+collective was released (:class:`PeerFailure` caught) and when the new generation was formed, and
+prove it with an all_reduce whose exact sum names its members.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from resihp_lightning.resilience.harness import last_words, run_job
+
+pytestmark = pytest.mark.multiprocess
+
+SUM_OF = {frozenset(m): float(sum(r + 1 for r in m)) for m in ([0, 1, 2, 3], [0, 1, 3], [1, 2, 3], [1, 2], [0, 2, 3], [0, 1, 2])}
+
+
+def _fail(run_dir: str, rank: int, kind: str) -> None:
+    last_words(run_dir, rank, at=time.monotonic(), kind=kind)
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif kind == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif kind == "hang":  # stuck in compute: the heartbeat thread keeps beating
+        time.sleep(120)
+    raise AssertionError(f"rank {rank} outlived its failure ({kind})")
+
+
+def _step(world, mode: str, step: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    if mode == "all_reduce":
+        value = torch.ones(4)
+        dist.all_reduce(value)
+        assert value[0].item() == world.world_size
+        return
+    # "p2p": a pipeline's forward then backward pass along a chain of ranks, blocking send/recv.
+    rank, size = world.rank, world.world_size
+    activation = torch.zeros(4)
+    if rank > 0:
+        dist.recv(activation, rank - 1)
+    activation += 1
+    if rank < size - 1:
+        dist.send(activation, rank + 1)
+        dist.recv(activation, rank + 1)  # the gradient coming back
+    if rank > 0:
+        dist.send(activation, rank - 1)
+    assert activation[0].item() == size
+
+
+def _exact_sum(world) -> float:
+    import torch
+    import torch.distributed as dist
+
+    value = torch.tensor([float(world.original_rank + 1)])
+    dist.all_reduce(value)
+    return value.item()
+
+
+def _train(rank, world_size, run_dir, *, mode, failures, steps, progress_timeout_s=None):
+    import torch
+    import torch.distributed as dist
+
+    from resihp_lightning.resilience import DetectorConfig, ElasticWorld, PeerFailure, StoreConfig, WorldConfig
+
+    config = WorldConfig(
+        store=StoreConfig(run_dir=run_dir, linger_s=1.0),
+        detector=DetectorConfig(progress_timeout_s=progress_timeout_s),
+        join_timeout_s=10.0,
+        regroup_timeout_s=30.0,
+        collective_timeout_s=60.0,
+    )
+    world = ElasticWorld(config).start()
+    events = []
+    step = 0
+    while step < steps:
+        for victim, at, kind in failures:
+            if rank == victim and step == at:
+                _fail(run_dir, rank, kind)
+        try:
+            with world.guard():
+                _step(world, mode, step)
+            step += 1
+            world.progress(step)
+            time.sleep(0.002)  # a little compute; keeps 4 busy processes from starving 2 cores
+        except PeerFailure as failure:
+            released = time.monotonic()
+            world.regroup()
+            regrouped = time.monotonic()
+            # Resume at the step the slowest survivor had not finished (the real loop redoes it).
+            agreed = torch.tensor([step])
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+            step = int(agreed.item())
+            events.append({
+                "released": released, "regrouped": regrouped, "aborted_generation": failure.generation,
+                "generation": world.generation, "members": list(world.members), "rank": world.rank,
+                "sum": _exact_sum(world), "failed": dict(world.failed),
+            })
+    result = {"events": events, "members": list(world.members), "generation": world.generation,
+              "sum": _exact_sum(world), "rank_of": {r: world.rank_of(r) for r in world.members}}
+    world.close()
+    return result
+
+
+def _survivors(outcome, expected):
+    values = outcome.values()
+    assert sorted(values) == expected, outcome.describe()
+    return values
+
+
+def _deaths(outcome):
+    return {r.rank: r.last_words["at"] for r in outcome.ranks if r.last_words}
+
+
+def test_sigkill_of_rank_two_releases_the_survivors_who_regroup_into_three():
+    outcome = run_job(_train, 4, timeout=45, wait_for=[0, 1, 3], store_host_grace_s=4.0,
+                      mode="all_reduce", failures=[(2, 20, "kill")], steps=40)
+    values = _survivors(outcome, [0, 1, 3])
+    died = _deaths(outcome)[2]
+    for rank, value in values.items():
+        (event,) = value["events"]
+        assert event["generation"] == 1 and event["members"] == [0, 1, 3]
+        assert event["sum"] == SUM_OF[frozenset([0, 1, 3])] == value["sum"]
+        assert event["released"] - died < 2.0, f"rank {rank} released after {event['released'] - died:.2f} s"
+        assert event["regrouped"] - died < 4.0
+        assert value["rank_of"] == {0: 0, 1: 1, 3: 2}
+    assert outcome.store_host_ended_by_itself, "the store host outlived the job"
+
+
+def test_rank_zero_then_rank_three_die_in_a_pipeline_chain_and_the_store_survives():
+    outcome = run_job(_train, 4, timeout=50, wait_for=[1, 2], mode="p2p",
+                      failures=[(0, 15, "kill"), (3, 35, "kill")], steps=50)
+    values = _survivors(outcome, [1, 2])
+    deaths = _deaths(outcome)
+    for rank, value in values.items():
+        first, second = value["events"]
+        assert (first["generation"], first["members"], first["sum"]) == (1, [1, 2, 3], SUM_OF[frozenset([1, 2, 3])])
+        assert (second["generation"], second["members"], second["sum"]) == (2, [1, 2], SUM_OF[frozenset([1, 2])])
+        assert first["released"] - deaths[0] < 2.0 and second["released"] - deaths[3] < 2.0
+        assert value["rank_of"] == {1: 0, 2: 1}
+
+
+def test_a_stopped_rank_is_evicted_and_the_others_go_on():
+    outcome = run_job(_train, 4, timeout=45, wait_for=[0, 2, 3], mode="all_reduce",
+                      failures=[(1, 20, "stop")], steps=40, progress_timeout_s=1.5)
+    values = _survivors(outcome, [0, 2, 3])
+    stopped = _deaths(outcome)[1]
+    assert outcome.ranks[1].status == "killed"  # by the harness, still stopped
+    for value in values.values():
+        (event,) = value["events"]
+        assert event["members"] == [0, 2, 3] and event["sum"] == SUM_OF[frozenset([0, 2, 3])]
+        # Nothing breaks on the wire: only the detector (1 s of silence) can release them.
+        assert 0.8 < event["released"] - stopped < 3.0
+        assert event["failed"][1].startswith("silent")
+
+
+def test_a_rank_stuck_in_its_step_is_evicted_as_hung_not_the_ones_waiting_for_it():
+    outcome = run_job(_train, 4, timeout=45, wait_for=[0, 1, 2], mode="p2p",
+                      failures=[(3, 20, "hang")], steps=40, progress_timeout_s=1.5)
+    values = _survivors(outcome, [0, 1, 2])
+    stuck = _deaths(outcome)[3]
+    for value in values.values():
+        (event,) = value["events"]
+        assert event["members"] == [0, 1, 2] and event["sum"] == SUM_OF[frozenset([0, 1, 2])]
+        assert event["failed"][3].startswith("hung")
+        assert 1.2 < event["released"] - stuck < 4.0

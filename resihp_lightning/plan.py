@@ -469,7 +469,7 @@ def evaluate(problem: Problem, plan: Plan, *, check: bool = True) -> Evaluation:
         validate(problem, plan, check_memory=False)
     devices = problem._device_index()
     p = plan.pipeline_degree
-    prefix = _prefix_sums(problem)
+    prefix = prefix_sums(problem)
     stage_ms, memory_mb, replica_ms, over = [], [], [], []
     for r, replica in enumerate(plan.replicas):
         times, memories = [], []
@@ -553,23 +553,36 @@ def even_split(total: int, parts: int) -> tuple[int, ...]:
     return tuple(base + (1 if i < extra else 0) for i in range(parts))
 
 
-# ------------------------------------------------------------------------------------ internals
 @dataclass(frozen=True)
-class _Prefix:
+class PrefixSums:
+    """Running totals over the layers: entry l is the sum over layers 0..l-1 (entry 0 is 0.0).
+
+    A stage holding layers a..b-1 has ``compute[b] - compute[a]`` ms of compute (at speed 1.0),
+    and likewise for static and activation memory. Every cost in the planner is taken from these
+    differences, so every backend rounds a stage's cost the same way.
+
+    Attributes:
+        compute: prefix sums of ``compute_ms``.
+        static: prefix sums of ``static_mb``.
+        activation: prefix sums of ``activation_mb``.
+    """
+
     compute: tuple[float, ...]
     static: tuple[float, ...]
     activation: tuple[float, ...]
 
 
-def _prefix_sums(problem: Problem) -> _Prefix:
+def prefix_sums(problem: Problem) -> PrefixSums:
+    """The L + 1 prefix sums of the layers' compute, static and activation memory."""
     compute, static, activation = [0.0], [0.0], [0.0]
     for layer in problem.layers:
         compute.append(compute[-1] + layer.compute_ms)
         static.append(static[-1] + layer.static_mb)
         activation.append(activation[-1] + layer.activation_mb)
-    return _Prefix(tuple(compute), tuple(static), tuple(activation))
+    return PrefixSums(tuple(compute), tuple(static), tuple(activation))
 
 
+# ------------------------------------------------------------------------------------ internals
 def _check_bounds(bounds: Sequence[int], stages: int, num_layers: int, min_layers: int, where: str) -> None:
     if len(bounds) != stages + 1:
         raise PlanError(f"{where} has {len(bounds)} bounds; {stages} stages need {stages + 1}")

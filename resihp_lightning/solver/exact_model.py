@@ -13,7 +13,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from resihp_lightning.plan import EPS, Plan, Problem, Replica, device_classes
+from resihp_lightning.plan import EPS, Plan, Problem, Replica, device_classes, prefix_sums
 
 
 class Model:
@@ -25,12 +25,8 @@ class Model:
         self.M = problem.micro_batches
         self.min_layers = problem.min_layers_per_stage
         self.classes = device_classes(problem)
-        pc, ps, pa = [0.0], [0.0], [0.0]
-        for layer in problem.layers:
-            pc.append(pc[-1] + layer.compute_ms)
-            ps.append(ps[-1] + layer.static_mb)
-            pa.append(pa[-1] + layer.activation_mb)
-        self.pc, self.ps, self.pa = pc, ps, pa
+        prefix = prefix_sums(problem)
+        self.pc, self.ps, self.pa = prefix.compute, prefix.static, prefix.activation
         # cheapest[a]: the least compute of one layer among layers a..L-1.
         self.cheapest = [math.inf] * (self.L + 1)
         for a in range(self.L - 1, -1, -1):

@@ -64,6 +64,7 @@ from resihp_lightning.plan import (
     evaluate,
     even_bounds,
     even_split,
+    prefix_sums,
 )
 
 #: Memory is modelled in units of 1 / MEMORY_SCALE MB.
@@ -307,11 +308,8 @@ class MilpModel:
         classes = self.classes
         n_cls = len(classes)
 
-        comp, stat, act = [0.0], [0.0], [0.0]
-        for layer in pb.layers:
-            comp.append(comp[-1] + layer.compute_ms)
-            stat.append(stat[-1] + layer.static_mb)
-            act.append(act[-1] + layer.activation_mb)
+        prefix = prefix_sums(pb)
+        comp, stat, act = prefix.compute, prefix.static, prefix.activation
         self._stat, self._act = stat, act
         self.tcoef = [[round(comp[l] * ts / c.speed) for l in range(L + 1)] for c in classes]
         self.scoef = [round(s * MEMORY_SCALE) for s in stat]

@@ -18,6 +18,14 @@ rank, so every rank takes this branch at the same step):
    model is recalibrated.
 
 A healed device changes the speeds back, so the same path plans the job back to a healthy layout.
+
+Checkpoints (Lightning's ``state_dict`` / ``load_state_dict``): the controller saves the step of its
+last plan change (so the cooldown carries over), the migration cost model calibrated so far (rank
+0's, the rank that decides), the cached healthy layer profile, the detector version it has acted on,
+and the plan it last chose with whether it was still awaited. After a resume the strategy starts
+under its own initial plan; when that is not the chosen plan, the controller requests the chosen plan
+again at the end of the first step (the decision was taken already, so no cooldown or gain test
+applies). The ``decisions`` list is not saved (the event log keeps them).
 Fail-stop is not re-planned live (a dead rank breaks the process group); the
 :class:`~.heartbeat_callback.HeartbeatMonitor` reports it and the job restarts from a checkpoint.
 
@@ -29,6 +37,7 @@ what it lacks.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -51,6 +60,7 @@ from resihp_lightning.config import PlannerConfig, config_from_dict
 from resihp_lightning.contract import Replannable, require
 from resihp_lightning.errors import ConfigError, PlanError, ResiHPError
 from resihp_lightning.plan import Plan, evaluate
+from resihp_lightning.telemetry import LayerCost
 
 log = get_logger(__name__)
 
@@ -87,9 +97,11 @@ class ReplanController(Callback):
         self.detector: StragglerDetector | None = None
         self.decisions: list[Decision] = []
         self._seen_version = 0
-        self._profile: list[Any] | None = None
+        self._profile: list[LayerCost] | None = None
         self._last_change_step: int | None = None
-        self._awaiting: Plan | None = None
+        self._chosen: Plan | None = None  # the last plan requested (applied or not)
+        self._awaiting: Plan | None = None  # requested, not applied yet
+        self._restore: Plan | None = None  # from a checkpoint: to put back in force after the first step
         self._overhead_s = self.config.migration_overhead_s
         self._bandwidth = self.config.migration_bandwidth_mb_s
 
@@ -116,6 +128,7 @@ class ReplanController(Callback):
             return  # setup did not run
         step = trainer.global_step
         self._note_applied(strategy, step)
+        self._put_back_chosen(strategy, step)
         flagged = bool(self.detector.flagged)
         strategy.profiler_recording = not flagged
         interval = self.config.profile_interval_steps
@@ -138,10 +151,59 @@ class ReplanController(Callback):
         except PlanError as err:
             self._log("plan_rejected", step, reason=f"strategy refused the plan: {err}", plan=plan)
             return
-        self._awaiting = plan
+        self._chosen = self._awaiting = plan
         self._last_change_step = step
 
+    # -------------------------------------------------------------------------- checkpoint
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """Cooldown, migration cost model, layer profile and chosen plan, as plain data."""
+        return {
+            "last_change_step": self._last_change_step,
+            "seen_version": self._seen_version,
+            "migration_overhead_s": self._overhead_s,
+            "migration_bandwidth_mb_s": self._bandwidth,
+            "profile": None if self._profile is None else [dataclasses.asdict(cost) for cost in self._profile],
+            "chosen": None if self._chosen is None else self._chosen.to_dict(),
+            "awaiting": self._awaiting is not None,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        profile = state_dict["profile"]
+        chosen = state_dict["chosen"]
+        self._last_change_step = state_dict["last_change_step"]
+        self._seen_version = state_dict["seen_version"]
+        self._overhead_s = state_dict["migration_overhead_s"]
+        self._bandwidth = state_dict["migration_bandwidth_mb_s"]
+        self._profile = None if profile is None else [LayerCost(**cost) for cost in profile]
+        self._chosen = None if chosen is None else Plan.from_dict(chosen)
+        self._awaiting = self._chosen if state_dict["awaiting"] else None
+        self._restore = self._chosen
+
     # ---------------------------------------------------------------------------- internals
+    def _put_back_chosen(self, strategy: Replannable, step: int) -> None:
+        """After a resume, requests the chosen plan again when the strategy runs another one.
+
+        Done at the end of the first step rather than at ``on_train_start``: by then the strategy has
+        settled M from the first batch.
+        """
+        if self._restore is None:
+            return
+        plan, self._restore = self._restore, None
+        if plan.layout_key() == strategy.current_plan.layout_key():
+            self._awaiting = None
+            return
+        try:
+            strategy.request_plan(plan)
+        except PlanError as err:
+            self._log("plan_rejected", step, reason=f"the plan chosen before the resume does not fit this job: {err}",
+                      plan=plan)
+            self._chosen = self._awaiting = None
+            self._seen_version = -1  # plan afresh for the job as it is now
+            return
+        self._awaiting = plan
+        user_info(f"re-planning at step {step}: putting back the plan chosen before the resume")
     def _plan_on_rank0(self, trainer: Any, step: int) -> dict[str, Any] | None:
         from resihp_lightning.solver import solve
 

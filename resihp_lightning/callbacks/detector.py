@@ -10,10 +10,20 @@ and events, which lets a controller act on them without another round of communi
 Rank 0 writes ``fail_slow_detected`` / ``fail_slow_recovered`` to the event log and logs
 ``gpu_relative_perf/{min,median,max}`` and ``gpu_individual_perf/{min,median,max}`` (the metric names
 of NVIDIA's ``StragglerDetectionCallback``) through the Lightning logger.
+
+Checkpoints (Lightning's ``state_dict`` / ``load_state_dict``): the detector saves the core (every
+rank's speed estimate, flag, streaks, recent step speeds, the version counter), every rank's
+workload model or fit progress and its summaries not yet reported, and the report schedule. A
+job resumed mid-fault therefore still knows the slow rank, and measures the next step against the
+saved models without a new warm-up and fit. Lightning writes rank 0's ``state_dict`` and loads it on
+every rank, so ``state_dict`` gathers the per-rank parts (it is a collective, like the strategy's own
+checkpoint gathering: Lightning calls it on every rank) and each rank takes its own back on load.
+The list of :attr:`StragglerDetector.detections` is not saved (the event log keeps them).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +146,32 @@ class StragglerDetector(Callback):
             interval = max(1, round(self.config.report_time_interval * 1000.0 / max(typical, 1e-6)))
         self._interval = interval
         self._next_report = step + interval
+
+    # -------------------------------------------------------------------------- checkpoint
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """The detector's state, the same on every rank (collective while a process group is up)."""
+        mine = {"tracker": self.tracker.state_dict(), "pending": [s.to_dict() for s in self._pending]}
+        ranks = dict(_all_gather((self.rank, mine)))
+        return {
+            "core": self.core.state_dict(),
+            "ranks": ranks,
+            "last_step": self._last_step,
+            "next_report": self._next_report,
+            "interval": self._interval,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restores the core and this rank's own tracker (Lightning calls it after ``setup``)."""
+        self.core.load_state_dict(state_dict["core"])
+        mine: Mapping[str, Any] | None = state_dict["ranks"].get(self.rank)
+        if mine is not None:  # a rank new to the job starts its own warm-up
+            self.tracker.load_state_dict(mine["tracker"])
+            self._pending = [RankSummary.from_dict(s) for s in mine["pending"]]
+        self._last_step = state_dict["last_step"]
+        self._next_report = state_dict["next_report"]
+        self._interval = state_dict["interval"]
 
     def _log_scores(self, trainer: Any, step: int) -> None:
         if self.rank != 0:

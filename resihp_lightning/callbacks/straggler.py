@@ -35,6 +35,9 @@ reference by more than ``gpu_relative_perf_threshold`` starts with that relative
 that was already slow while its model was fitted (from the start, or a fault during the refit after a
 re-plan) is still found, and a rank flagged in error is cleared. Known limit: without a cohort (D = 1
 or per-replica partitions) the anchor can only be carried over, and such a device is not found.
+
+Both halves have ``state_dict()`` / ``load_state_dict()`` returning plain data (numbers, strings,
+lists, tuples, dicts), so that a resumed job keeps its fitted models, flags and speed estimates.
 """
 
 from __future__ import annotations
@@ -42,8 +45,8 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -166,12 +169,30 @@ class RankSummary:
     step_ms: float
     model: tuple[float, float, float, float, float] | None = None
 
+    def to_dict(self) -> dict[str, Any]:
+        """The summary as plain data (for checkpoints)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RankSummary:
+        values = dict(data)
+        values["layers"] = tuple(values["layers"])
+        values["model"] = None if values["model"] is None else tuple(values["model"])
+        return cls(**values)
+
 
 class LocalTracker:
     """One rank's half of the detector: fits its workload model, summarises each step."""
 
     def __init__(self, warmup_steps: int = 2, fit_steps: int = 10) -> None:
         self.fit = OnlineWorkloadFit(warmup_steps, fit_steps)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's workload model and fit progress, as plain data."""
+        return self.fit.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.fit.load_state_dict(state)
 
     def summarize(self, stats: StepStats) -> RankSummary:
         """Feeds one step and returns its summary."""
@@ -217,6 +238,16 @@ class _RankState:
     change_streak: int = 0
     history: deque = field(default_factory=deque)
 
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "history"}
+        out["history"] = [float(v) for v in self.history]
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], history_len: int) -> _RankState:
+        values = {k: v for k, v in data.items() if k != "history"}
+        return cls(**values, history=deque(data["history"], maxlen=history_len))
+
 
 class StragglerCore:
     """The cross-rank half: speeds, flags, healing and NVRx-style scores from every rank's summary.
@@ -251,6 +282,27 @@ class StragglerCore:
         """Drops a rank (it left the job)."""
         self._states.pop(rank, None)
 
+    # ---------------------------------------------------------------------------- checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """Every rank's speed estimate, flag, streaks and recent step speeds, as plain data."""
+        return {
+            "version": self.version,
+            "last_step": self.last_step,
+            "scores": {name: {rank: float(v) for rank, v in values.items()} for name, values in self.scores.items()},
+            "ranks": {rank: state.to_dict() for rank, state in sorted(self._states.items())},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restores what :meth:`state_dict` returned (the history keeps the current config's length)."""
+        history_len = self._history_len()
+        self.version = int(state["version"])
+        self.last_step = state["last_step"]
+        self.scores = {name: dict(values) for name, values in state["scores"].items()}
+        self._states = {int(rank): _RankState.from_dict(data, history_len) for rank, data in state["ranks"].items()}
+
+    def _history_len(self) -> int:
+        return max(self.config.patience, self.config.window)
+
     # -------------------------------------------------------------------------------- update
     def update(self, summaries: Iterable[RankSummary]) -> list[dict[str, Any]]:
         """Folds one step's summaries (one per rank) into the state.
@@ -268,7 +320,7 @@ class StragglerCore:
         step = max((s.step for s in summaries), default=self.last_step)
         self.last_step = step
         for summary in summaries:
-            state = self._states.setdefault(summary.rank, _RankState(history=deque(maxlen=max(cfg.patience, cfg.window))))
+            state = self._states.setdefault(summary.rank, _RankState(history=deque(maxlen=self._history_len())))
             if summary.ratio is None or not summary.ratio > 0:
                 continue
             if summary.fit_id != state.fit_id:

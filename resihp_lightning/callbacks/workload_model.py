@@ -19,12 +19,16 @@ Refit policy (implemented by :class:`OnlineWorkloadFit`):
   does not look healthy to itself after a re-plan;
 * there is deliberately no periodic refit on later data: refitting on a slowly degrading device
   would absorb the slowdown it should expose.
+
+:meth:`OnlineWorkloadFit.state_dict` holds the fitted model, or the warm-up / fit progress, as plain
+data, so that a job resumed from a checkpoint needs no new warm-up and fit.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 
@@ -64,6 +68,14 @@ class WorkloadModel:
     @property
     def coefficients(self) -> tuple[float, float, float]:
         return (self.alpha, self.beta, self.gamma)
+
+    def to_dict(self) -> dict[str, float | int]:
+        """The model as plain numbers (for checkpoints)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> WorkloadModel:
+        return cls(**data)
 
 
 def fit_workload(
@@ -161,6 +173,25 @@ class OnlineWorkloadFit:
         self.model = None
         self._seen = 0
         self._buffer = []
+
+    def state_dict(self) -> dict[str, Any]:
+        """The fit's progress and model as plain data (``warmup_steps`` / ``fit_steps`` are options, not state)."""
+        return {
+            "layers": self.layers,
+            "model": None if self.model is None else self.model.to_dict(),
+            "fits": self.fits,
+            "seen": self._seen,
+            "buffer": [tuple(float(v) for v in sample) for sample in self._buffer],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restores what :meth:`state_dict` returned."""
+        layers = state["layers"]
+        self.layers = None if layers is None else (int(layers[0]), int(layers[1]))
+        self.model = None if state["model"] is None else WorkloadModel.from_dict(state["model"])
+        self.fits = int(state["fits"])
+        self._seen = int(state["seen"])
+        self._buffer = [tuple(sample) for sample in state["buffer"]]
 
     def add_step(self, layers: tuple[int, int], samples: Sequence[tuple[float, float, float]]) -> bool:
         """Feeds one step's ``(tokens, sum_len_sq, compute_ms)`` samples.

@@ -8,7 +8,7 @@ optimal or replaces it with the optimum, within a work budget. Both work on the 
 * **Exact phase** (this module; status ``"optimal"`` when it completes). Devices are grouped into
   classes of equal (speed, memory); devices of one class are interchangeable, and so is the order of
   the replicas. For every shape (P, D) of :meth:`Problem.candidate_shapes` (pruned by
-  :func:`~resihp_lightning.solver.exact_model.lower_bound`), every choice of how many devices of each
+  :func:`~resihp_lightning.solver.bounds.shape_lower_bound`), every choice of how many devices of each
   class to use (``allow_exclude``), and every assignment of classes to the P x D grid up to replica
   order (:mod:`resihp_lightning.solver.enumeration`), it searches the stage bounds:
 
@@ -50,7 +50,8 @@ from collections import Counter
 from resihp_lightning.errors import InfeasibleError
 from resihp_lightning.plan import Plan, Problem, evaluate
 from resihp_lightning.solver.enumeration import all_bounds, count_bounds, layouts, used_vectors
-from resihp_lightning.solver.exact_model import Best, Model, build_plan, lower_bound
+from resihp_lightning.solver.bounds import shape_lower_bound
+from resihp_lightning.solver.exact_model import Best, Model, build_plan
 from resihp_lightning.solver.heuristic import heuristic_search
 from resihp_lightning.solver.microbatch_split import count, fluid_value, split, split_functions, split_value
 
@@ -350,13 +351,13 @@ def exact_search(model: Model, budget: int, best: Best) -> None:
     problem = model.problem
     ticks = [0]
     counts = [len(c.ids) for c in model.classes]
-    shapes = sorted(problem.candidate_shapes(), key=lambda s: lower_bound(model, *s))
+    shapes = sorted(problem.candidate_shapes(), key=lambda s: shape_lower_bound(problem, *s))
     incumbent = not math.isinf(best.value)
     if not problem.shared_partition and not incumbent:
         if sum(count_bounds(model.L, p, model.min_layers) for p, _ in shapes) > budget:
             raise _BudgetExceeded  # per-replica enumeration cannot finish: do not spend the time
     for p, d in shapes:
-        if lower_bound(model, p, d) >= best.value:
+        if shape_lower_bound(problem, p, d) >= best.value:
             continue
         cache: dict = {}
         for used in used_vectors(counts, p * d, problem.allow_exclude):

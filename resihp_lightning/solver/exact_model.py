@@ -1,10 +1,9 @@
 """The class-level model shared by the exact planner's phases.
 
 :class:`Model` holds the prefix sums of one :class:`~resihp_lightning.plan.Problem` and prices
-stages on device classes (devices of equal speed and memory); :func:`lower_bound` bounds the
-iteration time of a (P, D) shape from below; :class:`Best` keeps the best class-level layout either
-phase has found, and :func:`build_plan` turns it into a :class:`~resihp_lightning.plan.Plan` with
-real device ids.
+stages on device classes (devices of equal speed and memory); :class:`Best` keeps the best
+class-level layout either phase has found, and :func:`build_plan` turns it into a
+:class:`~resihp_lightning.plan.Plan` with real device ids.
 """
 
 from __future__ import annotations
@@ -86,21 +85,6 @@ class Model:
             worst = max(worst, t)
             cap = min(cap, self.stage_cap(bounds[j], bounds[j + 1], cls, p - j))
         return total, worst, cap
-
-
-def lower_bound(model: Model, p: int, d: int) -> float:
-    """A valid lower bound on T for shape (P, D).
-
-    ``T >= max(M C / S, C / s_max + (P - 1) p2p + (M - D) C / S)`` plus the all-reduce, with C the
-    total compute and S the speed of the P*D fastest devices.
-    """
-    speeds = sorted((c.speed for c in model.classes for _ in c.ids), reverse=True)
-    compute = model.pc[-1]
-    top = sum(speeds[: p * d])
-    throughput = model.M * compute / top
-    # T_r >= C / s_max + (P - 1) p2p + (m_r - 1) C / sigma_r, summed over the replicas.
-    bubble = compute / speeds[0] + (p - 1) * model.problem.p2p_ms + (model.M - d) * compute / top
-    return max(throughput, bubble) + (model.problem.allreduce_ms if d > 1 else 0.0)
 
 
 def build_plan(model: Model, grid: Sequence[Sequence[int]], bounds: Sequence[Sequence[int]], counts: Sequence[int]) -> Plan:

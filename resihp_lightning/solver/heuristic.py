@@ -22,7 +22,8 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 
-from resihp_lightning.solver.exact_model import Best, Model, lower_bound
+from resihp_lightning.solver.bounds import shape_lower_bound
+from resihp_lightning.solver.exact_model import Best, Model
 from resihp_lightning.solver.microbatch_split import split, split_value
 
 
@@ -283,8 +284,8 @@ def heuristic_search(model: Model, best: Best) -> None:
                     keep.append((p, d))
         shapes = sorted(set(keep))
     quick = []
-    for p, d in sorted(shapes, key=lambda s: lower_bound(model, *s)):
-        if lower_bound(model, p, d) >= best.value:
+    for p, d in sorted(shapes, key=lambda s: shape_lower_bound(problem, *s)):
+        if shape_lower_bound(problem, p, d) >= best.value:
             continue
         left = p * d
         used = []

@@ -66,6 +66,7 @@ from resihp_lightning.plan import (
     even_split,
     prefix_sums,
 )
+from resihp_lightning.solver.bounds import shape_lower_bound
 
 #: Memory is modelled in units of 1 / MEMORY_SCALE MB.
 MEMORY_SCALE = 1000
@@ -119,21 +120,9 @@ def lower_bound_ms(problem: Problem, pipeline_degree: int) -> float:
     the bound with S the speed of the fastest P*D devices.
     """
     return min(
-        (_shape_bound(problem, pipeline_degree, d)[0] for d in data_degrees(problem, pipeline_degree)),
+        (shape_lower_bound(problem, pipeline_degree, d) for d in data_degrees(problem, pipeline_degree)),
         default=math.inf,
     )
-
-
-def _shape_bound(problem: Problem, p: int, d: int) -> tuple[float, float]:
-    """(bound with all-reduce, bound without) for shape (p, d)."""
-    compute = sum(layer.compute_ms for layer in problem.layers)
-    speeds = sorted((dev.speed for dev in problem.devices), reverse=True)
-    top = sum(speeds[: p * d])
-    m = problem.micro_batches
-    work = m * compute / top
-    bubble = compute / speeds[0] + (p - 1) * problem.p2p_ms + (m - d) * compute / top
-    body = max(work, bubble)
-    return body + (problem.allreduce_ms if d > 1 else 0.0), body
 
 
 def choose_time_scale(upper_ms: float) -> int:
@@ -324,7 +313,7 @@ class MilpModel:
         # Rounding allowance of the cuts computed in ms: each rounded stage time is within 1.5 units
         # of the exact one, so T (sum of P stages + (k - 1) tmax, k <= M) within 1.5 (P + M) units.
         slack = 2 * (p + M) + 2
-        lb_body = min(_shape_bound(pb, p, d)[1] for d in self.d_values)
+        lb_body = min(shape_lower_bound(pb, p, d, with_allreduce=False) for d in self.d_values)
         lb_units = max(0, math.floor(lb_body * ts) - slack)
         self.T = self._var("T", 0, max(upper, 0), integer=False)
         self.objective = self.T

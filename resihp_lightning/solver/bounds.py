@@ -1,0 +1,43 @@
+"""The shape lower bound on the iteration time, shared by every backend.
+
+Both the exact planner (to order and prune shapes) and the MILP (to order and prune pipeline
+degrees, and as a cut on T) use :func:`shape_lower_bound`. It depends only on
+:mod:`resihp_lightning.plan`, so any solver module can import it without cycles.
+"""
+
+from __future__ import annotations
+
+from resihp_lightning.plan import Problem, prefix_sums
+
+
+def shape_lower_bound(problem: Problem, pipeline_degree: int, data_degree: int, *, with_allreduce: bool = True) -> float:
+    """A proven lower bound on T over every plan of shape (P, D).
+
+    With C the total compute, s_max the fastest speed and S the total speed of the P*D fastest
+    devices, every replica r satisfies ``T_r >= m_r tmax_r`` and
+    ``T_r >= sum_j t_rj + (m_r - 1) tmax_r`` with ``tmax_r >= C / S_r`` and
+    ``sum_j t_rj >= C / s_max + (P - 1) p2p``; summed over the replicas this gives::
+
+        T >= max(M C / S, C / s_max + (P - 1) p2p + (M - D) C / S) + (allreduce_ms if D > 1)
+
+    Args:
+        problem: the planning problem.
+        pipeline_degree: P.
+        data_degree: D.
+        with_allreduce: add the all-reduce term (False gives the pipeline part alone, which the
+            MILP uses for a cut whose all-reduce term is a variable).
+
+    Returns:
+        The bound in ms.
+    """
+    p, d = pipeline_degree, data_degree
+    compute = prefix_sums(problem).compute[-1]
+    speeds = sorted((device.speed for device in problem.devices), reverse=True)
+    top = sum(speeds[: p * d])
+    m = problem.micro_batches
+    work = m * compute / top
+    bubble = compute / speeds[0] + (p - 1) * problem.p2p_ms + (m - d) * compute / top
+    body = max(work, bubble)
+    if not with_allreduce:
+        return body
+    return body + (problem.allreduce_ms if d > 1 else 0.0)

@@ -113,3 +113,24 @@ def test_controller_state_is_plain_data_and_round_trips():
         "profile": None, "chosen": None, "awaiting": False,
     }
     assert LayerCost(**state["profile"][0]) == LayerCost(0, 2.0, 50.0, 1.0)
+
+
+def test_each_rank_takes_back_its_own_unreported_summaries_and_tracker():
+    trace = generate_trace(TraceSpec(stages=2, replicas=2, micro_batches=8, steps=14, seed=1))
+    job = _job(4)
+    for stats in trace[:13]:
+        _step(job, stats)
+    pending = {s.rank: [job[s.rank].tracker.summarize(s).to_dict()] for s in trace[13]}  # not reported yet
+    state = _checkpoint(job)
+    for rank, part in state["ranks"].items():
+        part["pending"] = pending[rank]
+    resumed = _job(4)
+    for rank, detector in enumerate(resumed):
+        detector.load_state_dict(state)
+        mine = detector.state_dict()["ranks"]  # no process group here: only its own part comes back
+        assert list(mine) == [rank] and mine[rank]["pending"] == pending[rank]
+        assert mine[rank]["tracker"] == job[rank].tracker.state_dict()
+    late = StragglerDetector(CONFIG)
+    late.rank = 7  # a rank the checkpoint does not know starts its own warm-up
+    late.load_state_dict(state)
+    assert late.tracker.fit.model is None and late.flagged == job[0].flagged

@@ -29,10 +29,8 @@ WORLD, WIDTH, DEPTH, MBS, M = 4, 512, 4, 64, 32
 # Factor 4, not the 2. Four ranks share two cores, so the job as a whole is CPU-bound and a
 # re-plan can only win back the CPU the slow rank leaves idle while it sleeps; and a rank that sleeps
 # is favoured by the scheduler when it wakes, so its compute runs faster than during the detector's
-# fit and the injected slowdown looks weaker than its factor (2x looked like speed 0.6-0.75; 3x like
-# 0.65-0.95 when other jobs loaded the machine). Measured at 2x: a 12% faster step after the re-plan
-# (330 -> 290 ms, healthy 262 ms) in one run, no detection within 20 steps in another; at 3x: no
-# detection in 2 of 3 runs on a loaded machine. At 4x the slowed steps take 2-2.5x the healthy ones.
+# fit and the injected slowdown looks weaker than its factor. At 2x and 3x detection within the run
+# was unreliable on a loaded machine; at 4x it is found and the slowed steps are clearly slower.
 SLOW_RANK, FACTOR = 2, 4.0
 FAULT_STEP, STEPS = 11, 32
 WINDOW = 6  # steps compared on each side of the re-plan

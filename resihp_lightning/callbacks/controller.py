@@ -18,6 +18,8 @@ rank, so every rank takes this branch at the same step):
    model is recalibrated.
 
 A healed device changes the speeds back, so the same path plans the job back to a healthy layout.
+Fail-stop is not re-planned live (a dead rank breaks the process group); the
+:class:`~.heartbeat_callback.HeartbeatMonitor` reports it and the job restarts from a checkpoint.
 
 Checkpoints (Lightning's ``state_dict`` / ``load_state_dict``): the controller saves the step of its
 last plan change (so the cooldown carries over), the migration cost model calibrated so far (rank
@@ -26,8 +28,6 @@ and the plan it last chose with whether it was still awaited. After a resume the
 under its own initial plan; when that is not the chosen plan, the controller requests the chosen plan
 again at the end of the first step (the decision was taken already, so no cooldown or gain test
 applies). The ``decisions`` list is not saved (the event log keeps them).
-Fail-stop is not re-planned live (a dead rank breaks the process group); the
-:class:`~.heartbeat_callback.HeartbeatMonitor` reports it and the job restarts from a checkpoint.
 
 Put the controller after the detector in ``callbacks`` (Lightning runs them in order). The strategy
 must provide :class:`~resihp_lightning.contract.Replannable` (``Trainer(strategy="resihp")``); any
@@ -170,6 +170,7 @@ class ReplanController(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restores :meth:`state_dict`'s state; the chosen plan is put back after the first step."""
         profile = state_dict["profile"]
         chosen = state_dict["chosen"]
         self._last_change_step = state_dict["last_change_step"]
@@ -204,6 +205,7 @@ class ReplanController(Callback):
             return
         self._awaiting = plan
         user_info(f"re-planning at step {step}: putting back the plan chosen before the resume")
+
     def _plan_on_rank0(self, trainer: Any, step: int) -> dict[str, Any] | None:
         from resihp_lightning.solver import solve
 

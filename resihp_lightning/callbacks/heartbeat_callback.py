@@ -5,6 +5,9 @@ store and broadcast it), told the step at each training batch (for ``progress_ti
 stopped with a goodbye in ``teardown`` so that ranks finishing at slightly different times are not
 reported dead. A dead rank stops the trainer on the reporting rank (``should_stop``) unless
 ``on_failure`` ends the process first; see :mod:`.heartbeat` for how the job avoids hanging.
+
+It needs nothing from the strategy beyond the process group, and saves no state in checkpoints:
+liveness is about the processes of the run that is going on.
 """
 
 from __future__ import annotations

@@ -46,14 +46,19 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
+from typing import TYPE_CHECKING
 
 from resihp_lightning.errors import InfeasibleError
 from resihp_lightning.plan import Plan, Problem, evaluate
-from resihp_lightning.solver.enumeration import all_bounds, count_bounds, layouts, used_vectors
+from resihp_lightning.solver.bottleneck import min_max_partition
 from resihp_lightning.solver.bounds import shape_lower_bound
+from resihp_lightning.solver.enumeration import all_bounds, count_bounds, layouts, used_vectors
 from resihp_lightning.solver.exact_model import Best, Model, build_plan
 from resihp_lightning.solver.heuristic import heuristic_search
 from resihp_lightning.solver.microbatch_split import count, fluid_value, split, split_functions, split_value
+
+if TYPE_CHECKING:
+    import numpy as np
 
 #: Work units (priced bounds candidates / branch-and-bound children) of the exact phase when it is a
 #: warm start: at most about 0.5 s on the 2-core dev machine.
@@ -180,37 +185,41 @@ def _exact_per_replica(
 def min_bottleneck(model: Model, cls: int, p: int, m: int) -> tuple[float, tuple[int, ...] | None]:
     """The least possible slowest-stage time of P stages on class ``cls`` with memory for m in flight.
 
-    Exact dynamic programme over (stages, position), O(P L^2); ``(inf, None)`` when nothing fits.
+    The ms tables for :func:`~resihp_lightning.solver.bottleneck.min_max_partition` (stage j may
+    hold a..b-1 when :meth:`Model.stage_cap` allows m micro-batches; ties: the latest start).
+    ``(inf, None)`` when nothing fits.
     """
+    import numpy as np
+
+    pc = np.asarray(model.pc, dtype=float)
+    span = (pc[None, :] - pc[:, None]) / model.classes[cls].speed
+    p2p = model.problem.p2p_ms
+    costs = [span + (p2p if j < p - 1 else 0.0) for j in range(p)]
+    allowed = [_fitting_stages(model, cls, p, j, m) for j in range(p)]
+    found = min_max_partition(costs, allowed, latest_start_on_ties=True)
+    if found is None:
+        return math.inf, None
+    return found
+
+
+def _fitting_stages(model: Model, cls: int, p: int, j: int, m: int) -> np.ndarray:
+    """Where stage j of P may hold layers a..b-1 on class ``cls`` with m micro-batches (bool array).
+
+    Only ends ``b`` that leave room for the later stages are marked (only ``b = L`` for the last
+    stage), and starts ``a >= j * min_layers``: no partition of all L layers ends a stage elsewhere.
+    """
+    import numpy as np
+
     big_l, min_l = model.L, model.min_layers
-    inf = math.inf
-    cost = [[inf] * (big_l + 1) for _ in range(p + 1)]
-    came = [[0] * (big_l + 1) for _ in range(p + 1)]
-    cost[0][0] = 0.0
-    for j in range(p):
-        last = j == p - 1
-        lo_b = (j + 1) * min_l
-        hi_b = big_l if last else big_l - (p - 1 - j) * min_l
-        for b in range(lo_b, hi_b + 1):
-            if last and b != big_l:
-                continue
-            best_v, best_a = inf, 0
-            for a in range(b - min_l, j * min_l - 1, -1):
-                prev = cost[j][a]
-                if prev == inf:
-                    continue
-                if model.stage_cap(a, b, cls, p - j) < m:
-                    break  # longer stages (smaller a) need more memory still
-                v = max(prev, model.stage_time(a, b, cls, last))
-                if v < best_v:
-                    best_v, best_a = v, a
-            cost[j + 1][b], came[j + 1][b] = best_v, best_a
-    if cost[p][big_l] == inf:
-        return inf, None
-    bounds = [big_l]
-    for j in range(p, 0, -1):
-        bounds.append(came[j][bounds[-1]])
-    return cost[p][big_l], tuple(reversed(bounds))
+    fits = np.zeros((big_l + 1, big_l + 1), dtype=bool)
+    lo_b = big_l if j == p - 1 else (j + 1) * min_l
+    hi_b = big_l - (p - 1 - j) * min_l
+    for b in range(lo_b, hi_b + 1):
+        for a in range(b - min_l, j * min_l - 1, -1):
+            if model.stage_cap(a, b, cls, p - j) < m:
+                break  # longer stages (smaller a) need more memory still
+            fits[a, b] = True
+    return fits
 
 
 def _max_micro_batches_pure(model: Model, cls: int, p: int, limit: float, most: int, ticks: list[int], budget: int, cache: dict):

@@ -66,13 +66,13 @@ from resihp_lightning.plan import (
     even_split,
     prefix_sums,
 )
+from resihp_lightning.solver.bottleneck import min_max_partition
 from resihp_lightning.solver.bounds import shape_lower_bound
 
 #: Memory is modelled in units of 1 / MEMORY_SCALE MB.
 MEMORY_SCALE = 1000
 #: The largest time the model should hold, in units (keeps CP-SAT's LP numerically comfortable).
 TARGET_UNITS = 1e9
-_INF = 2**60
 
 
 @dataclass(frozen=True)
@@ -150,6 +150,9 @@ def bottleneck(
 ) -> tuple[int, tuple[int, ...]] | None:
     """The least possible slowest-stage time of P stages of one speed, and its bounds.
 
+    The integer-unit tables for :func:`~resihp_lightning.solver.bottleneck.min_max_partition`
+    (ties: the earliest start).
+
     Args:
         tprefix: prefix sums of the layers' times on this speed (integer units).
         p: stages; minl: fewest layers per stage; p2p: units added to every stage but the last.
@@ -159,51 +162,26 @@ def bottleneck(
     Returns:
         ``(value, bounds)``, or ``None`` when no partition fits.
     """
-    return bottleneck_stages([tprefix] * p, minl, p2p, memory)
-
-
-def bottleneck_stages(
-    prefixes: Sequence[Sequence[int]],
-    minl: int,
-    p2p: int,
-    memory: tuple[Sequence[float], Sequence[float], float, int] | None = None,
-) -> tuple[int, tuple[int, ...]] | None:
-    """:func:`bottleneck` with one prefix-sum table per stage (stages of different speeds)."""
     import numpy as np
 
-    p = len(prefixes)
-    L = len(prefixes[0]) - 1
-    idx = np.arange(L + 1)
-    width = idx[None, :] - idx[:, None]  # width[s, e] = e - s
-    tables = {}
-    for key in {id(pref) for pref in prefixes}:
-        pre = np.asarray(next(x for x in prefixes if id(x) == key), dtype=np.int64)
-        tables[key] = np.where(width >= minl, pre[None, :] - pre[:, None], _INF)
+    pre = np.asarray(tprefix, dtype=np.int64)
+    idx = np.arange(len(pre))
+    wide = idx[None, :] - idx[:, None] >= minl  # [s, e]: e - s >= minl
+    span = pre[None, :] - pre[:, None]
     if memory is not None:
         sp, ap, cap, k = memory
         s_arr, a_arr = np.asarray(sp, dtype=float), np.asarray(ap, dtype=float)
         static = s_arr[None, :] - s_arr[:, None]
         act = a_arr[None, :] - a_arr[:, None]
-    dp = np.full(L + 1, _INF, dtype=np.int64)
-    dp[0] = 0
-    args = []
+    costs, allowed = [], []
     for j in range(p):
-        cost = tables[id(prefixes[j])] + (p2p if j < p - 1 else 0)
-        if memory is not None:
+        costs.append(span + (p2p if j < p - 1 else 0))
+        if memory is None:
+            allowed.append(wide)
+        else:
             f = min(p - j, k)
-            fits = static + f * act <= cap * (1 + EPS) + EPS
-            cost = np.where(fits, cost, _INF)
-        cost = np.minimum(cost, _INF)
-        cand = np.maximum(dp[:, None], cost)
-        arg = cand.argmin(axis=0)
-        dp = cand[arg, idx]
-        args.append(arg)
-    if dp[L] >= _INF:
-        return None
-    bounds = [L]
-    for j in range(p - 1, -1, -1):
-        bounds.append(int(args[j][bounds[-1]]))
-    return int(dp[L]), tuple(reversed(bounds))
+            allowed.append(wide & (static + f * act <= cap * (1 + EPS) + EPS))
+    return min_max_partition(costs, allowed)
 
 
 # --------------------------------------------------------------------------------------- model

@@ -64,11 +64,12 @@ def _deepspeed_job(rank, world_size, run_dir):
 
     world = ElasticWorld(WorldConfig(store=StoreConfig(run_dir=run_dir), join_timeout_s=10, regroup_timeout_s=30,
                                      collective_timeout_s=60)).start()
+    default_group_only = len(world.current.sockets.inodes)
     _init_deepspeed()
     engine = _engine(stages=2, replicas=2)
     data = _batches()
     before = float(engine.train_batch(data))
-    tracked = len(world.current.sockets.inodes)
+    tracked = len(world.current.sockets.inodes) - default_group_only
     if rank == 3:
         last_words(run_dir, rank, at=time.monotonic())
         os.kill(os.getpid(), signal.SIGKILL)
@@ -103,7 +104,7 @@ def test_deepspeed_comm_and_a_new_pipeline_engine_work_after_a_regroup():
     died = outcome.ranks[3].last_words["at"]
     for rank, value in values.items():
         assert value["members"] == [0, 1, 2]
-        assert value["tracked"] > 3  # the engine's own groups' connections, not only the default group's
+        assert value["tracked"] > 0  # the engine's own groups' connections were tracked too
         assert value["stale"] == (None, None)  # the regroup forgot the old engine's p2p grid
         assert (value["ds_world"], value["ds_rank"], value["sum"]) == (3, rank, 6.0)
         assert value["grid"] == 3

@@ -20,7 +20,7 @@ from resihp_lightning.resilience.harness import last_words, run_job
 
 pytestmark = pytest.mark.multiprocess
 
-SUM_OF = {frozenset(m): float(sum(r + 1 for r in m)) for m in ([0, 1, 2, 3], [0, 1, 3], [1, 2, 3], [1, 2], [0, 2, 3], [0, 1, 2])}
+SUM_OF = {frozenset(m): float(sum(r + 1 for r in m)) for m in ([0, 1, 2, 3], [0, 1, 3], [1, 2, 3], [1, 2], [0, 2, 3], [0, 1, 2], [0, 1])}
 
 
 def _fail(run_dir: str, rank: int, kind: str) -> None:
@@ -29,6 +29,7 @@ def _fail(run_dir: str, rank: int, kind: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     elif kind == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
+        return  # resumed (SIGCONT) after its peers went on without it
     elif kind == "hang":  # stuck in compute: the heartbeat thread keeps beating
         time.sleep(120)
     raise AssertionError(f"rank {rank} outlived its failure ({kind})")
@@ -66,11 +67,20 @@ def _exact_sum(world) -> float:
     return value.item()
 
 
-def _train(rank, world_size, run_dir, *, mode, failures, steps, progress_timeout_s=None):
+def _train(rank, world_size, run_dir, *, mode, failures, steps, progress_timeout_s=None, dies_after_joining=None,
+           resume=None):
     import torch
     import torch.distributed as dist
 
-    from resihp_lightning.resilience import DetectorConfig, ElasticWorld, PeerFailure, StoreConfig, WorldConfig
+    from resihp_lightning.resilience import (
+        DetectorConfig,
+        ElasticWorld,
+        EvictedError,
+        PeerFailure,
+        StoreConfig,
+        WorldConfig,
+    )
+    from resihp_lightning.resilience.procs import ProcessIdentity
 
     config = WorldConfig(
         store=StoreConfig(run_dir=run_dir, linger_s=1.0),
@@ -80,6 +90,9 @@ def _train(rank, world_size, run_dir, *, mode, failures, steps, progress_timeout
         collective_timeout_s=60.0,
     )
     world = ElasticWorld(config).start()
+    if rank == dies_after_joining:
+        # Joins the next generation's member list, then dies before its groups are formed.
+        world._teardown = lambda generation: _fail(run_dir, rank, "kill")
     events = []
     step = 0
     while step < steps:
@@ -94,8 +107,14 @@ def _train(rank, world_size, run_dir, *, mode, failures, steps, progress_timeout
             time.sleep(0.002)  # a little compute; keeps 4 busy processes from starving 2 cores
         except PeerFailure as failure:
             released = time.monotonic()
-            world.regroup()
+            try:
+                world.regroup()
+            except EvictedError as evicted:
+                world.close()
+                return {"evicted": evicted.members, "generation": evicted.generation, "events": events}
             regrouped = time.monotonic()
+            if resume is not None and world.rank == 0:  # wake the stopped rank: it must learn it is out
+                os.kill(ProcessIdentity.from_json(world.store.control.get(f"proc/{resume}")).pid, signal.SIGCONT)
             # Resume at the step the slowest survivor had not finished (the real loop redoes it).
             agreed = torch.tensor([step])
             dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
@@ -149,12 +168,12 @@ def test_rank_zero_then_rank_three_die_in_a_pipeline_chain_and_the_store_survive
         assert value["rank_of"] == {1: 0, 2: 1}
 
 
-def test_a_stopped_rank_is_evicted_and_the_others_go_on():
-    outcome = run_job(_train, 4, timeout=45, wait_for=[0, 2, 3], mode="all_reduce",
-                      failures=[(1, 20, "stop")], steps=40, progress_timeout_s=1.5)
-    values = _survivors(outcome, [0, 2, 3])
+def test_a_stopped_rank_is_evicted_the_others_go_on_and_it_learns_so_when_resumed():
+    outcome = run_job(_train, 4, timeout=45, mode="all_reduce",
+                      failures=[(1, 20, "stop")], steps=40, progress_timeout_s=1.5, resume=1)
+    values = _survivors(outcome, [0, 1, 2, 3])
     stopped = _deaths(outcome)[1]
-    assert outcome.ranks[1].status == "killed"  # by the harness, still stopped
+    assert values.pop(1) == {"evicted": [0, 2, 3], "generation": 1, "events": []}
     for value in values.values():
         (event,) = value["events"]
         assert event["members"] == [0, 2, 3] and event["sum"] == SUM_OF[frozenset([0, 2, 3])]
@@ -173,3 +192,14 @@ def test_a_rank_stuck_in_its_step_is_evicted_as_hung_not_the_ones_waiting_for_it
         assert event["members"] == [0, 1, 2] and event["sum"] == SUM_OF[frozenset([0, 1, 2])]
         assert event["failed"][3].startswith("hung")
         assert 1.2 < event["released"] - stuck < 4.0
+
+
+def test_a_rank_dying_after_it_joined_the_regroup_costs_one_more_generation_not_a_hang():
+    outcome = run_job(_train, 4, timeout=45, wait_for=[0, 1], mode="all_reduce",
+                      failures=[(2, 20, "kill")], steps=40, dies_after_joining=3)
+    values = _survivors(outcome, [0, 1])
+    deaths = _deaths(outcome)
+    for value in values.values():
+        (event,) = value["events"]  # one regroup() call: generation 1 failed while forming, 2 formed
+        assert (event["generation"], event["members"], event["sum"]) == (2, [0, 1], SUM_OF[frozenset([0, 1])])
+        assert event["regrouped"] - deaths[3] < 4.0

@@ -139,6 +139,7 @@ class _Watch:
     generation: int = 0
     peers: dict[int, _Peer] = field(default_factory=dict)
     marker_seen: bool = False
+    judge_unseen: bool = True
 
 
 def main_thread_waiting(thread_id: int, fragments: Iterable[str], depth: int) -> bool:
@@ -217,8 +218,16 @@ class FailureDetector:
         self._thread.start()
         return self
 
-    def watch(self, members: Iterable[int], generation: int) -> None:
-        """Watches ``members`` (original ranks) of ``generation`` from now on, with fresh clocks."""
+    def watch(self, members: Iterable[int], generation: int, *, judge_unseen: bool = True, hold: bool = False) -> None:
+        """Watches ``members`` (original ranks) of ``generation`` from now on, with fresh clocks.
+
+        Args:
+            members: original ranks (this process's own is ignored).
+            generation: whose abort marker to watch.
+            judge_unseen: whether a peer never heard from can be found ``silent`` (not while the
+                job starts: ranks start seconds apart; an exit is still seen once it registered).
+            hold: no hang verdicts until the next ``watch`` (while the generation forms).
+        """
         now = time.monotonic()
         with self._lock:
             peers = {r: _Peer(changed=now, step_changed=now) for r in members if r != self.rank}
@@ -226,8 +235,8 @@ class FailureDetector:
                 old = self._watch.peers.get(rank)
                 if old is not None:
                     peer.beat, peer.identity, peer.step = old.beat, old.identity, old.step
-            self._watch = _Watch(tuple(members), generation, peers)
-            self._hold = False
+            self._watch = _Watch(tuple(members), generation, peers, judge_unseen=judge_unseen)
+            self._hold = hold
 
     def hold(self) -> None:
         """Suspends hang verdicts (while the generation is aborted and being replaced)."""
@@ -247,6 +256,26 @@ class FailureDetector:
                     self._failed[failure.rank] = failure
                     new.append(failure)
         return new
+
+    def probe_exits(self, ranks: Iterable[int]) -> list[Failure]:
+        """Checks now, from any thread, whether peers among ``ranks`` on this machine have exited.
+
+        Uses the identities the thread has already read (no store access), records the exits as
+        failures and returns the new ones. The regroup calls it while it waits, so that it need not
+        wait for the thread's next poll to learn that a killed peer is gone.
+        """
+        if not self.config.probe_local_pids:
+            return []
+        with self._lock:
+            peers = dict(self._watch.peers)
+        now = time.monotonic()
+        gone = [
+            Failure(rank, EXITED, self.rank, now)
+            for rank in ranks
+            if (peer := peers.get(rank)) is not None and peer.identity is not None
+            and peer.identity.comparable() and not peer.identity.alive()
+        ]
+        return self.declare(gone)
 
     def stop(self) -> None:
         """Stops the thread (peers will see this process go silent unless it has left)."""
@@ -301,7 +330,7 @@ class FailureDetector:
                     peer.step_changed = now
             if self.config.probe_local_pids and self._exited(rank, peer):
                 new.append(Failure(rank, EXITED, self.rank, now))
-            elif now - peer.changed > self.config.timeout_s:
+            elif (peer.beat is not None or watch.judge_unseen) and now - peer.changed > self.config.timeout_s:
                 new.append(Failure(rank, SILENT, self.rank, now))
         if not late:
             new.extend(self._hung(watch, peers, {f.rank for f in new}, now))

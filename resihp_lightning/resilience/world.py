@@ -456,6 +456,11 @@ class ElasticWorld:
         if gen is not None and gen.number == number and by != self.original_rank:
             self.abort(f"aborted by rank {by}: {payload.get('reason', '?')}", publish=False, generation=gen)
 
+    def _failed_now(self, ranks: tuple[int, ...]) -> set[int]:
+        if self.detector is not None:
+            self.detector.probe_exits(ranks)
+        return set(self.failed)
+
     def _peer_failure(self, gen: Generation) -> PeerFailure:
         failed = {r: why for r, why in self.failed.items() if r in gen.members}
         return PeerFailure(gen.number, failed, gen.abort_reason or "aborted")
@@ -493,7 +498,7 @@ class ElasticWorld:
                     generation=number,
                     me=self.original_rank,
                     candidates=old.members,
-                    failed=lambda: set(self.failed),
+                    failed=lambda: self._failed_now(old.members),
                     join_timeout_s=cfg.join_timeout_s,
                     timeout_s=remaining,
                 )
@@ -530,8 +535,8 @@ class ElasticWorld:
         gen = Generation(number, members, SocketTracker(exclude_peers=[("*", port)]))
         with self._lock:
             self._gen = gen
-        if number > 0:  # generation 0: watch once formed (ranks start at different times)
-            self.detector.watch(members, number)
+        # While it forms, no hang verdicts; at start, no silence verdicts on ranks not yet heard of.
+        self.detector.watch(members, number, judge_unseen=number > 0, hold=True)
         try:
             with gen.sockets.track(include_excluded=True):
                 gen.store_client = self.store.connect()
@@ -558,8 +563,7 @@ class ElasticWorld:
         except Exception as err:  # noqa: BLE001 - init failed some other way: abort it like a failure
             self.abort(f"generation {number} could not form on rank {self.original_rank}: {err}", generation=gen)
             raise self._peer_failure(gen) from err
-        if number == 0:
-            self.detector.watch(members, number)
+        self.detector.watch(members, number)  # fresh clocks for the training loop
         gen.formed = True
         self.history.append({"event": "formed", "generation": number, "members": list(members), "at": time.monotonic()})
         log.info("rank %d: generation %d formed with members %s", self.original_rank, number, list(members))

@@ -29,7 +29,7 @@ from resihp_lightning.solver import policies
 from resihp_lightning.solver.cpsat import solve_cpsat_detailed
 from resihp_lightning.solver.exact import solve_exact
 from resihp_lightning.plan import device_classes
-from resihp_lightning.solver.milp_model import MilpResult
+from resihp_lightning.solver.milp_driver import MilpResult
 from resihp_lightning.solver.pulp_backend import solve_pulp_detailed
 
 SLOW_PATTERNS = {

@@ -1,7 +1,7 @@
 """The planning MILP on OR-Tools CP-SAT (the default backend).
 
 The model is :class:`~resihp_lightning.solver.milp_model.MilpModel` (integer units throughout), one
-per pipeline degree, driven by :func:`~resihp_lightning.solver.milp_model.solve_by_degree`.
+per pipeline degree, driven by :func:`~resihp_lightning.solver.milp_driver.solve_by_degree`.
 CP-SAT runs with ``config.num_workers`` workers (never every core by default) and
 ``config.random_seed``; with more than one worker it uses ``interleave_search`` (CP-SAT's
 deterministic parallel mode) with ``interleave_batch_size=1`` (the default batch made proofs here
@@ -17,7 +17,8 @@ from ortools.sat.python import cp_model  # noqa: F401 - imported once here, not 
 
 from resihp_lightning.config import PlannerConfig
 from resihp_lightning.plan import Plan, Problem
-from resihp_lightning.solver.milp_model import DegreeOutcome, MilpModel, MilpResult, solve_by_degree
+from resihp_lightning.solver.milp_driver import DegreeOutcome, MilpResult, solve_by_degree
+from resihp_lightning.solver.milp_model import MilpModel
 
 _INT_MIN = -(2**62)
 _INT_MAX = 2**62

@@ -1,9 +1,10 @@
 """The planning model of DESIGN.md as an exact, backend-neutral mixed-integer linear program.
 
-One :class:`MilpModel` covers one pipeline degree P; the backends (:mod:`.cpsat`,
-:mod:`.pulp_backend`) solve one model per allowed P through :func:`solve_by_degree` (most promising
-P first, every P whose proven lower bound cannot beat the incumbent pruned), and so decide P, D,
-placement, bounds and micro-batches jointly over :meth:`Problem.candidate_shapes`.
+One :class:`MilpModel` covers one pipeline degree P: its variables, constraints, and the
+:meth:`~MilpModel.encode` / :meth:`~MilpModel.decode` between plans and solutions. The backends
+(:mod:`.cpsat`, :mod:`.pulp_backend`) solve one model per allowed P through
+:func:`~resihp_lightning.solver.milp_driver.solve_by_degree`, which orders and prunes the degrees and
+keeps the time budget.
 
 Formulation (all coefficients integers):
 
@@ -39,14 +40,15 @@ Formulation (all coefficients integers):
   (from k = 1 to K) of ``lb(k) = min_sigma [sum t + (k - 1) tmax]`` for one stage of compute sigma at
   the second speed s_1 and the rest at s_0 (concave in k, so the chord is below it); per shape
   ``T' >= max(M C / S, C / s_max + (P - 1) p2p + (M - D) C / S)`` where S is the speed of the fastest
-  P*D devices; with an incumbent, ``k <= K`` where K follows from ``T' <= incumbent``.
+  P*D devices (:func:`~resihp_lightning.solver.bounds.shape_lower_bound`); with an incumbent,
+  ``k <= K`` where K follows from ``T' <= incumbent``.
 
 Rounding: times are integers in units of ``1 / time_scale`` ms (``time_scale`` >= 1000, i.e. µs or
 finer, chosen so the largest time is about 1e9 units). Prefix sums are rounded (not each layer), so a
 stage's rounded time is within 1.5 units of the true one and T within ``1.5 (P + M)`` units
-(relative error ~1e-6 at worst); cuts computed in ms give up twice that. Backends therefore re-price every decoded plan with :func:`~resihp_lightning.plan.evaluate`
-and report that ``iteration_ms``, never the rounded objective; "optimal" means optimal up to this
-rounding.
+(relative error ~1e-6 at worst); cuts computed in ms give up twice that. The driver therefore
+re-prices every decoded plan with :func:`~resihp_lightning.plan.evaluate` and reports that
+``iteration_ms``, never the rounded objective; "optimal" means optimal up to this rounding.
 """
 
 from __future__ import annotations
@@ -102,27 +104,9 @@ class Constraint:
     indicator: tuple[tuple[int, ...], tuple[tuple[int, int], ...], int | None, int | None] | None = None
 
 
-def pipeline_degrees(problem: Problem) -> list[int]:
-    """The P values of :meth:`Problem.candidate_shapes`, ascending."""
-    return sorted({p for p, _ in problem.candidate_shapes()})
-
-
 def data_degrees(problem: Problem, pipeline_degree: int) -> list[int]:
     """The D values allowed with ``pipeline_degree``."""
     return sorted(d for p, d in problem.candidate_shapes() if p == pipeline_degree)
-
-
-def lower_bound_ms(problem: Problem, pipeline_degree: int) -> float:
-    """A proven lower bound on T over every plan with this P (``inf`` when no D is allowed).
-
-    Each replica r satisfies ``T_r >= m_r tmax_r`` and ``T_r >= sum_j t_rj + (m_r - 1) tmax_r`` with
-    ``tmax_r >= C / S_r`` and ``sum_j t_rj >= C / s_max + (P - 1) p2p``; summing over replicas gives
-    the bound with S the speed of the fastest P*D devices.
-    """
-    return min(
-        (shape_lower_bound(problem, pipeline_degree, d) for d in data_degrees(problem, pipeline_degree)),
-        default=math.inf,
-    )
 
 
 def choose_time_scale(upper_ms: float) -> int:
@@ -131,14 +115,6 @@ def choose_time_scale(upper_ms: float) -> int:
         return 1000
     exponent = math.floor(math.log10(TARGET_UNITS / upper_ms))
     return int(10 ** min(max(exponent, 3), 9))
-
-
-def crude_upper_ms(problem: Problem) -> float:
-    """An upper bound on any plan's T (all layers on the slowest device, every micro-batch serial)."""
-    compute = sum(layer.compute_ms for layer in problem.layers)
-    slowest = min(d.speed for d in problem.devices)
-    stage = compute / slowest + problem.p2p_ms
-    return problem.allreduce_ms + (problem.micro_batches + problem.num_layers) * stage
 
 
 def bottleneck(
@@ -823,143 +799,3 @@ class MilpModel:
             if (con.lb is not None and s < con.lb) or (con.ub is not None and s > con.ub):
                 bad.append(con.name)
         return bad
-
-
-# ------------------------------------------------------------------------------- common driver
-@dataclass(frozen=True)
-class DegreeOutcome:
-    """What a backend reports for one P: ``status`` is ``optimal`` / ``infeasible`` (both proven),
-    ``feasible`` (stopped with a solution) or ``unknown`` (stopped without one)."""
-
-    status: str
-    values: list[int] | None = None
-    bound_units: float | None = None
-
-
-@dataclass(frozen=True)
-class MilpResult:
-    """A backend's answer with the proof it has.
-
-    Attributes:
-        plan: the plan returned (its ``iteration_ms`` from :func:`evaluate`).
-        bound_ms: proven lower bound on the optimum over all P (up to rounding).
-        gap: ``(T - bound) / T``, 0 when proven optimal.
-        proven: every P was solved to optimality/infeasibility or pruned by its bound.
-        degrees_solved: P values whose model was handed to the engine.
-    """
-
-    plan: Plan
-    bound_ms: float
-    gap: float
-    proven: bool
-    degrees_solved: tuple[int, ...]
-
-
-def solve_by_degree(problem: Problem, config, hint: Plan | None, solve_one, solver_name: str) -> MilpResult:
-    """Solves the MILP for every allowed P (most promising first) and keeps the best plan.
-
-    Args:
-        problem: the problem (``config``'s model options are applied here).
-        config: a :class:`~resihp_lightning.config.PlannerConfig`.
-        hint: a feasible plan to start from (warm start and incumbent), or ``None``.
-        solve_one: ``solve_one(model, seconds_left, hint_values) -> DegreeOutcome``.
-        solver_name: written into the plan's ``solver``.
-
-    Raises:
-        InfeasibleError: every P is proven infeasible (memory or device counts).
-        ResiHPError: the time limit ran out before any plan was found and there is no hint.
-    """
-    import time
-
-    from resihp_lightning._logging import get_logger
-    from resihp_lightning.errors import InfeasibleError, PlanError, ResiHPError
-
-    log = get_logger(__name__)
-    start = time.perf_counter()
-    deadline = start + config.time_limit_s
-    problem = config.apply_to(problem)
-    degrees = pipeline_degrees(problem)
-    if not degrees:
-        raise InfeasibleError(
-            f"no pipeline degree fits: {problem.num_devices} devices, {problem.num_layers} layers, "
-            f"{problem.micro_batches} micro-batches, pipeline_degrees={problem.pipeline_degrees}"
-        )
-    best_plan: Plan | None = None
-    best_ms = math.inf
-    if hint is not None:
-        try:
-            ev = evaluate(problem, hint)
-            if ev.fits_memory:
-                best_plan, best_ms = hint, ev.iteration_ms
-            else:
-                log.warning("hint ignored: it does not fit memory")
-        except PlanError as err:
-            log.warning("hint ignored: %s", err)
-    scale = choose_time_scale(best_ms if best_plan is not None else crude_upper_ms(problem))
-    bounds = {p: lower_bound_ms(problem, p) for p in degrees}
-    hint_p = best_plan.pipeline_degree if best_plan is not None else None
-    order = sorted(degrees, key=lambda p: (p != hint_p, bounds[p], p))
-    gap_target = config.relative_gap
-    proven = True
-    bound_ms = math.inf
-    solved: list[int] = []
-    for p in order:
-        if best_plan is not None and bounds[p] >= best_ms * (1 - gap_target) - 1e-9 * best_ms:
-            bound_ms = min(bound_ms, bounds[p])
-            continue
-        left = deadline - time.perf_counter()
-        if left <= 0.01:
-            proven = False
-            bound_ms = min(bound_ms, bounds[p])
-            continue
-        model = MilpModel(problem, p, scale, cutoff_ms=best_ms if best_plan is not None else None)
-        if model.infeasible:
-            continue
-        hint_values = model.encode(best_plan) if best_plan is not None else None
-        began = time.perf_counter()
-        left = deadline - began  # building the model counts against the limit too
-        if left <= 0.01:
-            proven = False
-            bound_ms = min(bound_ms, bounds[p])
-            continue
-        solved.append(p)
-        outcome = solve_one(model, left, hint_values)
-        log.debug(
-            "%s P=%d: %d vars, %d constraints, hint %s, %s in %.3f s, bound %s, lower bound %.4f, incumbent %.4f",
-            solver_name, p, len(model.variables), len(model.constraints), hint_values is not None,
-            outcome.status, time.perf_counter() - began,
-            None if outcome.bound_units is None else outcome.bound_units / scale, bounds[p], best_ms,
-        )
-        if outcome.values is not None:
-            plan = model.decode(outcome.values)
-            ev = evaluate(problem, plan)
-            if ev.fits_memory and ev.iteration_ms < best_ms * (1 - 1e-12):
-                best_plan, best_ms = plan, ev.iteration_ms
-        if outcome.status == "optimal" and outcome.values is not None:
-            bound_ms = min(bound_ms, model.objective_ms(outcome.values))
-        elif outcome.status == "infeasible":
-            if model.variables[model.objective].ub < math.inf and best_plan is not None:
-                bound_ms = min(bound_ms, best_ms)
-        else:
-            proven = False
-            found = outcome.bound_units / scale if outcome.bound_units is not None else -math.inf
-            bound_ms = min(bound_ms, max(bounds[p], found))
-    elapsed = time.perf_counter() - start
-    if best_plan is None:
-        if proven:
-            raise InfeasibleError(
-                f"no plan satisfies the constraints (memory, min_layers_per_stage, pipeline_degrees) for "
-                f"pipeline degrees {degrees}"
-            )
-        raise ResiHPError(
-            f"{solver_name} found no plan within planner.time_limit_s={config.time_limit_s}; "
-            "raise it or use planner.solver='exact'"
-        )
-    bound_ms = min(bound_ms, best_ms)
-    if proven and gap_target == 0:
-        bound_ms = best_ms  # optimal up to the model's rounding (module docstring)
-    gap = max(0.0, (best_ms - bound_ms) / best_ms) if best_ms > 0 else 0.0
-    status = "optimal" if proven and gap_target == 0 else "feasible"
-    plan = best_plan.with_result(iteration_ms=best_ms, status=status, solver=solver_name, solve_seconds=elapsed)
-    return MilpResult(plan, bound_ms, gap, proven, tuple(solved))
-

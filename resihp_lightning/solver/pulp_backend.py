@@ -2,7 +2,7 @@
 
 The model is the same :class:`~resihp_lightning.solver.milp_model.MilpModel` the CP-SAT backend
 solves (big-M rows instead of enforcement literals), driven per pipeline degree by
-:func:`~resihp_lightning.solver.milp_model.solve_by_degree`.
+:func:`~resihp_lightning.solver.milp_driver.solve_by_degree`.
 
 PuLP's own ``LpStatus`` says "Optimal" after CBC stops at its time limit with an incumbent, so the
 status used here is the solver's own: CBC's solution status (``sol_status``, read from the first
@@ -31,7 +31,8 @@ from resihp_lightning._logging import get_logger
 from resihp_lightning.config import PlannerConfig
 from resihp_lightning.errors import ConfigError
 from resihp_lightning.plan import Plan, Problem
-from resihp_lightning.solver.milp_model import DegreeOutcome, MilpModel, MilpResult, solve_by_degree
+from resihp_lightning.solver.milp_driver import DegreeOutcome, MilpResult, solve_by_degree
+from resihp_lightning.solver.milp_model import MilpModel
 
 _log = get_logger(__name__)
 

@@ -37,3 +37,25 @@ def user_warn(message: str) -> None:
     from lightning.pytorch.utilities import rank_zero_warn
 
     rank_zero_warn(message)
+
+
+def quiet_agreed_errors(rank: int) -> None:
+    """On ranks other than 0, configuration errors end the process without a second traceback.
+
+    Such errors (``ConfigError``, Lightning's ``MisconfigurationException``) come from checks that every
+    rank runs on the same inputs, so rank 0 prints the same message; other exceptions print as usual.
+    """
+    if rank == 0:
+        return
+    import sys
+
+    from resihp_lightning.errors import ConfigError
+
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, tb: object) -> None:
+        if isinstance(value, ConfigError) or type(value).__name__ == "MisconfigurationException":
+            return
+        previous(kind, value, tb)
+
+    sys.excepthook = hook

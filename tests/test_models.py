@@ -308,9 +308,12 @@ def _tied_rank(rank, world, path):
         use_distributed_sampler=False, callbacks=[losses],
     )
     trainer.fit(module, DataLoader(_tied_batches(), batch_size=None))
-    state = strategy.lightning_module_state_dict()
-    return {"losses": losses.values, "embed": state.get("0.embed_tokens.weight"),
-            "head": state.get(f"{len(module.layers) - 1}.lm_head.weight")}
+    state = strategy.lightning_module_state_dict()  # the module's own keys
+    last = len(module.layers) - 1
+    return {"losses": losses.values, "embed": state.get("layers.0.embed_tokens.weight"),
+            "head": state.get(f"layers.{last}.lm_head.weight"),
+            # After fit every rank's module holds both copies, trained and equal.
+            "module_tied": torch.equal(module.layers[0].embed_tokens.weight, module.layers[last].lm_head.weight)}
 
 
 @pytest.mark.multiprocess
@@ -322,4 +325,5 @@ def test_tied_embeddings_train_as_one_parameter_across_stages(checkpoints, distr
         assert result["losses"] == pytest.approx(ref_losses, abs=1e-5, rel=0), rank
     embed, head = results[0]["embed"], results[0]["head"]
     assert torch.equal(embed, head)  # the two copies are still one value
+    assert all(result["module_tied"] for result in results)
     torch.testing.assert_close(embed, ref_embed, atol=1e-5, rtol=0)

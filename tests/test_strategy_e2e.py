@@ -218,6 +218,8 @@ def _reconfigure_rank(rank: int, world: int) -> dict:
     strategy = ResiHPStrategy(pipeline_degree=2, micro_batch_size=MBS)
     trainer = make_trainer(strategy, world, STEPS, callbacks=[recorder])
     trainer.fit(build_model(), make_loader())
+    # After fit every rank's LightningModule holds every attached layer's trained weights.
+    module_state = {k: v.detach().clone() for k, v in trainer.lightning_module.state_dict().items()}
     # Validation after fit runs under the plan in force (2x2, permuted, bounds (0, 6, 8) and (0, 2, 8)).
     val_loss = float(trainer.validate(trainer.lightning_module, make_val_loader(), verbose=False)[0]["val_loss"])
     predictions = trainer.predict(trainer.lightning_module, make_predict_loader())
@@ -230,6 +232,7 @@ def _reconfigure_rank(rank: int, world: int) -> dict:
         "refused": recorder.refused,
         "stats": recorder.stats,
         "state": strategy.lightning_module_state_dict(),
+        "module_state": module_state,
         "profile": strategy.layer_profile(),
         "micro_batches": strategy.micro_batches,
     }
@@ -266,8 +269,15 @@ def test_fit_through_reconfigurations_matches_single_process(distributed):
         assert len(result["losses"]) == STEPS
         for step, (got, want) in enumerate(zip(result["losses"], ref_losses)):
             assert abs(got - want) < 1e-6, f"rank {rank} step {step}: loss {got} vs reference {want}"
-    state = results[0]["state"]
+    # Checkpoint keys are the module's own ("layers.3.0.weight"; LayerSpec layers "pipeline_layers.5.0.weight").
+    state = {key.split(".", 1)[1]: value for key, value in results[0]["state"].items()}
     assert sorted(state) == sorted(ref_params)
+    assert all(key.startswith("layers." if int(key.split(".")[1]) < MODULE_LAYERS else "pipeline_layers.")
+               for key in results[0]["state"])
+    for rank, result in enumerate(results):
+        assert sorted(result["module_state"]) == sorted(f"layers.{k}" for k in ref_params if int(k.split(".")[0]) < MODULE_LAYERS)
+        for key, value in result["module_state"].items():
+            assert torch.allclose(value, ref_params[key.split(".", 1)[1]], atol=1e-6, rtol=0), (rank, key)
     assert all(abs(r["val_loss"] - reference_val_loss(ref_params)) < 1e-6 for r in results)
     # Predictions: the whole batch's outputs on every rank, in row order, batch by batch.
     want = reference_outputs(ref_params, make_val_loader().dataset.tensors[0])
@@ -417,6 +427,9 @@ def test_checkpoint_under_2x2_resumes_under_4x1(distributed, tmp_path):
         assert abs(result["test_loss"] - reference_val_loss(ref_params_b)) < 1e-6
         assert result["second_plans"][0]["replicas"][0]["devices"] == [3, 1, 0, 2]
     zero = results[0]
-    assert zero["saved_keys"] == sorted(f"{i}.0.{n}" for i in range(DEPTH) for n in ("weight", "bias"))
+    # The LightningModule's own keys; LayerSpec layers (not attributes of the module) under pipeline_layers.
+    assert zero["saved_keys"] == sorted(
+        f"{'layers' if i < MODULE_LAYERS else 'pipeline_layers'}.{i}.0.{n}" for i in range(DEPTH) for n in ("weight", "bias")
+    )
     assert zero["saved_plan"]["pipeline_degree"] == 2 and zero["saved_plan"]["data_degree"] == 2
     assert zero["saved_step"] == per_epoch

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils.data import DataLoader
 
 from resihp_lightning.errors import ConfigError
 
@@ -167,3 +168,44 @@ def concat_rows(outputs: Sequence[Any]) -> Any:
 def iterate(items: Sequence[MicroBatch]) -> Iterator[tuple[Any, Any]]:
     """The iterator handed to ``train_batch`` / ``eval_batch``."""
     return iter([mb.as_pipeline_item() for mb in items])
+
+
+def check_train_loader(loader: Any, micro_batch_size: int, micro_batches: int | None, batches_used: float) -> None:
+    """Finds batch-size problems of a training DataLoader before the first step, where its attributes allow.
+
+    Every training batch must hold M x ``micro_batch_size`` rows. A ``DataLoader`` with a
+    ``batch_size`` tells the size up front; a dataset whose length it does not divide ends each epoch
+    with a short batch unless ``drop_last=True``.
+
+    Args:
+        loader: ``trainer.train_dataloader``; anything but a ``torch.utils.data.DataLoader`` with a
+            ``batch_size`` is not checked here (the first step checks its batches).
+        micro_batch_size: rows per micro-batch.
+        micro_batches: M when fixed by the options, else ``None``.
+        batches_used: how many batches of an epoch training reads (``trainer.num_training_batches``).
+
+    Raises:
+        ConfigError: naming the DataLoader setting to change.
+    """
+    if not isinstance(loader, DataLoader) or not loader.batch_size:
+        return
+    size = int(loader.batch_size)
+    if size % micro_batch_size:
+        raise ConfigError(
+            f"the training DataLoader's batch_size={size} is not a multiple of micro_batch_size={micro_batch_size}"
+        )
+    if micro_batches is not None and size != micro_batches * micro_batch_size:
+        raise ConfigError(
+            f"the training DataLoader's batch_size={size} must be micro_batches x micro_batch_size = "
+            f"{micro_batches} x {micro_batch_size} = {micro_batches * micro_batch_size}"
+        )
+    try:
+        rows = len(loader.dataset)
+        full = len(loader)
+    except TypeError:  # an iterable dataset: no length
+        return
+    if not loader.drop_last and rows % size and batches_used >= full:
+        raise ConfigError(
+            f"the training DataLoader's last batch of each epoch has {rows % size} rows ({rows} rows in batches of "
+            f"{size}); every batch must have {size}: set drop_last=True on the DataLoader"
+        )

@@ -1,15 +1,20 @@
-"""A checkpoint format keyed by global layer index, readable under any plan and world size.
+"""A checkpoint format readable under any plan and world size, and by a plain ``load_from_checkpoint``.
 
 Lightning's checkpoint dict gets:
 
-* ``state_dict``: ``{"<layer>.<name>": tensor}``, every parameter and persistent buffer of every layer;
+* ``state_dict``: the LightningModule's own ``state_dict`` keys (``"layers.3.weight"``), every layer's
+  parameters (in full precision: fp32 masters under bf16) and persistent buffers, plus the module's
+  other tensors; layers given as ``LayerSpec`` under ``"pipeline_layers.<index>.<name>"``
+  (:class:`~resihp_lightning.strategy.module_weights.LayerKeys`);
 * ``optimizer_states[0]``: ``{"format": FORMAT, "param_groups": [hyper-parameters without params],
-  "group_of": {key: group index}, "state": {key: {state name: value}}}``;
-* ``resihp``: the plan in force, M, the micro-batch size and the layer count;
+  "group_of": {key: group index}, "state": {key: {state name: value}}}`` keyed by pipeline key
+  ``"<layer>.<name>"`` (the same under every plan);
+* ``resihp``: the plan in force, M, the micro-batch size, the layer count and ``state_dict_keys``
+  (``"module"``; checkpoints without it, written by earlier versions, use pipeline keys);
 
 plus Lightning's own trainer state (loops, epoch, global step, LR schedulers, callbacks). Replica 0's
 ranks hold a copy of every layer; they send their layers to rank 0 (``gather_object``), which writes
-the file. On load each rank picks out its own layers.
+the file. On load each rank picks out its own layers, and the LightningModule gets the rest.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from resihp_lightning.errors import ConfigError
+from resihp_lightning.strategy.module_weights import LayerKeys
 from resihp_lightning.strategy.wrapped_state import as_plain_entry
 
 FORMAT = "resihp-layerwise-v1"
@@ -71,6 +77,54 @@ def gather_optimizer_state(
         "group_of": dict(group_of),
         "state": _gather_to_zero(part),
     }
+
+
+def module_keyed(module: nn.Module, keys: LayerKeys, layers: Mapping[str, Any]) -> dict[str, Any]:
+    """The module's ``state_dict`` with every pipeline layer's tensors taken from ``layers`` (pipeline keys).
+
+    Tensors outside the pipeline layers come from ``module`` itself; ``LayerSpec`` layers, which the
+    module does not hold, are appended under their detached keys.
+    """
+    out: dict[str, Any] = {}
+    for key, value in module.state_dict().items():
+        layer_key = keys.to_layer(key)
+        out[key] = layers[layer_key] if layer_key is not None and layer_key in layers else _cpu(value)
+    for layer_key, value in layers.items():
+        if not keys.is_attached(int(layer_key.partition(".")[0])):
+            out[keys.to_module(layer_key)] = value
+    return out
+
+
+def load_module_state(
+    module: nn.Module,
+    keys: LayerKeys,
+    state: Mapping[str, Any],
+    local: Mapping[str, Any],
+    layer_keyed: bool,
+    strict: bool = True,
+) -> None:
+    """Loads a checkpoint's ``state_dict`` into this rank's layers and the rest of the module.
+
+    Args:
+        module: the user's LightningModule.
+        keys: its key map.
+        state: the checkpoint's ``state_dict``.
+        local: this rank's layer tensors by pipeline key (they must all be in the checkpoint when ``strict``).
+        layer_keyed: ``state`` uses pipeline keys (checkpoints of earlier versions) instead of module keys.
+        strict: refuse a checkpoint without a tensor for one of ``local``.
+    """
+    by_module_key = {keys.to_module(k): v for k, v in state.items()} if layer_keyed else dict(state)
+    by_layer_key = {}
+    for key, value in by_module_key.items():
+        layer_key = keys.to_layer(key)
+        if layer_key is not None:
+            by_layer_key[layer_key] = value
+    load_model_state(by_layer_key, local, strict=strict)
+    # The module's other tensors: layers of other ranks (so it is complete) and anything outside the
+    # pipeline. Detached (LayerSpec) keys have no place in the module and are skipped.
+    rest = {k: v for k, v in by_module_key.items() if keys.to_layer(k) not in local}
+    with torch.no_grad():
+        module.load_state_dict(rest, strict=False)
 
 
 def load_model_state(state: Mapping[str, Any], params: Mapping[str, nn.Parameter], strict: bool = True) -> None:

@@ -10,6 +10,8 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 
 REQUIRED = ("pipeline_layers", "pipeline_loss")
+#: Lightning step methods the strategy runs itself; a module must not override them.
+STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
 
 class ResiHPModuleMixin:
@@ -96,7 +98,16 @@ class ResiHPModule(ResiHPModuleMixin, LightningModule):
     ``pipeline_loss`` is not called there and labels may be ``None``. ``backward``-related hooks
     (``on_before_backward``, ``on_after_backward``, ``on_before_optimizer_step``) are not called: the
     engine runs the backward pass and the optimizer step itself. Trainer gradient clipping is not
-    applied; set ``deepspeed_config={"gradient_clipping": ...}`` on the strategy instead.
+    applied by Lightning; ``Trainer(gradient_clip_val=..., gradient_clip_algorithm="norm")`` becomes the
+    pipeline's exact global-norm clipping, and ``Trainer(precision="bf16-mixed" | "bf16-true")`` DeepSpeed's
+    bf16 mode. Overriding ``training_step`` / ``validation_step`` / ``test_step`` / ``predict_step`` is
+    refused at setup (the strategy never calls them); ``self.log`` works inside ``pipeline_loss``.
+
+    After ``trainer.fit`` the module holds the trained weights of every layer given as an
+    ``nn.Module`` (on the ranks named by the strategy's ``gather_weights`` option, default all), and
+    checkpoints use the module's own ``state_dict`` keys, so ``Model.load_from_checkpoint(path)`` works
+    in a plain process. ``LayerSpec`` layers exist only on the ranks that hold them; their tensors are
+    saved under ``"pipeline_layers.<index>.<name>"``.
     """
 
 
@@ -113,6 +124,14 @@ def check_contract(module: Any, error: type[Exception] = MisconfigurationExcepti
             "ResiHPStrategy needs: subclass resihp_lightning.ResiHPModule and define "
             "pipeline_layers(self) -> list of layers in model order and "
             "pipeline_loss(self, outputs, labels) -> mean loss of a micro-batch"
+        )
+    overridden = [name for name in STEP_METHODS if getattr(type(module), name, None) is not getattr(ResiHPModuleMixin, name)]
+    if overridden:
+        raise error(
+            f"{type(module).__name__} overrides {', '.join(m + '()' for m in overridden)}, which ResiHPStrategy "
+            "never calls: the pipeline engine runs each micro-batch through pipeline_layers() and pipeline_loss(). "
+            "Put the loss in pipeline_loss (self.log works there), the batch layout in pipeline_batch, and remove "
+            "the override"
         )
 
 

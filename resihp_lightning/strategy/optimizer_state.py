@@ -95,6 +95,10 @@ class StateCarrier(ABC):
     def weights_loaded(self, engine: Any, params: Mapping[str, nn.Parameter]) -> None:
         """Called after new values were written into ``params`` (default: nothing)."""
 
+    def trained_values(self, engine: Any, params: Mapping[str, nn.Parameter]) -> dict[str, Tensor]:
+        """The trained value of each of ``params`` in full precision (default: the parameter itself)."""
+        return {key: p.detach() for key, p in params.items()}
+
     @abstractmethod
     def state_bytes(self, engine: Any, param: nn.Parameter) -> float:
         """Bytes of optimizer state this rank keeps for ``param`` (its share, under ZeRO-1)."""
@@ -163,6 +167,12 @@ class WrappedStateCarrier(StateCarrier):
     def weights_loaded(self, engine: Any, params: Mapping[str, nn.Parameter]) -> None:
         # The wrapper steps its fp32 masters: they must hold the new weights too.
         wrapped_state.set_masters(engine, params)
+
+    def trained_values(self, engine: Any, params: Mapping[str, nn.Parameter]) -> dict[str, Tensor]:
+        """The wrapper's fp32 masters (collective over each stage's data-parallel group, like export)."""
+        if self.bound is None or not wrapped_state.is_wrapped(engine):
+            return super().trained_values(engine, params)
+        return wrapped_state.master_values(engine, params)
 
     def state_bytes(self, engine: Any, param: nn.Parameter) -> float:
         if not param.requires_grad or not wrapped_state.is_wrapped(engine):

@@ -12,6 +12,8 @@ from resihp_lightning.plan import Plan
 #: DeepSpeed config keys the strategy owns; an override of them is refused.
 RESERVED_DEEPSPEED_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
 BACKENDS = ("gloo", "nccl")
+#: Who gets every layer's trained weights in the LightningModule at the end of ``fit``.
+GATHER_WEIGHTS = ("all", "rank0", "none")
 
 
 @dataclass
@@ -30,6 +32,10 @@ class StrategyOptions:
             (off) rather than DeepSpeed's 1.0.
         process_group_backend: ``"gloo"`` or ``"nccl"``; ``None`` picks nccl on CUDA, gloo otherwise.
         timeout: collective timeout.
+        gather_weights: at the end of ``trainer.fit``, which ranks' LightningModule receives the
+            trained weights of every layer that is an attribute of it: ``"all"`` (default; each rank
+            already holds a full-size copy of those layers), ``"rank0"``, or ``"none"`` (each rank keeps
+            current values only for its own layers, and a warning says so).
     """
 
     pipeline_degree: int | None = None
@@ -39,6 +45,7 @@ class StrategyOptions:
     deepspeed_config: dict[str, Any] = field(default_factory=dict)
     process_group_backend: str | None = None
     timeout: timedelta = timedelta(minutes=30)
+    gather_weights: str = "all"
 
     def __post_init__(self) -> None:
         if self.pipeline_degree is not None and (not isinstance(self.pipeline_degree, int) or self.pipeline_degree < 1):
@@ -65,5 +72,7 @@ class StrategyOptions:
             raise invalid_option("deepspeed_config.zero_optimization.stage", stage, (0, 1))
         if self.process_group_backend is not None and self.process_group_backend not in BACKENDS:
             raise invalid_option("process_group_backend", self.process_group_backend, BACKENDS)
+        if self.gather_weights not in GATHER_WEIGHTS:
+            raise invalid_option("gather_weights", self.gather_weights, GATHER_WEIGHTS)
         if isinstance(self.timeout, (int, float)):
             self.timeout = timedelta(seconds=self.timeout)

@@ -295,6 +295,21 @@ class PipelineRuntime:
             out.append(LayerCost(index, median, max(v[1] for v in values), max(v[2] for v in values)))
         return out
 
+    def trained_tensors(self) -> dict[str, Tensor]:
+        """:meth:`local_tensors` with parameters in full precision (a wrapper's fp32 masters).
+
+        Collective over each stage's data-parallel group under a DeepSpeed wrapper.
+        """
+        tensors = self.local_tensors()
+        params = self.local_parameters()
+        tensors.update(self._carrier.trained_values(self._engine, params))
+        return tensors
+
+    @property
+    def casts_model(self) -> bool:
+        """Whether the engine keeps the model's parameters in bf16 / fp16."""
+        return self.param_dtype != torch.float32
+
     # ------------------------------------------------------------------------ checkpoints
     def optimizer_checkpoint_state(self) -> dict[str, dict[str, Any]]:
         """This process's per-parameter optimizer state by key (collective over stages when wrapped)."""

@@ -23,6 +23,7 @@ Trainer, except :class:`~resihp_lightning.callbacks.progress.ResiHPProgressBar`,
 from __future__ import annotations
 
 from pytorch_lightning import LightningModule
+from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies.ddp import DDPStrategy
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 
@@ -36,6 +37,7 @@ class ResiHPStrategy(ResiHPStrategyMixin, DDPStrategy):
         "\n    This is the class for ``pytorch_lightning`` Trainers; it takes the same arguments.\n"
     )
     misconfiguration_error = MisconfigurationException
+    plain_precision = Precision
 
 
 class ResiHPModule(ResiHPModuleMixin, LightningModule):

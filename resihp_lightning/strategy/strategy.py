@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from datetime import timedelta
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -27,16 +29,20 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from resihp_lightning import _registration
+from resihp_lightning._logging import quiet_agreed_errors, user_warn
 from resihp_lightning.contract import MigrationRecord
 from resihp_lightning.errors import ConfigError, PlanError
 from resihp_lightning.placement import row_offset
 from resihp_lightning.plan import Plan, even_split
 from resihp_lightning.strategy import batching, checkpoint
 from resihp_lightning.strategy.engine import init_deepspeed_comm
+from resihp_lightning.strategy.loss_logging import LossLogRecorder
 from resihp_lightning.strategy.module import check_contract, layer_specs, tied_parameters
+from resihp_lightning.strategy.module_weights import LayerKeys, restore_full_precision, sync_module_layers
 from resihp_lightning.strategy.options import StrategyOptions
 from resihp_lightning.strategy.plan_rules import check_plan, initial_plan
 from resihp_lightning.strategy.runtime import PipelineRuntime, RuntimeConfig
+from resihp_lightning.strategy.trainer_options import effective_deepspeed_config, refuse_unsupported
 from resihp_lightning.strategy.wrapped_state import wraps_optimizer
 from resihp_lightning.telemetry import LayerCost, MicroBatchStats, StepStats
 
@@ -52,6 +58,8 @@ class ResiHPStrategyMixin:
 
     #: Raised for bad options and modules (the Lightning package's own ``MisconfigurationException``).
     misconfiguration_error: type[Exception] = MisconfigurationException
+    #: The Lightning package's no-op precision plugin (the engine itself runs bf16 / fp16).
+    plain_precision: type = Precision
 
     strategy_name = "resihp"
 
@@ -64,6 +72,7 @@ class ResiHPStrategyMixin:
         deepspeed_config: dict[str, Any] | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | float = timedelta(minutes=30),
+        gather_weights: str = "all",
         options: StrategyOptions | None = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
@@ -80,6 +89,7 @@ class ResiHPStrategyMixin:
                 deepspeed_config=dict(deepspeed_config or {}),
                 process_group_backend=process_group_backend,
                 timeout=timeout,
+                gather_weights=gather_weights,
             )
         self.options = options
         super().__init__(
@@ -101,6 +111,9 @@ class ResiHPStrategyMixin:
         self._last_step_stats: StepStats | None = None
         self._last_migration: MigrationRecord | None = None
         self._eval_rows = 0
+        self._keys: LayerKeys | None = None
+        self._deepspeed_config: dict[str, Any] | None = None
+        self._loss_log = LossLogRecorder()
 
     @classmethod
     @override
@@ -148,13 +161,18 @@ class ResiHPStrategyMixin:
         return self._runtime.local_layers() if self._runtime is not None else {}
 
     @property
+    def deepspeed_config(self) -> dict[str, Any]:
+        """The DeepSpeed entries in force: ``deepspeed_config`` with the Trainer's precision and clipping."""
+        return self._deepspeed_config if self._deepspeed_config is not None else self.options.deepspeed_config
+
+    @property
     def supports_per_replica_bounds(self) -> bool:
         """Whether plans whose replicas have different stage bounds can run (plain fp32 optimizer only).
 
         The layer-wise gradient reduction that makes them exact works on the optimizer's own
         parameters; ZeRO / bf16 / fp16 wrap the optimizer and keep DeepSpeed's stage-paired reduction.
         """
-        return not wraps_optimizer(self.options.deepspeed_config)
+        return not wraps_optimizer(self.deepspeed_config)
 
     @property
     def pending_plan(self) -> Plan | None:
@@ -184,7 +202,7 @@ class ResiHPStrategyMixin:
     def check_plan(self, plan: Plan) -> None:
         """Raises :class:`PlanError` when ``plan`` cannot run on this job (see ``plan_rules.check_plan``)."""
         current = self._runtime.plan if self._runtime is not None else None
-        check_plan(plan, self.world_size, self.num_layers, self._num_micro, self.options.deepspeed_config, current)
+        check_plan(plan, self.world_size, self.num_layers, self._num_micro, self.deepspeed_config, current)
 
     def layer_profile(self) -> list[LayerCost]:
         """Measured cost of every layer, gathered over ranks (collective: call on every rank).
@@ -216,6 +234,14 @@ class ResiHPStrategyMixin:
         # DeepSpeed's PipelineModule reads LOCAL_RANK from the environment.
         os.environ.setdefault("LOCAL_RANK", str(self.local_rank))
         init_deepspeed_comm(self._get_process_group_backend())
+        quiet_agreed_errors(self.global_rank)
+
+    @override
+    def connect(self, model: Any) -> None:
+        super().connect(model)
+        # ResiHPModule defines validation_step for the strategy to run; a fit without a validation
+        # loader is not the mistake Lightning's warning suspects.
+        warnings.filterwarnings("ignore", message=r"You defined a `validation_step` but have no `val_dataloader`")
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -223,12 +249,18 @@ class ResiHPStrategyMixin:
         self.accelerator.setup(trainer)
         module = self.lightning_module
         check_contract(module, self.misconfiguration_error)
-        if trainer.accumulate_grad_batches != 1:
-            raise self.misconfiguration_error(
-                "Trainer(accumulate_grad_batches) must be 1 with ResiHPStrategy; the pipeline accumulates over "
-                "micro-batches already (set micro_batches / the batch size instead)"
+        refuse_unsupported(trainer, self, self.misconfiguration_error)
+        if self._deepspeed_config is None:
+            precision = self.precision_plugin.precision
+            self._deepspeed_config = effective_deepspeed_config(
+                self.options.deepspeed_config, precision, trainer.gradient_clip_val, trainer.gradient_clip_algorithm,
+                self.misconfiguration_error,
             )
+            # The engine casts and scales itself; Lightning's plugin must not autocast or change dtypes.
+            self.precision_plugin = self.plain_precision()
+            self.precision_plugin.precision = precision
         self._specs = layer_specs(module, self.misconfiguration_error)
+        self._keys = LayerKeys(module, self._specs)
         self._tied = self._tied_parameters(module)
         previous = self._runtime
         if previous is None:
@@ -241,7 +273,7 @@ class ResiHPStrategyMixin:
             layers=self._specs,
             loss_fn=self._pipeline_loss,
             micro_batch_size=self.micro_batch_size,
-            deepspeed_config=self.options.deepspeed_config,
+            deepspeed_config=self.deepspeed_config,
             device=self.root_device,
             tied=tuple(self._tied),
         )
@@ -271,7 +303,8 @@ class ResiHPStrategyMixin:
         offset = row_offset(plan, pos.replica, self.micro_batch_size)
         items = batching.micro_batches(split, offset, replica.micro_batches, self.micro_batch_size)
         start = time.perf_counter()
-        loss, busy = runtime.train_batch(items, loss_scale=replica.micro_batches * plan.data_degree / self._num_micro)
+        with self._loss_log.recording(self.lightning_module):
+            loss, busy = runtime.train_batch(items, loss_scale=replica.micro_batches * plan.data_degree / self._num_micro)
         self._last_step_stats = StepStats(
             step=self.lightning_module.trainer.global_step,
             rank=self.global_rank,
@@ -283,6 +316,7 @@ class ResiHPStrategyMixin:
             ),
             step_ms=(time.perf_counter() - start) * 1000.0,
         )
+        self._loss_log.replay(self.lightning_module, self.root_device)
         loss = loss.detach().float().reshape(())
         # The loss is already the global batch's on every rank; sync_dist only averages identical
         # values (exactly), and tells Lightning that epoch-level aggregation is distributed-safe.
@@ -329,8 +363,24 @@ class ResiHPStrategyMixin:
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Every tensor of the model under the LightningModule's own keys, on rank 0 (collective).
+
+        Layers come from the ranks of the first replica, in full precision (fp32 masters under bf16);
+        everything else from rank 0's module.
+        """
         runtime = self._require_runtime()
-        return checkpoint.gather_model_state(runtime.local_tensors(), sends=runtime.position.replica == 0)
+        layers = checkpoint.gather_model_state(runtime.trained_tensors(), sends=runtime.position.replica == 0)
+        return checkpoint.module_keyed(self.lightning_module, self._keys, layers) if self.global_rank == 0 else {}
+
+    def export_weights(self, path: str | os.PathLike) -> None:
+        """Writes the trained model's ``state_dict`` (the module's own keys) to ``path`` on rank 0 (collective).
+
+        ``Model().load_state_dict(torch.load(path))`` restores it in a plain process.
+        """
+        state = self.lightning_module_state_dict()
+        if self.global_rank == 0:
+            torch.save(state, path)
+        dist.barrier()
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
@@ -346,6 +396,7 @@ class ResiHPStrategyMixin:
     def save_checkpoint(self, checkpoint_dict: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         checkpoint_dict["resihp"] = {
             "format": checkpoint.FORMAT,
+            "state_dict_keys": "module",
             "plan": self.current_plan.to_dict(),
             "micro_batches": self._num_micro,
             "micro_batch_size": self.micro_batch_size,
@@ -356,7 +407,12 @@ class ResiHPStrategyMixin:
     @override
     def load_model_state_dict(self, checkpoint_dict: Mapping[str, Any], strict: bool = True) -> None:
         runtime = self._require_runtime()
-        checkpoint.load_model_state(checkpoint_dict["state_dict"], runtime.local_tensors(), strict=strict)
+        section = checkpoint_dict.get("resihp")
+        # Our checkpoints before module keys had layer keys; a plain Lightning checkpoint has module keys.
+        layer_keyed = section is not None and section.get("state_dict_keys") != "module"
+        checkpoint.load_module_state(
+            self.lightning_module, self._keys, checkpoint_dict["state_dict"], runtime.local_tensors(), layer_keyed, strict
+        )
         runtime.weights_loaded()
 
     @override
@@ -365,6 +421,31 @@ class ResiHPStrategyMixin:
         states = checkpoint_dict.get("optimizer_states") or []
         if runtime.optimizer is not None and states:
             runtime.load_optimizer_checkpoint(states[0])
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        trainer = self.lightning_module.trainer
+        batching.check_train_loader(
+            trainer.train_dataloader, self.micro_batch_size, self.options.micro_batches, trainer.num_training_batches
+        )
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        runtime = self._require_runtime()
+        trained = runtime.trained_tensors()
+        restore_full_precision(runtime.local_layers(), trained)
+        if self.options.gather_weights == "none":
+            pos = runtime.position
+            user_warn(
+                "ResiHPStrategy(gather_weights='none'): each rank's LightningModule holds trained weights only for "
+                f"its own layers (rank 0: layers {pos.first}..{pos.stop - 1}); the others are stale. Use "
+                "checkpoints or strategy.export_weights(path) for the whole model"
+            )
+            return
+        receivers = None if self.options.gather_weights == "all" else {0}
+        sync_module_layers(runtime.plan, self.global_rank, self._specs, self._keys, trained, receivers, runtime.casts_model)
 
     @override
     def teardown(self) -> None:
@@ -448,7 +529,9 @@ class ResiHPStrategyMixin:
         return items, runtime.eval_batch(items, compute_loss)
 
     def _evaluate(self, batch: Any) -> Tensor:
-        items, losses = self._run_share(batch, compute_loss=True)
+        with self._loss_log.recording(self.lightning_module):
+            items, losses = self._run_share(batch, compute_loss=True)
+        self._loss_log.replay(self.lightning_module, self.root_device)
         sums = torch.zeros(2, dtype=torch.float64, device=self.root_device)
         for mb, loss in zip(items, losses or ()):
             sums[0] += float(loss.float()) * mb.rows

@@ -141,6 +141,20 @@ def export_state(engine: Any, params: Mapping[str, nn.Parameter]) -> dict[str, d
     return out
 
 
+def master_values(engine: Any, params: Mapping[str, nn.Parameter]) -> dict[str, Tensor]:
+    """Each parameter's full fp32 master value (the parameter itself when the wrapper does not train it).
+
+    Collective over the data-parallel group of ``engine``, like :func:`export_state`.
+    """
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    group_of = _group_index(_checked_wrapper(engine))
+    return {
+        key: safe_get_full_fp32_param(param) if id(param) in group_of else param.detach()
+        for key, param in params.items()
+    }
+
+
 def import_state(engine: Any, params: Mapping[str, nn.Parameter], state: Mapping[str, Mapping[str, Any]]) -> None:
     """Writes exported per-parameter state into a freshly built engine (local: no communication).
 

@@ -6,12 +6,12 @@ import itertools
 import math
 
 import pytest
+from brute_oracle import solve_brute
 from test_solver_exact import random_problem
 
 from resihp_lightning.config import PlannerConfig
 from resihp_lightning.errors import InfeasibleError
 from resihp_lightning.plan import Device, Layer, Plan, Problem, Replica, efficiency, evaluate, validate
-from resihp_lightning.solver.brute import solve_brute
 from resihp_lightning.solver.policies import (
     POLICIES,
     healthy_plan,

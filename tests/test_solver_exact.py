@@ -9,12 +9,12 @@ import random
 import time
 
 import pytest
+from brute_oracle import count_candidates, solve_brute
 
 from resihp_lightning.config import PlannerConfig
 from resihp_lightning.errors import InfeasibleError, ProblemError
 from resihp_lightning.plan import Device, Layer, Plan, Problem, evaluate, validate
 from resihp_lightning.solver import solve
-from resihp_lightning.solver.brute import count_candidates, solve_brute
 from resihp_lightning.solver.enumeration import layouts
 from resihp_lightning.solver.exact import solve_exact
 from resihp_lightning.solver.microbatch_split import split

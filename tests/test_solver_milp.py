@@ -1,6 +1,6 @@
 """The MILP backends (CP-SAT, PuLP+CBC, PuLP+HiGHS) against exhaustive enumeration.
 
-The oracle is :func:`resihp_lightning.solver.brute.solve_brute`, which prices every plan with
+The oracle is :func:`brute_oracle.solve_brute` (tests/brute_oracle.py), which prices every plan with
 :func:`resihp_lightning.plan.evaluate` and shares no code with the MILP.
 """
 
@@ -13,11 +13,11 @@ import sys
 from dataclasses import replace
 
 import pytest
+from brute_oracle import count_candidates, solve_brute
 
 from resihp_lightning.config import PlannerConfig
 from resihp_lightning.errors import ConfigError, InfeasibleError
 from resihp_lightning.plan import Device, Layer, Plan, Problem, evaluate, validate
-from resihp_lightning.solver.brute import count_candidates, solve_brute
 from resihp_lightning.solver.cpsat import solve_cpsat, solve_cpsat_detailed
 from resihp_lightning.solver.milp_model import MilpModel, bottleneck, choose_time_scale
 from resihp_lightning.solver.pulp_backend import solve_pulp

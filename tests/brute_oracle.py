@@ -1,9 +1,10 @@
-"""Brute-force oracle for tiny problems (tests only).
+"""Brute-force oracle for tiny problems: the reference the planner tests compare against.
 
 Enumerates every shape (P, D), every ordered choice of devices for the P x D grid (replica order
 fixed by sorting, the only symmetry used), every bounds vector (one shared, or one per replica),
 every micro-batch split, and prices each candidate with :func:`resihp_lightning.plan.evaluate`.
-It shares no code with :mod:`resihp_lightning.solver.exact`.
+It shares no code with the solver package. Tests import it as ``brute_oracle`` (conftest.py puts
+this directory on ``sys.path``).
 """
 
 from __future__ import annotations

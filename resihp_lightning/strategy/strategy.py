@@ -293,11 +293,16 @@ class ResiHPStrategyMixin:
     @override
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         runtime = self._require_runtime()
-        if self._pending is not None:
-            plan, self._pending = self._pending, None
-            self._last_migration = runtime.switch(plan)
         split = batching.split_batch(self.lightning_module, batch)
         self._settle_micro_batches(split.rows)
+        if self._pending is not None:
+            plan, self._pending = self._pending, None
+            try:  # again: the first batch may have fixed M since the request
+                self.check_plan(plan)
+            except PlanError as err:
+                user_warn(f"ResiHPStrategy: dropping the requested plan {plan.layout_key()}: {err}")
+            else:
+                self._last_migration = runtime.switch(plan)
         plan, pos = runtime.plan, runtime.position
         replica = plan.replicas[pos.replica]
         offset = row_offset(plan, pos.replica, self.micro_batch_size)

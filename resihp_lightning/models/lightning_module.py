@@ -139,6 +139,14 @@ class CausalLMPipelineModule(ResiHPModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # ----------------------------------------------------------------- checkpoints
+    def save_hf_checkpoint(self, out_dir: str | Path, tokenizer_dir: str | Path | None = None) -> Path:
+        """Writes this module's weights as a Hugging Face checkpoint directory.
+
+        After ``trainer.fit`` under ResiHPStrategy (``gather_weights`` "all", or "rank0" on rank 0) the
+        module holds every layer's trained weights, so this can run on any rank that has them.
+        """
+        return save_hf_checkpoint(_layer_keyed(self.state_dict()), self.hf_config, out_dir, tokenizer_dir=tokenizer_dir)
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Stores the HF config so that :func:`export_hf_checkpoint` can write an HF model."""
         checkpoint[HF_CONFIG_KEY] = self.hf_config.to_dict()

@@ -166,6 +166,11 @@ def test_survivors_agree_without_the_failed_ranks():
     assert time.monotonic() - started < 2.0  # nobody waited for the join timeout
 
 
+def test_simultaneous_failures_are_all_left_out():
+    results, _ = _run_agreement([1, 3], [0, 1, 2, 3], failed={0, 2})
+    assert results == {1: [1, 3], 3: [1, 3]}
+
+
 def test_next_rank_leads_when_rank_zero_failed():
     results, _ = _run_agreement([1, 2, 3], [0, 1, 2, 3], failed={0})
     assert results == {1: [1, 2, 3], 2: [1, 2, 3], 3: [1, 2, 3]}
@@ -301,3 +306,31 @@ def test_store_host_ends_when_its_members_are_gone(tmp_path: Path):
     finally:
         member.kill()
         member.wait()
+
+
+@pytest.mark.multiprocess
+def test_a_fixed_port_store_host_is_started_once_shared_and_ends_after_everyone_left(tmp_path: Path):
+    from resihp_lightning.resilience.harness import free_port
+    from resihp_lightning.resilience.store import RendezvousStore, read_address
+
+    config = StoreConfig(run_dir=str(tmp_path), run_id="unit", port=free_port(), host="127.0.0.1", linger_s=0.3)
+    first = RendezvousStore(config, rank=0).open()
+    second = RendezvousStore(StoreConfig(**{**vars(config), "spawn": False}), rank=1).open()
+    try:
+        assert first.address == second.address == ("127.0.0.1", config.port)
+        host = ProcessIdentity(**read_address(tmp_path)["identity"])
+        assert host.alive()
+        first.control.set("hello", "from 0")
+        assert second.control.get("hello") == b"from 0"
+        assert first.namespace == "resihp/unit/a0"
+        first.close()
+        time.sleep(0.8)
+        assert host.alive()  # rank 1 has not left
+        second.close()
+        deadline = time.monotonic() + 5
+        while host.alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not host.alive(), "the store host outlived its members"
+    finally:
+        first.close()
+        second.close()

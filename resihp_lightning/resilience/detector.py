@@ -99,7 +99,9 @@ class DetectorConfig:
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 raise invalid_option(f"resilience.detector.{name}", value, "seconds > 0")
         if self.timeout_s < 2 * self.interval_s:
-            raise invalid_option("resilience.detector.timeout_s", self.timeout_s, f">= 2 x interval_s ({2 * self.interval_s})")
+            raise invalid_option(
+                "resilience.detector.timeout_s", self.timeout_s, f">= 2 x interval_s ({2 * self.interval_s})"
+            )
         if self.progress_timeout_s is not None and not (
             isinstance(self.progress_timeout_s, (int, float)) and self.progress_timeout_s >= 2 * self.interval_s
         ):
@@ -316,7 +318,8 @@ class FailureDetector:
         with self._lock:
             watch = self._watch
         self._check_marker(watch)
-        peers = {r: p for r, p in watch.peers.items() if r not in self._failed}
+        failed = self.failed
+        peers = {r: p for r, p in watch.peers.items() if r not in failed}
         values = self._read_beats(peers)
         now = time.monotonic()
         new: list[Failure] = []

@@ -78,7 +78,10 @@ class JobOutcome:
     def describe(self) -> str:
         lines = [f"job in {self.run_dir} ({self.wall_s:.1f} s):"]
         for r in self.ranks:
-            detail = r.error if r.status == "error" else (repr(r.value)[:300] if r.status == "ok" else f"exit {r.exitcode}")
+            if r.status == "error":
+                detail = r.error
+            else:
+                detail = repr(r.value)[:300] if r.status == "ok" else f"exit {r.exitcode}"
             lines.append(f"  rank {r.rank}: {r.status}: {detail}")
         for name in [f"rank{r.rank}.log" for r in self.ranks] + ["store_host.log"]:
             log_file = Path(self.run_dir) / name
@@ -88,7 +91,9 @@ class JobOutcome:
         return "\n".join(lines)
 
 
-def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, run_dir: str, env: dict, kwargs: dict) -> None:
+def _rank_main(
+    fn: Callable[..., Any], rank: int, world_size: int, port: int, run_dir: str, env: dict, kwargs: dict
+) -> None:
     os.environ.update(
         {
             "MASTER_ADDR": "127.0.0.1",

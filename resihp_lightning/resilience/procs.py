@@ -9,6 +9,7 @@ is what makes a ``kill -9`` visible at once instead of after a heartbeat timeout
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -23,6 +24,7 @@ def _read(path: str) -> str | None:
         return None
 
 
+@functools.lru_cache(maxsize=1)
 def pid_namespace() -> str:
     """An identity shared by exactly the processes whose pids can be compared with this one's."""
     boot = (_read("/proc/sys/kernel/random/boot_id") or "").strip()

@@ -50,6 +50,7 @@ import fcntl
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -199,6 +200,15 @@ def write_address(run_dir: Path, content: dict[str, Any]) -> None:
     os.replace(tmp, run_dir / ADDRESS_FILE)
 
 
+def port_open(host: str, port: int, timeout_s: float = 0.5) -> bool:
+    """Whether something accepts TCP connections at ``host:port``."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
 def tcp_client(host: str, port: int, timeout_s: float) -> Any:
     """A new client connection to the TCPStore at ``host:port`` (raises if none within ``timeout_s``)."""
     import torch.distributed as dist
@@ -248,7 +258,9 @@ class RendezvousStore:
                     self._register(client)
                     break
             if time.monotonic() > deadline:
-                raise StoreUnavailable(f"no store host reachable for run dir {self.run_dir} within {cfg.connect_timeout_s:.0f} s")
+                raise StoreUnavailable(
+                    f"no store host reachable for run dir {self.run_dir} within {cfg.connect_timeout_s:.0f} s"
+                )
             time.sleep(0.2)
         log.info("rank %d uses the store host at %s:%d", self.rank, *self.address)
         return self
@@ -265,6 +277,8 @@ class RendezvousStore:
             if not identity.alive():
                 return None
             address = (info["host"], int(info["port"]))
+        if not port_open(*address):  # refused at once; a TCPStore client would retry for seconds
+            return None
         try:
             client = tcp_client(address[0], address[1], 2.0)
         except Exception as err:  # noqa: BLE001 - refused, reset, timed out: no host there

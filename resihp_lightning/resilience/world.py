@@ -136,7 +136,9 @@ class WorldConfig:
         if not isinstance(self.min_world_size, int) or self.min_world_size < 1:
             raise invalid_option("resilience.min_world_size", self.min_world_size, "an integer >= 1")
         if self.join_timeout_s >= self.regroup_timeout_s:
-            raise invalid_option("resilience.join_timeout_s", self.join_timeout_s, f"less than regroup_timeout_s ({self.regroup_timeout_s})")
+            raise invalid_option(
+                "resilience.join_timeout_s", self.join_timeout_s, f"< regroup_timeout_s ({self.regroup_timeout_s})"
+            )
 
 
 @dataclass
@@ -238,7 +240,9 @@ class ElasticWorld:
         world.close()
     """
 
-    def __init__(self, config: WorldConfig | None = None, *, rank: int | None = None, world_size: int | None = None) -> None:
+    def __init__(
+        self, config: WorldConfig | None = None, *, rank: int | None = None, world_size: int | None = None
+    ) -> None:
         self.config = config or WorldConfig()
         self.original_rank = int(os.environ.get("RANK", "0")) if rank is None else rank
         self.initial_world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
@@ -378,7 +382,14 @@ class ElasticWorld:
             yield
 
     # ----------------------------------------------------------------------------- abort
-    def abort(self, reason: str, *, failed: list[Failure] | None = None, publish: bool = True, generation: Generation | None = None) -> bool:
+    def abort(
+        self,
+        reason: str,
+        *,
+        failed: list[Failure] | None = None,
+        publish: bool = True,
+        generation: Generation | None = None,
+    ) -> bool:
         """Aborts the current generation: cuts its connections and tells the other processes.
 
         Safe from any thread and idempotent. The main thread, if blocked in one of the
@@ -403,7 +414,9 @@ class ElasticWorld:
             self.detector.hold()
         cut = gen.sockets.shutdown()
         self._abort_backends(gen)
-        log.warning("rank %d aborts generation %d (%d connections cut): %s", self.original_rank, gen.number, cut, reason)
+        log.warning(
+            "rank %d aborts generation %d (%d connections cut): %s", self.original_rank, gen.number, cut, reason
+        )
         self.history.append({"event": "abort", "generation": gen.number, "at": gen.aborted_at, "reason": reason})
         if publish:
             self._publish_abort(gen, reason, failed or [])
@@ -414,7 +427,9 @@ class ElasticWorld:
 
         known = {f.rank: f.reason for f in failed}
         known.update({r: why for r, why in self.failed.items() if r in gen.members})
-        payload = json.dumps({"by": self.original_rank, "reason": reason, "failed": {str(r): w for r, w in known.items()}})
+        payload = json.dumps(
+            {"by": self.original_rank, "reason": reason, "failed": {str(r): w for r, w in known.items()}}
+        )
         try:
             on_detector_thread = self.detector is not None and threading.current_thread() is self.detector.thread
             store = self.detector.store if on_detector_thread else self.store.control  # type: ignore[union-attr]
@@ -449,7 +464,9 @@ class ElasticWorld:
     def _on_abort_marker(self, number: int, payload: dict[str, Any]) -> None:
         now = time.monotonic()
         by = int(payload.get("by", -1))
-        named = [Failure(int(r), f"{why} (reported by rank {by})", by, now) for r, why in payload.get("failed", {}).items()]
+        named = [
+            Failure(int(r), f"{why} (reported by rank {by})", by, now) for r, why in payload.get("failed", {}).items()
+        ]
         if self.detector is not None:
             self.detector.declare(named)
         gen = self._gen
@@ -569,9 +586,10 @@ class ElasticWorld:
         log.info("rank %d: generation %d formed with members %s", self.original_rank, number, list(members))
 
     def _teardown(self, gen: Generation) -> None:
+        # No socket shutdown here: an aborted generation's are cut already, and a healthy one's
+        # (at close) are closed by destroy, which lets data already sent reach the peers.
         import torch.distributed as dist
 
-        gen.sockets.shutdown()
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()

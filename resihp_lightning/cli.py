@@ -31,7 +31,7 @@ def _add_plan(commands: argparse._SubParsersAction) -> None:
     plan = commands.add_parser(
         "plan",
         help="compute the best layout for a planning problem (JSON)",
-        description="Reads a Problem (DESIGN.md, 'The planning model') and prints the best Plan.",
+        description="Reads a Problem (docs/architecture.md, 'The planning model') and prints the best Plan.",
     )
     plan.add_argument("problem", metavar="PROBLEM.json", help="the planning problem")
     plan.add_argument("--solver", choices=("cpsat", "pulp", "exact"), default="cpsat", help="planner backend (default: cpsat)")

@@ -1,4 +1,4 @@
-"""The planning model: what a layout costs and whether it fits (DESIGN.md, "The planning model").
+"""The planning model: what a layout costs and whether it fits (docs/architecture.md, "The planning model").
 
 A :class:`Problem` describes the model's layers, the devices as they are now (speed, memory) and the
 global batch in micro-batches. A :class:`Plan` places P pipeline stages times D data-parallel replicas
@@ -333,7 +333,7 @@ class Plan:
 
     # -------------------------------------------------------------------------------------- JSON
     def to_dict(self) -> dict[str, Any]:
-        """The JSON form documented in DESIGN.md."""
+        """The JSON form documented in docs/architecture.md ("The planning model")."""
         return {
             "pipeline_degree": self.pipeline_degree,
             "data_degree": self.data_degree,

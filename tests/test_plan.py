@@ -1,4 +1,4 @@
-"""The planning model of DESIGN.md: cost formula, memory rule, validation and JSON."""
+"""The planning model (docs/architecture.md): cost formula, memory rule, validation and JSON."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Baseline policies: closed forms from DESIGN.md ("Ideal") and optimality within their own scope."""
+"""Baseline policies: the closed forms of solver/policies.py, the ideal time of docs/architecture.md
+("The planning model") and optimality within their own scope."""
 
 from __future__ import annotations
 

@@ -4,11 +4,11 @@ The model is :class:`~resihp_lightning.solver.milp_model.MilpModel` (integer uni
 per pipeline degree, driven by :func:`~resihp_lightning.solver.milp_driver.solve_by_degree`.
 CP-SAT runs with ``config.num_workers`` workers (never every core by default) and
 ``config.random_seed``; with more than one worker it uses ``interleave_search`` (CP-SAT's
-deterministic parallel mode) with ``interleave_batch_size=1`` (the default batch made proofs here
-~10x slower than one worker), so the same inputs give the same plan whenever the time limit is not
-hit. The time limit and relative gap come from the config, and the exact algorithm's plan is a
-complete solution hint (every variable, including the linearisation's auxiliaries) as well as the
-incumbent whose value cuts the search (``T <= hint``).
+deterministic parallel mode) with ``interleave_batch_size=1`` (the default batch slowed the proofs
+down), so the same inputs give the same plan whenever the time limit is not hit. The time limit and
+relative gap come from the config, and the exact algorithm's plan is a complete solution hint (every
+variable, including the linearisation's auxiliaries) as well as the incumbent whose value cuts the
+search (``T <= hint``).
 """
 
 from __future__ import annotations

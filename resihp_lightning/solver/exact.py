@@ -1,4 +1,4 @@
-"""The ``exact`` backend: a combinatorial planner for the DESIGN.md model.
+"""The ``exact`` backend: a combinatorial planner for the planning model (docs/architecture.md).
 
 :func:`solve_exact` runs two phases: a fast heuristic (the incumbent, see
 :mod:`resihp_lightning.solver.heuristic`), then a complete search that either proves the incumbent
@@ -30,7 +30,7 @@ optimal or replaces it with the optimum, within a work budget. Both work on the 
   (:mod:`resihp_lightning.solver.microbatch_split`). A completed search is a proof of optimality for
   the model.
 
-  Its work is counted in units (one priced bounds vector or branch-and-bound child, ~50 µs): at
+  Its work is counted in units (one priced bounds vector or branch-and-bound child): at
   most ``budget`` (:data:`DEFAULT_BUDGET` as a MILP warm start, ``time_limit_s`` x
   :data:`UNITS_PER_SECOND` as the chosen backend). Past it the result is the best plan seen, status
   ``"feasible"``. Measured: every test problem completes; the 16-device, 32-layer examples complete
@@ -61,10 +61,10 @@ if TYPE_CHECKING:
     import numpy as np
 
 #: Work units (priced bounds candidates / branch-and-bound children) of the exact phase when it is a
-#: warm start: at most about 0.5 s on the 2-core dev machine.
+#: warm start (kept small, so that the MILP gets the time).
 DEFAULT_BUDGET = 12_000
 #: Work units per second of ``time_limit_s`` when ``exact`` is the chosen backend (a deterministic
-#: stand-in for a time limit; ~50 µs per unit measured on the 2-core dev machine).
+#: stand-in for a time limit; see benchmarks/README.md for solve times).
 UNITS_PER_SECOND = 20_000
 
 

@@ -11,8 +11,7 @@
 * micro-batches: the exact split of :mod:`resihp_lightning.solver.microbatch_split`.
 
 On 116 random problems with 2-8 devices, 4-10 layers and up to 2 slow devices (shared and
-per-replica, exclusion, tight memory) it matched the exact optimum within 0.1% (mean 1e-5); on
-256-1024 devices, 128 layers and <= 3 speed classes it takes 0.1-0.7 s on the 2-core machine.
+per-replica, exclusion, tight memory) it matched the exact optimum within 0.1% (mean 1e-5).
 """
 
 from __future__ import annotations

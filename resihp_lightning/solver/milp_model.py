@@ -1,4 +1,4 @@
-"""The planning model of DESIGN.md as an exact, backend-neutral mixed-integer linear program.
+"""The planning model (docs/architecture.md) as an exact, backend-neutral mixed-integer linear program.
 
 One :class:`MilpModel` covers one pipeline degree P: its variables, constraints, and the
 :meth:`~MilpModel.encode` / :meth:`~MilpModel.decode` between plans and solutions. The backends

@@ -136,8 +136,8 @@ def _run_cbc(model: MilpModel, seconds: float, hint: list[int] | None, config: P
             solver = _cbc_cmd(
                 msg=False,
                 timeLimit=max(1, math.ceil(seconds)),  # CBC takes whole seconds
-                # No "threads": the bundled CBC sometimes stalls until the time limit with it (seen
-                # here with threads=1: 0.01 s CPU, 10 s wall, "Stopped on time"); CBC runs one thread.
+                # No "threads": the bundled CBC sometimes stalls until the time limit with it (even
+                # with threads=1, idle, then "Stopped on time"); CBC runs one thread.
                 gapRel=config.relative_gap,
                 warmStart=hint is not None,
                 logPath=log_path,

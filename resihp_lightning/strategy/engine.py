@@ -160,3 +160,16 @@ def destroy_engine(engine: Any) -> None:
             log.debug("could not destroy a DeepSpeed group: %s", err)
     engine.optimizer = None
     engine.basic_optimizer = None
+
+
+def abandon_engine(engine: Any) -> None:
+    """Lets go of an engine whose process groups died with a peer: no collective, no group destroyed.
+
+    The groups belong to a generation that the resilience layer tears down as a whole; a DeepSpeed
+    optimizer wrapper is still detached from the parameters (local work only).
+    """
+    from resihp_lightning.strategy.wrapped_state import release
+
+    release(engine)
+    engine.optimizer = None
+    engine.basic_optimizer = None

@@ -329,9 +329,14 @@ class LayerwiseReducer:
             dist.all_reduce(squares, group=pipe_group)
         return squares.sum().sqrt()
 
-    def clip(self, max_norm: float, pipe_group: Any = None, device: Any = None) -> Tensor:
-        """Scales all local gradients by ``min(1, max_norm / (norm + 1e-6))`` (DeepSpeed's rule); returns the norm."""
-        norm = self.grad_norm(pipe_group, device)
+    def clip(self, max_norm: float, pipe_group: Any = None, device: Any = None, norm: Tensor | None = None) -> Tensor:
+        """Scales all local gradients by ``min(1, max_norm / (norm + 1e-6))`` (DeepSpeed's rule); returns the norm.
+
+        Args:
+            norm: the :meth:`grad_norm` computed already (then nothing is communicated here).
+        """
+        if norm is None:
+            norm = self.grad_norm(pipe_group, device)
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0).float()
         for p in self.parameters():
             if p.grad is not None:
@@ -359,12 +364,22 @@ def _layerwise_class(base: type) -> type:
     if getattr(base, "_resihp_layerwise", False):
         return base
     if base not in _CLASSES:
+        from deepspeed.runtime.pipe import schedule
 
         class LayerwisePipelineEngine(base):  # type: ignore[misc, valid-type]
-            """A ``PipelineEngine`` that reduces and clips gradients with a :class:`LayerwiseReducer`."""
+            """A ``PipelineEngine`` that reduces and clips gradients with a :class:`LayerwiseReducer`.
+
+            Its optimizer step has a commit point: every collective of the step (the loss average, the
+            clipping norm) runs before it, ``_resihp_commit`` (when set) runs at it, and only local work
+            follows. A peer lost before the commit point leaves no rank with an updated model, so the
+            step can be redone exactly on the survivors.
+            """
 
             _resihp_layerwise = True
             _resihp_reducer: LayerwiseReducer
+            _resihp_commit: Any = None
+            _resihp_loss: Any = None
+            _resihp_norm: Any = None
 
             def allreduce_gradients(self, bucket_size: int = BUCKET_NUMEL) -> None:
                 if self.is_gradient_accumulation_boundary():
@@ -372,10 +387,29 @@ def _layerwise_class(base: type) -> type:
 
             def clip_fp32_gradients(self) -> Tensor:
                 group = self.grid.get_pipe_parallel_group() if self.grid.pipe_parallel_size > 1 else None
-                return self._resihp_reducer.clip(self.gradient_clipping(), group, self.device)
+                return self._resihp_reducer.clip(self.gradient_clipping(), group, self.device, norm=self._resihp_norm)
 
             def _broadcast_model(self) -> None:
                 self._resihp_reducer.broadcast()
+
+            def _committed_optimizer_step(self, lr_kwargs: Any = None) -> None:
+                with torch.no_grad():
+                    self._resihp_loss = base._aggregate_total_loss(self)
+                if self.gradient_clipping() > 0.0:
+                    group = self.grid.get_pipe_parallel_group() if self.grid.pipe_parallel_size > 1 else None
+                    self._resihp_norm = self._resihp_reducer.grad_norm(group, self.device)
+                if self._resihp_commit is not None:
+                    self._resihp_commit()
+                try:
+                    base._exec_optimizer_step(self, lr_kwargs)
+                finally:
+                    self._resihp_norm = None
+
+            def _aggregate_total_loss(self) -> Any:
+                loss, self._resihp_loss = self._resihp_loss, None
+                return loss if loss is not None else base._aggregate_total_loss(self)
+
+            _INSTRUCTION_MAP = {**base._INSTRUCTION_MAP, schedule.OptimizerStep: _committed_optimizer_step}
 
         LayerwisePipelineEngine.__name__ = LayerwisePipelineEngine.__qualname__ = f"Layerwise{base.__name__}"
         _CLASSES[base] = LayerwisePipelineEngine

@@ -37,13 +37,14 @@ from torch.optim import Optimizer
 
 from resihp_lightning._logging import get_logger
 from resihp_lightning.contract import MigrationRecord
-from resihp_lightning.placement import Position, plan_transfers, position, relabel, same_layout
+from resihp_lightning.errors import ConfigError
+from resihp_lightning.placement import Position, Transfer, plan_transfers, position, relabel, same_layout
 from resihp_lightning.plan import Plan
 from resihp_lightning.strategy import batching, engine as engines
 from resihp_lightning.strategy.layerwise import LayerwiseReducer, install
 from resihp_lightning.strategy.migration import migrate, persistent_buffers
 from resihp_lightning.strategy.optim import BoundOptimizer, local_parameters
-from resihp_lightning.strategy.optimizer_state import StateCarrier, carrier_for
+from resihp_lightning.strategy.optimizer_state import CapturedState, StateCarrier, carrier_for
 from resihp_lightning.strategy.pipeline_module import BoundedPipelineModule
 from resihp_lightning.strategy.profiling import StageProfiler
 from resihp_lightning.strategy.topology import PlanTopology
@@ -189,13 +190,50 @@ class PipelineRuntime:
             engines.set_micro_batches(self._engine, plan.replicas[self._position.replica].micro_batches)
             self._plan = plan
             return MigrationRecord(plan=plan, seconds=time.perf_counter() - start, bytes_moved=0)
-        old, old_layers = self._plan, self.local_layers()
-        transfers = plan_transfers(self._in_ranks(old), self._in_ranks(plan), self._layer_numel)
-        state_start = time.perf_counter()
         captured = self._carrier.capture(self._engine, self.local_parameters())
-        state_s = time.perf_counter() - state_start
-        recording = self._profiler.record_layers
+        state_s = time.perf_counter() - start
         self._stop_engine()
+        return self._move(plan, captured, start, state_s)
+
+    def recover(self, plan: Plan, ranks: Mapping[int, int]) -> MigrationRecord:
+        """Puts ``plan`` in force after processes died: the survivors now form a new default group.
+
+        The old engine is abandoned without a collective (its groups are broken); the step that was
+        interrupted left no optimizer update (see :mod:`~resihp_lightning.strategy.commit`), so its
+        partial gradients are dropped. Layers this process holds under ``plan`` and did not hold come
+        from a live holder under the old plan (collective over the new group).
+
+        Args:
+            plan: the plan for the survivors (device ids).
+            ranks: device id -> rank in the new default group, for exactly the live devices.
+
+        Raises:
+            PlanError: a layer of ``plan`` has no live holder (it is lost; restart from a checkpoint).
+            ConfigError: a DeepSpeed wrapper owns the optimizer state (its flat partitions cannot be
+                read without the broken groups).
+        """
+        start = time.perf_counter()
+        if not self._carrier.per_replica_bounds:
+            raise ConfigError(
+                "in-process recovery needs the plain fp32 optimizer: ZeRO-1 / bf16 keep optimizer state in "
+                "partitions spread over the lost group; restart from a checkpoint instead"
+            )
+        self._abandon_engine()
+        for param in self.local_parameters().values():
+            param.grad = None
+        captured = self._carrier.capture(None, self.local_parameters())
+        self._ranks = dict(ranks)
+        return self._move(plan, captured, start, 0.0)
+
+    def _move(self, plan: Plan, captured: CapturedState, start: float, state_s: float) -> MigrationRecord:
+        """Builds ``plan``'s pipe and engine around kept layers and receives the others (collective)."""
+        old, old_layers = self._plan, self.local_layers()
+        alive = set(self._ranks) if self._ranks is not None else None
+        transfers = [
+            Transfer(t.layer, self._rank(t.src), self._rank(t.dst))
+            for t in plan_transfers(old, plan, self._layer_numel, alive=alive)
+        ]
+        recording = self._profiler.record_layers
         self._plan, self._position = plan, position(plan, self.device)
         me = self._rank(self.device)
         incoming = {t.layer for t in transfers if t.dst == me}
@@ -395,6 +433,14 @@ class PipelineRuntime:
         if self._reducer is not None:
             self._reducer.destroy()
             self._reducer = None
+
+    def _abandon_engine(self) -> None:
+        """Drops the engine and the reducer without any collective (their groups died with a peer)."""
+        self._profiler.detach()
+        if self._engine is not None:
+            engines.abandon_engine(self._engine)
+        self._engine = None
+        self._reducer = None
 
     def _gather_layer_sizes(self) -> list[int]:
         mine = {i: sum(p.numel() for p in m.parameters()) for i, m in self.local_layers().items()}

@@ -7,6 +7,7 @@ import itertools
 import math
 import random
 import time
+from dataclasses import replace
 
 import pytest
 from brute_oracle import count_candidates, solve_brute
@@ -15,8 +16,10 @@ from resihp_lightning.config import PlannerConfig
 from resihp_lightning.errors import InfeasibleError, ProblemError
 from resihp_lightning.plan import Device, Layer, Plan, Problem, evaluate, validate
 from resihp_lightning.solver import solve
-from resihp_lightning.solver.enumeration import layouts
-from resihp_lightning.solver.exact import solve_exact
+from resihp_lightning.solver.bounds import shape_lower_bound
+from resihp_lightning.solver.enumeration import all_bounds, layouts
+from resihp_lightning.solver.exact import min_bottleneck, solve_exact
+from resihp_lightning.solver.exact_model import Model
 from resihp_lightning.solver.microbatch_split import split
 
 REL = 1e-9
@@ -292,6 +295,42 @@ def test_config_options_are_applied():
     assert plan.pipeline_degree == 2
     plan1 = solve(problem, PlannerConfig(solver="exact", pipeline_degrees=(1,)))
     assert plan1.pipeline_degree == 1 and plan1.status == "optimal"
+
+
+def test_min_bottleneck_matches_enumeration():
+    """The exact planner's bottleneck partition (ms, memory by Model.stage_cap) against every bounds vector."""
+    checked = 0
+    for seed in range(0, 180, 3):
+        problem = random_problem(seed)
+        model = Model(problem)
+        for p in range(1, problem.num_layers // problem.min_layers_per_stage + 1):
+            for cls in range(len(model.classes)):
+                for m in range(1, p + 2):
+                    best = math.inf
+                    for bounds in all_bounds(model.L, p, model.min_layers):
+                        stages = [(bounds[j], bounds[j + 1]) for j in range(p)]
+                        if all(model.stage_cap(a, b, cls, p - j) >= m for j, (a, b) in enumerate(stages)):
+                            best = min(best, max(model.stage_time(a, b, cls, j == p - 1) for j, (a, b) in enumerate(stages)))
+                    value, bounds = min_bottleneck(model, cls, p, m)
+                    assert value == best, (seed, p, cls, m)
+                    if bounds is not None:
+                        assert max(model.stage_time(bounds[j], bounds[j + 1], cls, j == p - 1) for j in range(p)) == best
+                        assert all(model.stage_cap(bounds[j], bounds[j + 1], cls, p - j) >= m for j in range(p))
+                    checked += 1
+    assert checked > 200
+
+
+def test_shape_lower_bound_is_below_every_plan_of_its_degree():
+    for seed in range(0, 180, 7):
+        problem = random_problem(seed)
+        for p in sorted({shape[0] for shape in problem.candidate_shapes()}):
+            one_degree = replace(problem, pipeline_degrees=(p,))
+            try:
+                optimum = solve_brute(one_degree).iteration_ms
+            except InfeasibleError:
+                continue
+            bound = min(shape_lower_bound(problem, p, d) for q, d in problem.candidate_shapes() if q == p)
+            assert bound <= optimum * (1 + REL), (seed, p)
 
 
 def test_split_is_optimal_for_fixed_replica_costs():

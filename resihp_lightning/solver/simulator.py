@@ -174,6 +174,7 @@ def simulate(problem: Problem, plan: Plan, *, forward_fraction: float = 1.0 / 3.
     for r, replica in enumerate(plan.replicas):
         compute = []
         for j, device_id in enumerate(replica.devices):
+            # Summed layer by layer, not through plan.prefix_sums: the replay stays independent of the formula.
             work = sum(layers[l].compute_ms for l in replica.stage_layers(j))
             compute.append(work / problem.device(device_id).speed)
         total, busy = simulate_replica(compute, replica.micro_batches, problem.p2p_ms, forward_fraction, r, events)

@@ -20,6 +20,7 @@ from typing import Any
 
 from resihp_lightning.config import PlannerConfig, config_from_dict
 from resihp_lightning.errors import invalid_option
+from resihp_lightning.placement import plan_transfers
 from resihp_lightning.plan import Device, Layer, Plan, Problem
 from resihp_lightning.telemetry import LayerCost
 
@@ -157,9 +158,8 @@ def build_problem(
 
 
 def moved_mb(old: Plan, new: Plan, static_mb: Sequence[float]) -> float:
-    """MB of layer state that must travel: each (device, layer) pair of ``new`` not held under ``old``."""
-    held = _holdings(old)
-    return sum(static_mb[layer] for pair in _holdings(new) - held for layer in [pair[1]])
+    """MB of layer state that must travel: the transfers the strategy will run (:func:`placement.plan_transfers`)."""
+    return sum(static_mb[t.layer] for t in plan_transfers(old, new, static_mb))
 
 
 def estimate_migration_s(
@@ -225,10 +225,6 @@ def decide(
                         f"migration {migration_s:.2f} s", gain, total, migration_s)
     return Decision(True, f"saves {gain:.1f} ms per step ({relative * 100:.1f}%), {total:.1f} s over {remaining_steps} "
                     f"steps vs migration {migration_s:.2f} s", gain, total, migration_s)
-
-
-def _holdings(plan: Plan) -> set[tuple[int, int]]:
-    return {(device, layer) for r in plan.replicas for j, device in enumerate(r.devices) for layer in r.stage_layers(j)}
 
 
 def _number(value: object) -> bool:

@@ -1,6 +1,6 @@
 """In-process recovery with real gloo processes: kill, stop or hang a rank; the survivors go on.
 
-Each test runs 4 spawned processes (``resihp_lightning.resilience.harness``: a rank that dies is an
+Each test runs 4 fresh processes (``resihp_lightning.resilience.harness``: a rank that dies is an
 outcome, not a harness failure; everything still running at the end is SIGKILLed, so nothing hangs)
 in a loop of collectives under :class:`ElasticWorld`. The victim leaves the ``time.monotonic()`` of
 its failure (one clock for all processes of a machine); the survivors report when their blocked
@@ -143,9 +143,10 @@ def _deaths(outcome):
     return {r.rank: r.last_words["at"] for r in outcome.ranks if r.last_words}
 
 
-def test_sigkill_of_rank_two_releases_the_survivors_who_regroup_into_three():
+@pytest.mark.parametrize("mode", ["all_reduce", "p2p"])
+def test_sigkill_of_rank_two_releases_the_survivors_who_regroup_into_three(mode):
     outcome = run_job(_train, 4, timeout=45, wait_for=[0, 1, 3], store_host_grace_s=4.0,
-                      mode="all_reduce", failures=[(2, 20, "kill")], steps=40)
+                      mode=mode, failures=[(2, 20, "kill")], steps=40)
     values = _survivors(outcome, [0, 1, 3])
     died = _deaths(outcome)[2]
     for rank, value in values.items():
@@ -182,7 +183,9 @@ def test_a_stopped_rank_is_evicted_the_others_go_on_and_it_learns_so_when_resume
         assert event["members"] == [0, 2, 3] and event["sum"] == _sum_of([0, 2, 3])
         # Nothing breaks on the wire: only the detector (1 s of silence) can release them.
         assert 0.8 < event["released"] - stopped < 3.0
-        assert event["failed"][1].startswith("silent")
+    # Who saw it first names the cause; the others adopted it or learned it from the member list.
+    reasons = [value["events"][0]["failed"][1] for value in values.values()]
+    assert any(reason.startswith("silent") for reason in reasons), reasons
 
 
 def test_a_rank_stuck_in_its_step_is_evicted_as_hung_not_the_ones_waiting_for_it():
@@ -193,8 +196,9 @@ def test_a_rank_stuck_in_its_step_is_evicted_as_hung_not_the_ones_waiting_for_it
     for value in values.values():
         (event,) = value["events"]
         assert event["members"] == [0, 1, 2] and event["sum"] == _sum_of([0, 1, 2])
-        assert event["failed"][3].startswith("hung")
         assert 1.2 < event["released"] - stuck < 4.0
+    reasons = [value["events"][0]["failed"][3] for value in values.values()]
+    assert any(reason.startswith("hung") for reason in reasons), reasons
 
 
 def test_a_rank_dying_after_it_joined_the_regroup_costs_one_more_generation_not_a_hang():

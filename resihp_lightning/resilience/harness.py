@@ -1,7 +1,8 @@
 """Runs a local job whose members may die on purpose, and never hangs (tests and benchmarks).
 
-Like ``tests/multiproc.py`` (spawned processes, torchrun-style environment, one thread each, a hard
-timeout), except that a rank that dies or stops is an *outcome* to report, not a failure of the
+Like ``tests/multiproc.py`` (fresh processes, torchrun-style environment, one thread each, a hard
+timeout; forked from a fork server that imported torch once, which saves each rank of each job
+torch's import), except that a rank that dies or stops is an *outcome* to report, not a failure of the
 harness: :func:`run_job` waits for the ranks named in ``wait_for`` (default: all) to return, then
 SIGKILLs whatever is left (a SIGSTOPped rank included) and reports each rank as ``ok``, ``error``,
 ``died`` or ``killed``. A rank that is about to kill itself can leave :func:`last_words` (e.g. the
@@ -158,7 +159,7 @@ def run_job(
             before killing it.
         **kwargs: picklable keyword arguments for ``fn``.
     """
-    ctx = multiprocessing.get_context("spawn")
+    ctx = _context()
     port = free_port()
     own_dir = run_dir is None
     run_dir = run_dir or tempfile.mkdtemp(prefix="resihp-job-")
@@ -182,9 +183,8 @@ def run_job(
     wall = time.monotonic() - started
     killed = set()
     for rank, proc in enumerate(procs):
-        if proc.is_alive():
+        if proc.is_alive() and _kill(proc.pid):
             killed.add(rank)
-            os.kill(proc.pid, signal.SIGKILL)
     for proc in procs:
         proc.join(5)
     outcomes = [_outcome(run_dir, r, procs[r], r in killed) for r in range(world_size)]
@@ -196,11 +196,30 @@ def run_job(
             time.sleep(0.05)
         ended = not host.alive()
         if not ended:
-            os.kill(host.pid, signal.SIGKILL)
+            _kill(host.pid)
     outcome = JobOutcome(outcomes, run_dir, wall, host.pid if host else None, ended)
     if own_dir and all(o.status == "ok" for o in outcomes if o.rank in expected):
         _remove(run_dir)
     return outcome
+
+
+def _kill(pid: int) -> bool:
+    """SIGKILLs ``pid``; False if it had exited already (it may between a check and the kill)."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def _context() -> Any:
+    """Processes forked from a fork server that imported torch once: a fresh interpreter per rank
+    (as with ``spawn``) without paying torch's import in every rank of every job."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    return ctx
 
 
 def _store_host(run_dir: str) -> ProcessIdentity | None:

@@ -527,6 +527,11 @@ class ElasticWorld:
             except Exception as err:  # noqa: BLE001 - the control connection broke
                 raise StoreUnavailable(f"the rendezvous store failed during the regroup: {err}") from err
             agreed_at = time.monotonic()
+            # Those left out count as failed everywhere, also where nobody had named them yet.
+            left_out = [r for r in old.members if r not in members]
+            if self.detector is not None:
+                why = f"left out of generation {number}"
+                self.detector.declare(Failure(r, why, members[0], agreed_at) for r in left_out)
             if members[0] == self.original_rank:
                 for rank in sorted(set(old.members) - set(members)):
                     self._try(lambda r=rank: self.store.mark_left(r, "evicted"))  # type: ignore[union-attr]

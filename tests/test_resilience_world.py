@@ -210,3 +210,38 @@ def test_a_rank_dying_after_it_joined_the_regroup_costs_one_more_generation_not_
         (event,) = value["events"]  # one regroup() call: generation 1 failed while forming, 2 formed
         assert (event["generation"], event["members"], event["sum"]) == (2, [0, 1], _sum_of([0, 1]))
         assert event["regrouped"] - deaths[3] < 4.0
+
+
+def _loses_the_store(rank, world_size, run_dir):
+    import torch
+    import torch.distributed as dist
+
+    from resihp_lightning.resilience import ElasticWorld, PeerFailure, StoreConfig, StoreUnavailable, WorldConfig
+
+    world = ElasticWorld(WorldConfig(store=StoreConfig(run_dir=run_dir, timeout_s=5), join_timeout_s=5,
+                                     regroup_timeout_s=20)).start()
+    value = torch.ones(1)
+    try:
+        for step in range(40):
+            if step == 10 and rank == 0:
+                os.kill(world.store.host_identity.pid, signal.SIGKILL)
+            if step == 20 and rank == 2:
+                _fail(run_dir, rank, "kill")
+            with world.guard():
+                dist.all_reduce(value)
+            time.sleep(0.02)
+    except PeerFailure as failure:
+        started = time.monotonic()
+        try:
+            world.regroup()
+        except StoreUnavailable:
+            return {"store_unavailable_after": time.monotonic() - started, "aborted": failure.generation}
+    raise AssertionError("no failure or no StoreUnavailable")
+
+
+def test_without_its_store_host_the_job_trains_on_and_a_later_failure_ends_it_cleanly():
+    """The store host's death is the one loss the job cannot regroup from (restart path)."""
+    outcome = run_job(_loses_the_store, 4, timeout=45, wait_for=[0, 1, 3])
+    values = _survivors(outcome, [0, 1, 3])
+    for value in values.values():
+        assert value["aborted"] == 0 and value["store_unavailable_after"] < 5.0

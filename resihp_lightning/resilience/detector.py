@@ -28,7 +28,9 @@ one interval.
 If this thread itself was not scheduled for more than half of ``timeout_s`` (an overloaded machine),
 its next poll only refreshes the peers' clocks: a late observer must not blame punctual peers.
 If the store cannot be reached for ``store_grace_s``, :attr:`FailureDetector.store_lost` is set and
-logged; training may go on (gloo needs no store after its groups exist) but no regroup is possible.
+logged; training may go on (gloo needs no store after its groups exist) but no regroup is possible,
+and from then on the thread only watches for local exits (which still abort the generation, so that
+nobody hangs; the regroup that follows raises :class:`~.errors.StoreUnavailable`).
 """
 
 from __future__ import annotations
@@ -311,6 +313,12 @@ class FailureDetector:
         self.store.set(beat_key(self.rank), f"{self._counter}:{self._step}:{int(waiting)}:{generation}")
 
     def _tick(self) -> None:
+        if self.store_lost:
+            # No store: no beats, markers or verdicts from silence; local exits still abort.
+            with self._lock:
+                watch = self._watch
+            self._notify(watch, self.probe_exits(watch.peers))
+            return
         now = time.monotonic()
         late = now - self._last_tick > self.config.timeout_s / 2
         self._last_tick = now
@@ -393,7 +401,9 @@ class FailureDetector:
         return verdicts
 
     def _report(self, watch: _Watch, failures: list[Failure]) -> None:
-        new = self.declare(failures)
+        self._notify(watch, self.declare(failures))
+
+    def _notify(self, watch: _Watch, new: list[Failure]) -> None:
         if not new:
             return
         log.warning(

@@ -15,10 +15,12 @@ time (the model is torchft's Manager + reconfigurable ProcessGroup, reduced to o
   blocked call raises into :class:`~.errors.PeerFailure`;
 * **regroup** (:meth:`ElasticWorld.regroup`, main thread): the survivors agree on the members of
   generation g+1 (:mod:`.membership`), destroy the old groups, reset DeepSpeed's cached groups
-  (:mod:`.frameworks`), and initialise the new default group under a fresh key prefix (gloo hangs
-  when it rendezvouses over keys used before). If a member fails while the new generation forms,
-  that generation is aborted like any other and the survivors go on to the next one, all inside one
-  ``regroup()`` call, bounded by ``regroup_timeout_s``.
+  (:mod:`.frameworks`), and initialise the new default group under a fresh key prefix (over keys
+  used before, a member could read a peer's stale address from the last generation before the peer
+  overwrote it; two clean re-inits over reused keys did work here, but nothing guards that race).
+  If a member fails while the new generation forms, that generation is aborted like any other and
+  the survivors go on to the next one, all inside one ``regroup()`` call, bounded by
+  ``regroup_timeout_s``.
 
 Each process keeps its *original* rank (``RANK`` at start) as its identity for the job's lifetime
 (it names its device and its heartbeat); its rank in the current generation is its index in the
@@ -506,7 +508,9 @@ class ElasticWorld:
             number = old.number + 1
             remaining = cfg.regroup_timeout_s - (time.monotonic() - started)
             if remaining <= 0:
-                raise RegroupError(f"rank {self.original_rank}: no new generation within {cfg.regroup_timeout_s:.0f} s")
+                raise RegroupError(
+                    f"rank {self.original_rank}: no new generation within {cfg.regroup_timeout_s:.0f} s"
+                )
             if self.detector is not None and self.detector.store_lost:
                 raise StoreUnavailable("the rendezvous store is lost; the job cannot regroup")
             try:
@@ -537,7 +541,9 @@ class ElasticWorld:
                     self._try(lambda r=rank: self.store.mark_left(r, "evicted"))  # type: ignore[union-attr]
             if len(members) < cfg.min_world_size:
                 self._teardown(old)
-                raise RegroupError(f"generation {number} would have {len(members)} members (< {cfg.min_world_size})")
+                raise RegroupError(
+                    f"generation {number} would have {len(members)} members (< {cfg.min_world_size})"
+                )
             self._teardown(old)
             try:
                 self._form(number, tuple(members))

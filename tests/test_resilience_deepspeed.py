@@ -2,10 +2,13 @@
 
 4 gloo processes train a DeepSpeed ``PipelineModule`` (2 stages x 2 replicas, so the engine creates
 its own groups with ``new_group`` and talks p2p between stages). Rank 1 is SIGKILLed between two
-batches (so that survivors 2 and 3 change rank: 2 -> 1, 3 -> 2); the survivors are released (the engine's groups were tracked, so their connections are cut
-too), regroup into 3, and -- after :func:`reset_deepspeed` (done by the regroup) and
-``deepspeed.init_distributed`` -- ``deepspeed.comm`` reduces exactly over the new world and a new
-3-stage pipeline engine trains a batch.
+batches (so that survivors 2 and 3 change rank: 2 -> 1, 3 -> 2); the survivors are released (the
+engine's groups were tracked, so their connections are cut too), regroup into 3, and -- after
+:func:`reset_deepspeed` (done by the regroup) and ``deepspeed.init_distributed`` --
+``deepspeed.comm`` reduces exactly over the new world and a new 3-stage pipeline engine trains a
+batch. (Without the reset this simple case works too: ``deepspeed.comm`` wraps whatever default
+group exists and a new engine overwrites the p2p grid; the reset is for DeepSpeed's cached groups,
+e.g. ZeRO's and MoE's, which would point at destroyed groups.)
 """
 
 from __future__ import annotations

@@ -134,7 +134,6 @@ class _Peer:
     step: int = -1
     step_changed: float = 0.0
     waiting: bool = False
-    identity: ProcessIdentity | None = None
 
 
 @dataclass
@@ -189,6 +188,7 @@ class FailureDetector:
         self.store: Any = None
         self.store_lost = False
         self._failed: dict[int, Failure] = {}
+        self._identities: dict[int, ProcessIdentity] = {}
         self._watch = _Watch()
         self._step = 0
         self._hold = True  # no hang verdicts until the first watch()
@@ -206,6 +206,12 @@ class FailureDetector:
         """Original rank -> verdict, for every failure seen so far (all generations)."""
         with self._lock:
             return dict(self._failed)
+
+    @property
+    def identities(self) -> dict[int, ProcessIdentity]:
+        """Original rank -> process identity, for the peers known so far."""
+        with self._lock:
+            return dict(self._identities)
 
     @property
     def thread(self) -> threading.Thread | None:
@@ -238,7 +244,7 @@ class FailureDetector:
             for rank, peer in peers.items():
                 old = self._watch.peers.get(rank)
                 if old is not None:
-                    peer.beat, peer.identity, peer.step = old.beat, old.identity, old.step
+                    peer.beat, peer.step = old.beat, old.step
             self._watch = _Watch(tuple(members), generation, peers, judge_unseen=judge_unseen)
             self._hold = hold
 
@@ -271,15 +277,20 @@ class FailureDetector:
         if not self.config.probe_local_pids:
             return []
         with self._lock:
-            peers = dict(self._watch.peers)
+            known = dict(self._identities)
         now = time.monotonic()
         gone = [
             Failure(rank, EXITED, self.rank, now)
             for rank in ranks
-            if (peer := peers.get(rank)) is not None and peer.identity is not None
-            and peer.identity.comparable() and not peer.identity.alive()
+            if (identity := known.get(rank)) is not None and identity.comparable() and not identity.alive()
         ]
         return self.declare(gone)
+
+    def know(self, identities: Mapping[int, ProcessIdentity]) -> None:
+        """Records peers' process identities (read once by whoever has them; the thread reads
+        missing ones from the store itself, at its next poll)."""
+        with self._lock:
+            self._identities.update(identities)
 
     def stop(self) -> None:
         """Stops the thread (peers will see this process go silent unless it has left)."""
@@ -339,7 +350,7 @@ class FailureDetector:
                 peer.beat, peer.changed = beat, now
                 if late:
                     peer.step_changed = now
-            if self.config.probe_local_pids and self._exited(rank, peer):
+            if self.config.probe_local_pids and self._exited(rank):
                 new.append(Failure(rank, EXITED, self.rank, now))
             elif (peer.beat is not None or watch.judge_unseen) and now - peer.changed > self.config.timeout_s:
                 new.append(Failure(rank, SILENT, self.rank, now))
@@ -373,13 +384,16 @@ class FailureDetector:
             peer.step, peer.step_changed = int(step), now
         peer.waiting = waiting == "1"
 
-    def _exited(self, rank: int, peer: _Peer) -> bool:
-        if peer.identity is None:
+    def _exited(self, rank: int) -> bool:
+        with self._lock:
+            identity = self._identities.get(rank)
+        if identity is None:
             key = f"proc/{rank}"
             if not self.store.check([key]):
                 return False
-            peer.identity = ProcessIdentity.from_json(self.store.get(key))
-        return peer.identity.comparable() and not peer.identity.alive()
+            identity = ProcessIdentity.from_json(self.store.get(key))
+            self.know({rank: identity})
+        return identity.comparable() and not identity.alive()
 
     def _hung(self, watch: _Watch, peers: Mapping[int, _Peer], dead: set[int], now: float) -> list[Failure]:
         timeout = self.config.progress_timeout_s

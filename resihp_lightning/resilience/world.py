@@ -592,9 +592,21 @@ class ElasticWorld:
             self.abort(f"generation {number} could not form on rank {self.original_rank}: {err}", generation=gen)
             raise self._peer_failure(gen) from err
         self.detector.watch(members, number)  # fresh clocks for the training loop
+        self._try(lambda: self._learn_identities(members))
         gen.formed = True
         self.history.append({"event": "formed", "generation": number, "members": list(members), "at": time.monotonic()})
         log.info("rank %d: generation %d formed with members %s", self.original_rank, number, list(members))
+
+    def _learn_identities(self, members: tuple[int, ...]) -> None:
+        """Hands the members' process identities to the detector now (every member registered
+        before it joined), so that a kill right after the start is seen without waiting a poll."""
+        from resihp_lightning.resilience.procs import ProcessIdentity
+
+        assert self.store is not None and self.detector is not None
+        missing = [r for r in members if r != self.original_rank and r not in self.detector.identities]
+        if missing:
+            values = self.store.control.multi_get([f"proc/{r}" for r in missing])
+            self.detector.know({r: ProcessIdentity.from_json(v) for r, v in zip(missing, values)})
 
     def _teardown(self, gen: Generation) -> None:
         # No socket shutdown here: an aborted generation's are cut already, and a healthy one's

@@ -37,21 +37,22 @@ class _OncePerProcess(logging.Filter):
 
 
 def init_deepspeed_comm(backend: str) -> None:
-    """Points ``deepspeed.comm`` at the process group Lightning created (once per process).
+    """Points ``deepspeed.comm`` at the current default process group (again after a regroup reset it).
 
     DeepSpeed's torch backend JIT-compiles a shared-memory op with g++ (tens of seconds) that only inference
     uses; it is skipped. The module must be patched through ``importlib`` (``import a.b.c as m``
     would bind the ``torch`` attribute deepspeed.comm re-exports, not the submodule).
     """
     global _comm_ready
-    if _comm_ready:
-        return
-    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     import deepspeed
 
-    for name in ("DeepSpeed", "deepspeed"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-        logging.getLogger(name).addFilter(_OncePerProcess())
+    if _comm_ready and importlib.import_module("deepspeed.comm.comm").cdb is not None:
+        return
+    if not _comm_ready:
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+        for name in ("DeepSpeed", "deepspeed"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+            logging.getLogger(name).addFilter(_OncePerProcess())
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
     _comm_ready = True
 

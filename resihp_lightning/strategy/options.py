@@ -8,6 +8,7 @@ from typing import Any
 
 from resihp_lightning.errors import invalid_option
 from resihp_lightning.plan import Plan
+from resihp_lightning.strategy.fail_stop import FailStopConfig
 
 #: DeepSpeed config keys the strategy owns; an override of them is refused.
 RESERVED_DEEPSPEED_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
@@ -36,6 +37,8 @@ class StrategyOptions:
             trained weights of every layer that is an attribute of it: ``"all"`` (default; each rank
             already holds a full-size copy of those layers), ``"rank0"``, or ``"none"`` (each rank keeps
             current values only for its own layers, and a warning says so).
+        fail_stop: in-process recovery from dead or hung ranks (:class:`FailStopConfig`); ``None`` /
+            ``False`` (default): off, a lost rank ends the job; ``True``: on with the defaults.
     """
 
     pipeline_degree: int | None = None
@@ -46,6 +49,7 @@ class StrategyOptions:
     process_group_backend: str | None = None
     timeout: timedelta = timedelta(minutes=30)
     gather_weights: str = "all"
+    fail_stop: FailStopConfig | None = None
 
     def __post_init__(self) -> None:
         if self.pipeline_degree is not None and (not isinstance(self.pipeline_degree, int) or self.pipeline_degree < 1):
@@ -74,5 +78,6 @@ class StrategyOptions:
             raise invalid_option("process_group_backend", self.process_group_backend, BACKENDS)
         if self.gather_weights not in GATHER_WEIGHTS:
             raise invalid_option("gather_weights", self.gather_weights, GATHER_WEIGHTS)
+        self.fail_stop = FailStopConfig.from_value(self.fail_stop)
         if isinstance(self.timeout, (int, float)):
             self.timeout = timedelta(seconds=self.timeout)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from resihp_lightning.errors import ConfigError, PlanError
@@ -14,7 +14,7 @@ from resihp_lightning.strategy.wrapped_state import wrapped_config_reason, wraps
 
 def check_plan(
     plan: Any,
-    world: int,
+    devices: Sequence[int],
     num_layers: int,
     micro_batches: int | None,
     deepspeed_config: Mapping[str, Any],
@@ -24,7 +24,7 @@ def check_plan(
 
     Args:
         plan: the candidate.
-        world: the number of ranks; every rank must hold a stage.
+        devices: the job's live devices (original ranks); every one must hold a stage.
         num_layers: L (0 before the model is known: then the plan's own bounds count).
         micro_batches: M, when known; the plan's per-replica counts must add up to it.
         deepspeed_config: the strategy's DeepSpeed entries (some configurations cannot move layers).
@@ -34,6 +34,7 @@ def check_plan(
         raise PlanError(f"request_plan needs a resihp_lightning.plan.Plan, got {type(plan).__name__}")
     if not plan.replicas:
         raise PlanError("plan has no replicas")
+    world = len(devices)
     used = plan.pipeline_degree * plan.data_degree
     if used != world:
         raise PlanError(
@@ -48,7 +49,7 @@ def check_plan(
     total = micro_batches if micro_batches is not None else sum(r.micro_batches for r in plan.replicas)
     problem = Problem(
         layers=tuple(Layer(0.0) for _ in range(num_layers or max(plan.replicas[0].bounds))),
-        devices=tuple(Device(i) for i in range(world)),
+        devices=tuple(Device(i) for i in devices),
         micro_batches=total,
         shared_partition=False,
     )
@@ -66,7 +67,7 @@ def initial_plan(options: StrategyOptions, world: int, num_layers: int) -> Plan:
         ConfigError: ``pipeline_degree`` or ``micro_batches`` does not fit the job.
     """
     if options.plan is not None:
-        check_plan(options.plan, world, num_layers, options.micro_batches, options.deepspeed_config)
+        check_plan(options.plan, range(world), num_layers, options.micro_batches, options.deepspeed_config)
         return options.plan
     p = options.pipeline_degree
     if p is None:

@@ -66,6 +66,8 @@ class RuntimeConfig:
         deepspeed_config: DeepSpeed config entries over the defaults (see ``engine.engine_config``).
         device: where this process's layers run.
         tied: groups of ``(layer, name)`` that are one parameter.
+        commit: called at the optimizer step's commit point (plain fp32 optimizer; see
+            :mod:`~resihp_lightning.strategy.fail_stop`); ``None``: no vote.
     """
 
     layers: Sequence[Any]
@@ -74,6 +76,7 @@ class RuntimeConfig:
     deepspeed_config: Mapping[str, Any]
     device: torch.device
     tied: Sequence[tuple[tuple[int, str], ...]] = field(default_factory=tuple)
+    commit: Callable[[], None] | None = None
 
 
 class PipelineRuntime:
@@ -424,6 +427,7 @@ class PipelineRuntime:
             if broadcast:
                 self._reducer.broadcast()
             install(self._engine, self._reducer)
+            self._engine._resihp_commit = self.config.commit
         self._profiler.attach(self._engine, self.local_layers())
 
     def _stop_engine(self) -> None:

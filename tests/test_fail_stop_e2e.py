@@ -1,0 +1,95 @@
+"""Fail-stop recovery end to end: a rank SIGKILLed inside a pipeline step, the survivors finish exactly.
+
+Real gloo processes under ``resilience.harness.run_job`` (a rank that dies is an outcome, not a
+harness failure; the job is bounded and never hangs). The survivors' losses and final weights must
+equal a one-process run of the same model and data over the whole run: the interrupted step is
+redone once on the survivors, with the same global batch.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from test_lightning_fidelity import STEPS, build_class, reference
+from test_strategy_e2e import M, MBS, make_data
+
+
+def _job(rank: int, world: int, run_dir: str, victims: dict, steps: int, **strategy_kwargs) -> dict:
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from resihp_lightning.resilience.harness import last_words
+    from resihp_lightning.strategy.fail_stop import FailStopConfig
+    from resihp_lightning.strategy.strategy import ResiHPStrategy
+
+    class KillInsideStep(pl.Callback):
+        """At its step, the victim dies inside the schedule: at the forward of its 2nd micro-batch."""
+
+        def __init__(self) -> None:
+            self.losses: list[float] = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            strategy = trainer.strategy
+            if victims.get(strategy.device_id) != trainer.global_step:
+                return
+            layer = next(iter(strategy.local_layers().values()))
+            seen = [0]
+
+            def die(module, args):
+                seen[0] += 1
+                if seen[0] == 2:
+                    last_words(run_dir, rank, died_at=time.monotonic())
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+            layer.register_forward_pre_hook(die)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.losses.append(float(outputs["loss"]))
+
+    recorder = KillInsideStep()
+    x, y = make_data()
+    strategy = ResiHPStrategy(micro_batch_size=MBS, fail_stop=FailStopConfig(), **strategy_kwargs)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world, strategy=strategy, max_steps=steps, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        callbacks=[recorder],
+    )
+    model = build_class()()
+    trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=M * MBS))
+    return {
+        "losses": recorder.losses,
+        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "recovery": strategy.last_recovery,
+        "plan": strategy.current_plan.to_dict(),
+    }
+
+
+def _check_exact(outcome, survivors, steps) -> None:
+    ref_losses, _, ref_params = reference(steps, None)
+    values = outcome.values()
+    assert sorted(values) == sorted(survivors), outcome.describe()
+    for rank in survivors:
+        result = values[rank]
+        for step, (got, want) in enumerate(zip(result["losses"], ref_losses, strict=True)):
+            assert abs(got - want) < 1e-6, f"rank {rank} step {step}: {got} vs reference {want}"
+        for key, want in ref_params.items():
+            assert torch.allclose(result["state"][key], want, atol=1e-6, rtol=0), (rank, key)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_sigkill_inside_a_step_costs_one_step_not_the_job():
+    from resihp_lightning.resilience.harness import run_job
+
+    outcome = run_job(_job, 4, timeout=180, wait_for=[0, 1, 3], victims={2: 2}, steps=STEPS, pipeline_degree=2)
+    _check_exact(outcome, [0, 1, 3], STEPS)
+    record = outcome.values()[0]["recovery"]
+    assert record.step == 2 and record.members == (0, 1, 3) and 2 in record.failed
+    assert sorted(record.plan.device_ids) == [0, 1, 3]
+    died_at = outcome.ranks[2].last_words["died_at"]
+    assert record.detected_at - died_at < 2.0, "a killed rank is detected within about a second"

@@ -19,7 +19,7 @@ from test_lightning_fidelity import STEPS, build_class, reference
 from test_strategy_e2e import M, MBS, make_data
 
 
-def _job(rank: int, world: int, run_dir: str, victims: dict, steps: int, **strategy_kwargs) -> dict:
+def _job(rank: int, world: int, run_dir: str, victims: dict, steps: int, how: str = "kill", **strategy_kwargs) -> dict:
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -28,7 +28,8 @@ def _job(rank: int, world: int, run_dir: str, victims: dict, steps: int, **strat
     from resihp_lightning.strategy.strategy import ResiHPStrategy
 
     class KillInsideStep(pl.Callback):
-        """At its step, the victim dies inside the schedule: at the forward of its 2nd micro-batch."""
+        """At its step, the victim dies (``how="kill"``: SIGKILL) or freezes (``"stop"``: SIGSTOP) inside the
+        schedule: at the forward of its 2nd micro-batch."""
 
         def __init__(self) -> None:
             self.losses: list[float] = []
@@ -44,7 +45,7 @@ def _job(rank: int, world: int, run_dir: str, victims: dict, steps: int, **strat
                 seen[0] += 1
                 if seen[0] == 2:
                     last_words(run_dir, rank, died_at=time.monotonic())
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
 
             layer.register_forward_pre_hook(die)
 
@@ -93,3 +94,41 @@ def test_sigkill_inside_a_step_costs_one_step_not_the_job():
     assert sorted(record.plan.device_ids) == [0, 1, 3]
     died_at = outcome.ranks[2].last_words["died_at"]
     assert record.detected_at - died_at < 2.0, "a killed rank is detected within about a second"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_losing_rank_0_then_another_rank_goes_on_exactly():
+    """Rank 0 (whose process hosted the store in a plain Lightning job) dies, then rank 3: 4 -> 3 -> 2."""
+    from resihp_lightning.resilience.harness import run_job
+
+    outcome = run_job(_job, 4, timeout=180, wait_for=[1, 2], victims={0: 1, 3: 3}, steps=STEPS, pipeline_degree=2)
+    _check_exact(outcome, [1, 2], STEPS)
+    record = outcome.values()[1]["recovery"]
+    assert record.step == 3 and record.members == (1, 2) and 3 in record.failed and record.generation == 2
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_a_frozen_rank_is_evicted_and_the_job_goes_on_exactly():
+    """SIGSTOP: the process is alive but silent; it is evicted after the heartbeat timeout."""
+    from resihp_lightning.resilience.harness import run_job
+
+    outcome = run_job(_job, 4, timeout=180, wait_for=[0, 2, 3], victims={1: 2}, steps=STEPS, how="stop", pipeline_degree=2)
+    _check_exact(outcome, [0, 2, 3], STEPS)
+    record = outcome.values()[0]["recovery"]
+    assert record.members == (0, 2, 3) and 1 in record.failed
+    assert record.detected_at - outcome.ranks[1].last_words["died_at"] < 3.0
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_a_lost_layer_ends_the_job_with_the_restart_status_and_no_hang():
+    """D = 1: the dead rank's layers have no other holder; every survivor exits with fail_stop.exit_code."""
+    from resihp_lightning.resilience.harness import run_job
+    from resihp_lightning.strategy.fail_stop import UNRECOVERABLE_EXIT_CODE
+
+    outcome = run_job(_job, 4, timeout=120, wait_for=[0, 1, 3], victims={2: 1}, steps=STEPS, pipeline_degree=4)
+    assert outcome.wall_s < 100, outcome.describe()
+    codes = {r.rank: r.exitcode for r in outcome.ranks}
+    assert codes == {0: UNRECOVERABLE_EXIT_CODE, 1: UNRECOVERABLE_EXIT_CODE, 2: -9, 3: UNRECOVERABLE_EXIT_CODE}, outcome.describe()

@@ -36,7 +36,7 @@ from resihp_lightning.placement import row_offset
 from resihp_lightning.plan import Plan, even_split
 from resihp_lightning.strategy import batching, checkpoint
 from resihp_lightning.strategy.engine import init_deepspeed_comm
-from resihp_lightning.strategy.fail_stop import FailStopConfig, RecoveryClock, RecoveryRecord, StepCommit, survivor_plan
+from resihp_lightning.strategy.fail_stop import FailStopConfig, RecoveryRecord
 from resihp_lightning.strategy.launcher import without_observer
 from resihp_lightning.strategy.loss_logging import LossLogRecorder
 from resihp_lightning.strategy.module import check_contract, layer_specs, tied_parameters
@@ -44,6 +44,7 @@ from resihp_lightning.strategy.module_weights import LayerKeys, restore_full_pre
 from resihp_lightning.strategy.options import StrategyOptions
 from resihp_lightning.strategy.plan_rules import check_plan, initial_plan
 from resihp_lightning.strategy.runtime import PipelineRuntime, RuntimeConfig
+from resihp_lightning.strategy.survivors import SurvivingJob
 from resihp_lightning.strategy.trainer_options import effective_deepspeed_config, refuse_unsupported
 from resihp_lightning.strategy.wrapped_state import wraps_optimizer
 from resihp_lightning.telemetry import LayerCost, MicroBatchStats, StepStats
@@ -118,10 +119,7 @@ class ResiHPStrategyMixin:
         self._keys: LayerKeys | None = None
         self._deepspeed_config: dict[str, Any] | None = None
         self._loss_log = LossLogRecorder()
-        self._world: Any = None  # resilience.ElasticWorld when fail_stop is on
-        self._device_id: int | None = None
-        self._last_recovery: RecoveryRecord | None = None
-        self._recovering = False
+        self._job: SurvivingJob | None = None  # the job's recoverable groups when fail_stop is on
 
     @classmethod
     @override
@@ -140,27 +138,27 @@ class ResiHPStrategyMixin:
     @override
     def global_rank(self) -> int:
         # Under fail-stop recovery the rank is the one in the current generation of the job's groups.
-        return self._world.rank if self._world is not None else super().global_rank
+        return self._job.rank if self._job is not None else super().global_rank
 
     @property
     @override
     def world_size(self) -> int:
-        return self._world.world_size if self._world is not None else super().world_size
+        return self._job.world_size if self._job is not None else super().world_size
 
     @property
     def device_id(self) -> int:
         """This process's device id in plans: its global rank when the job started (stable across regroups)."""
-        return self._device_id if self._device_id is not None else self.global_rank
+        return self._job.device_id if self._job is not None else self.global_rank
 
     @property
     def devices_alive(self) -> tuple[int, ...]:
         """The device ids of the job's live processes."""
-        return tuple(self._world.members) if self._world is not None else tuple(range(self.world_size))
+        return self._job.members if self._job is not None else tuple(range(self.world_size))
 
     @property
     def last_recovery(self) -> RecoveryRecord | None:
         """The last in-process fail-stop recovery (``None`` before one)."""
-        return self._last_recovery
+        return self._job.last_recovery if self._job is not None else None
 
     @property
     def runtime(self) -> PipelineRuntime | None:
@@ -273,14 +271,15 @@ class ResiHPStrategyMixin:
         if self.options.fail_stop is None:
             super().setup_distributed()
             return
-        from resihp_lightning.resilience.world import ElasticWorld
-
+        if self._job is not None:  # set up again (trainer.validate after fit): the groups exist
+            return
         # As DDPStrategy.setup_distributed, but the default group comes from a world that can regroup.
         self.set_world_ranks()
-        self._device_id = self.global_rank
         self._process_group_backend = self._get_process_group_backend()
-        config = self.options.fail_stop.world_config(self._process_group_backend, self.options.timeout.total_seconds())
-        self._world = ElasticWorld(config, rank=self._device_id, world_size=self.world_size).start()
+        self._job = SurvivingJob(
+            self.options.fail_stop, self.global_rank, self.world_size, self._process_group_backend,
+            self.options.timeout.total_seconds(),
+        )
         self._note_ranks()
 
     @override
@@ -331,9 +330,10 @@ class ResiHPStrategyMixin:
             deepspeed_config=self.deepspeed_config,
             device=self.root_device,
             tied=tuple(self._tied),
-            commit=StepCommit(self._world) if self._world is not None else None,
+            commit=self._job.commit if self._job is not None else None,
         )
-        self._runtime = PipelineRuntime(config, plan, self.device_id, ranks=self._rank_map(), reuse=reuse, profiler=profiler)
+        ranks = self._job.rank_map() if self._job is not None else None
+        self._runtime = PipelineRuntime(config, plan, self.device_id, ranks=ranks, reuse=reuse, profiler=profiler)
         if trainer.state.fn == TrainerFn.FITTING:
             optimizer = self._setup_user_optimizer(trainer)
         else:  # the fitted optimizer, if any, so that layer_profile() still counts its state
@@ -348,7 +348,6 @@ class ResiHPStrategyMixin:
 
     @override
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        runtime = self._require_runtime()
         split = batching.split_batch(self.lightning_module, batch)
         self._settle_micro_batches(split.rows)
         if self._pending is not None:
@@ -358,21 +357,12 @@ class ResiHPStrategyMixin:
             except PlanError as err:
                 user_warn(f"ResiHPStrategy: dropping the requested plan {plan.layout_key()}: {err}")
             else:
-                self._last_migration = runtime.switch(plan)
-        plan, pos = runtime.plan, runtime.position
-        replica = plan.replicas[pos.replica]
-        offset = row_offset(plan, pos.replica, self.micro_batch_size)
-        items = batching.micro_batches(split, offset, replica.micro_batches, self.micro_batch_size)
+                self._last_migration = self._require_runtime().switch(plan)
         start = time.perf_counter()
-        if self._world is None:
-            with self._loss_log.recording(self.lightning_module):
-                loss, busy = runtime.train_batch(items, loss_scale=replica.micro_batches * plan.data_degree / self._num_micro)
-        else:
-            loss, busy = self._train_surviving(split)
-            runtime = self._require_runtime()
-            plan, pos = runtime.plan, runtime.position
-            replica = plan.replicas[pos.replica]
-            items = self._replica_items(split)
+        if self._job is None:
+            loss, busy, items, pos = self._run_replica_share(split)
+        else:  # a step that lost a peer before its commit point is redone on the survivors, under their plan
+            loss, busy, items, pos = self._job.run_step(lambda: self._run_replica_share(split), self._recover)
         self._last_step_stats = StepStats(
             step=self.lightning_module.trainer.global_step,
             rank=self.device_id,
@@ -391,9 +381,20 @@ class ResiHPStrategyMixin:
         self._after_step(lambda: self.lightning_module.log(
             "train_loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=split.rows, sync_dist=True
         ))
-        if self._world is not None:
-            self._world.progress(self.lightning_module.trainer.global_step + 1)
+        if self._job is not None:
+            self._job.progress(self.lightning_module.trainer.global_step + 1)
         return loss
+
+    def _run_replica_share(self, split: batching.SplitBatch) -> tuple[Tensor, list[float], list[batching.MicroBatch], Any]:
+        """This replica's m_r micro-batches of the global batch through the pipeline, under the plan in force."""
+        runtime = self._require_runtime()
+        plan, pos = runtime.plan, runtime.position
+        replica = plan.replicas[pos.replica]
+        offset = row_offset(plan, pos.replica, self.micro_batch_size)
+        items = batching.micro_batches(split, offset, replica.micro_batches, self.micro_batch_size)
+        with self._loss_log.recording(self.lightning_module):
+            loss, busy = runtime.train_batch(items, loss_scale=replica.micro_batches * plan.data_degree / self._num_micro)
+        return loss, busy, items, pos
 
     @override
     def validation_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Tensor:
@@ -522,123 +523,33 @@ class ResiHPStrategyMixin:
         if self._runtime is not None:
             self._runtime.teardown()
         super().teardown()
-        if self._world is not None:
-            self._world.close()
-            self._world = None
+        # Like DDP, the job's groups outlive teardown (trainer.validate after fit reuses them);
+        # SurvivingJob closes its world when the process exits.
 
     # ------------------------------------------------------------------------- fail-stop recovery
-    def _rank_map(self) -> dict[int, int] | None:
-        """Device id -> rank in the current default group (``None``: the identity, no fail-stop)."""
-        return None if self._world is None else {d: self._world.rank_of(d) for d in self._world.members}
+    def _recover(self, failure: Any) -> None:
+        """Regroups the survivors and rebuilds this rank's runtime for their plan (see ``survivors``)."""
+        step = self.lightning_module.trainer.global_step
+        self._last_migration = self._job.recover(failure, self._require_runtime(), self._num_micro, step, self._note_ranks)
+        self._pending = None
+        user_warn(
+            f"ResiHPStrategy: lost rank(s) {sorted(self._job.last_recovery.failed)} at step {step}; "
+            f"{self.world_size} survivors go on under {self.current_plan.pipeline_degree}x{self.current_plan.data_degree}"
+        )
+
+    def _after_step(self, action: Callable[[], Any]) -> None:
+        """Runs a collective after the step's commit point (again on the survivors if a peer is lost)."""
+        if self._job is None:
+            action()
+        else:
+            self._job.run_collective(action, self._recover)
 
     def _note_ranks(self) -> None:
-        """Points Lightning's rank-zero utilities at this process's rank in the current generation."""
+        """Points Lightning's rank-zero utilities at this process's rank in the current group."""
         from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
         from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
         rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank
-
-    def _replica_items(self, split: batching.SplitBatch) -> list[batching.MicroBatch]:
-        runtime = self._require_runtime()
-        plan, pos = runtime.plan, runtime.position
-        offset = row_offset(plan, pos.replica, self.micro_batch_size)
-        return batching.micro_batches(split, offset, plan.replicas[pos.replica].micro_batches, self.micro_batch_size)
-
-    def _train_surviving(self, split: batching.SplitBatch) -> tuple[Tensor, list[float]]:
-        """Runs the step; when peers are lost before its commit point, recovers and runs it again."""
-        from resihp_lightning.resilience.errors import PeerFailure
-
-        while True:
-            runtime = self._require_runtime()
-            plan = runtime.plan
-            replica = plan.replicas[runtime.position.replica]
-            items = self._replica_items(split)
-            started = time.monotonic()
-            try:
-                with self._world.guard(), self._loss_log.recording(self.lightning_module):
-                    result = runtime.train_batch(items, loss_scale=replica.micro_batches * plan.data_degree / self._num_micro)
-            except PeerFailure as failure:
-                self._recover(failure)
-                continue
-            if self._last_recovery is not None and self._last_recovery.redo_s == 0.0 and self._recovering:
-                self._last_recovery = replace(self._last_recovery, redo_s=time.monotonic() - started)
-                self._recovering = False
-            return result
-
-    def _after_step(self, action: Callable[[], Any]) -> None:
-        """Runs a collective of a committed step; a failure there regroups and runs it again (no redo)."""
-        if self._world is None:
-            action()
-            return
-        from resihp_lightning.resilience.errors import PeerFailure
-
-        while True:
-            try:
-                with self._world.guard():
-                    action()
-                return
-            except PeerFailure as failure:
-                self._recover(failure)
-
-    def _recover(self, failure: Any) -> None:
-        """Regroups the survivors, plans for them and restores the lost layers (see ``fail_stop``)."""
-        from resihp_lightning.placement import lost_layers
-        from resihp_lightning.resilience.errors import ResilienceError
-
-        world, runtime, config = self._world, self._require_runtime(), self.options.fail_stop
-        step = self.lightning_module.trainer.global_step
-        before, aborted_at = tuple(world.members), world.current.aborted_at
-        clock = RecoveryClock()
-        try:
-            world.regroup()
-        except ResilienceError as err:
-            self._unrecoverable(step, f"the survivors could not regroup: {err}")
-        self._note_ranks()
-        init_deepspeed_comm(self._process_group_backend)
-        clock.mark("regroup")
-        members = tuple(world.members)
-        lost = lost_layers(runtime.plan, members)
-        if lost:
-            self._unrecoverable(step, f"layers {lost} had no live holder (every replica holding them failed)")
-        profile = runtime.layer_profile()  # collective over the new group: costs of the survivors' layers
-        plan = survivor_plan(profile, members, self._num_micro, runtime.per_replica_bounds, config.solver) if self.global_rank == 0 else None
-        plan = Plan.from_dict(self._broadcast_object(plan.to_dict() if plan is not None else None))
-        clock.mark("plan")
-        try:
-            record = runtime.recover(plan, self._rank_map())
-        except (PlanError, ConfigError) as err:
-            self._unrecoverable(step, str(err))
-        clock.mark("restore")
-        self._last_migration = record
-        self._pending = None
-        self._recovering = True
-        failures = {r: f for r, f in world.detector.failed.items() if r in before and r not in members}
-        self._last_recovery = RecoveryRecord(
-            step=step, generation=world.generation, failed={r: failures[r].reason if r in failures else "left out" for r in before if r not in members},
-            members=members, plan=plan,
-            detected_at=min((f.at for f in failures.values()), default=aborted_at or clock.started),
-            aborted_at=aborted_at or clock.started, regroup_s=clock.marks["regroup"], plan_s=clock.marks["plan"],
-            restore_s=clock.marks["restore"], bytes_moved=record.bytes_moved,
-        )
-        user_warn(f"ResiHPStrategy: lost rank(s) {sorted(self._last_recovery.failed)} at step {step}; {len(members)} survivors "
-                  f"go on under {plan.pipeline_degree}x{plan.data_degree}")
-
-    def _broadcast_object(self, obj: Any) -> Any:
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def _unrecoverable(self, step: int, reason: str) -> None:
-        """Ends this process with ``fail_stop.exit_code`` (after writing why) so that a launcher restarts the job."""
-        import sys
-
-        self._last_recovery = None
-        message = f"ResiHPStrategy: fail-stop at step {step} cannot be recovered in-process: {reason}"
-        print(message, file=sys.stderr, flush=True)
-        unrecoverable_hook = getattr(self, "on_unrecoverable", None)
-        if callable(unrecoverable_hook):
-            unrecoverable_hook(step, reason)
-        os._exit(self.options.fail_stop.exit_code)
 
     # ----------------------------------------------------------------------------- internals
     def _require_runtime(self) -> PipelineRuntime:

@@ -37,6 +37,7 @@ from jsonargparse import ActionConfigFile, ArgumentParser, Namespace  # noqa: E4
 from resihp_lightning.callbacks.faults import FaultConfig  # noqa: E402
 from resihp_lightning.callbacks.replan_policy import ControllerConfig  # noqa: E402
 from resihp_lightning.callbacks.straggler import DetectorConfig  # noqa: E402
+from resihp_lightning.strategy.fail_stop import FailStopConfig  # noqa: E402
 from resihp_lightning.config import PlannerConfig, ScratchModelConfig, moved_option  # noqa: E402
 from resihp_lightning.errors import ConfigError, ResiHPError, invalid_option  # noqa: E402
 
@@ -86,13 +87,15 @@ class TrainerOptions:
 
 @dataclass
 class StrategyArgs:
-    """``ResiHPStrategy`` options (the initial plan is uniform P x D)."""
+    """``ResiHPStrategy`` options (the initial plan is uniform P x D; ``fail_stop: null`` turns in-process
+    recovery from lost ranks off)."""
 
     pipeline_degree: int | None = 2
     micro_batch_size: int = 1
     micro_batches: int = 8
     deepspeed_config: dict[str, Any] = field(default_factory=dict)
     process_group_backend: str | None = None
+    fail_stop: FailStopConfig | None = field(default_factory=FailStopConfig)
 
 
 def build_parser() -> ArgumentParser:
@@ -214,6 +217,7 @@ def run(raw: Namespace) -> Path:
     from resihp_lightning.callbacks.detector import StragglerDetector
     from resihp_lightning.callbacks.fault_injector import FaultInjector
     from resihp_lightning.callbacks.progress import ResiHPProgressBar, StepRecorder
+    from resihp_lightning.callbacks.recovery_log import FailStopReporter
     from resihp_lightning.models.lightning_module import CausalLMPipelineModule
     from resihp_lightning.strategy.strategy import ResiHPStrategy
 
@@ -232,7 +236,7 @@ def run(raw: Namespace) -> Path:
 
     strategy = ResiHPStrategy(pipeline_degree=s.pipeline_degree, micro_batch_size=s.micro_batch_size,
                               micro_batches=s.micro_batches, deepspeed_config=dict(s.deepspeed_config),
-                              process_group_backend=s.process_group_backend)
+                              process_group_backend=s.process_group_backend, fail_stop=s.fail_stop)
     recorder = StepRecorder(run_dir)
     callbacks: list[Any] = [recorder]
     if cfg.fault is not None:
@@ -240,6 +244,8 @@ def run(raw: Namespace) -> Path:
     callbacks.append(StragglerDetector(cfg.detector, log_dir=str(run_dir)))
     if cfg.replan:
         callbacks.append(ReplanController(cfg.controller, planner=cfg.planner))
+    if s.fail_stop is not None:
+        callbacks.append(FailStopReporter(log_dir=str(run_dir)))
     if cfg.trainer.progress_bar:
         callbacks.append(ResiHPProgressBar(recorder))
     t = cfg.trainer

@@ -7,7 +7,8 @@ with the wrong strategy fails at once instead of silently doing nothing.
 
 * :class:`StepStatsSource`: ``last_step_stats`` (the detector, the progress bar);
 * :class:`LayerHost`: ``local_layers()`` (the fault injector slows the rank's own layers);
-* :class:`Replannable`: the above plus the re-planning API (the controller).
+* :class:`Replannable`: the above plus the re-planning API (the controller);
+* :class:`Survivable`: in-process fail-stop recovery's record and listeners (the recovery reporter).
 
 :class:`MigrationRecord` is what ``strategy.last_migration`` holds after a plan was applied.
 """
@@ -124,3 +125,16 @@ def require(strategy: Any, protocol: type, user: str) -> None:
             f"{user} needs a strategy with {', '.join(missing)} ({protocol.__name__} in resihp_lightning.contract); "
             f"{type(strategy).__name__} lacks them: use Trainer(strategy='resihp')"
         )
+
+
+@runtime_checkable
+class Survivable(Protocol):
+    """A strategy that recovers in-process from lost ranks."""
+
+    @property
+    def last_recovery(self) -> Any:
+        """The last recovery (:class:`~resihp_lightning.strategy.fail_stop.RecoveryRecord`), or ``None``."""
+
+    @property
+    def fail_stop_listeners(self) -> list[Any]:
+        """Called as ``listener(event, fields)`` just before the process exits because it cannot recover."""

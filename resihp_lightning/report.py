@@ -29,6 +29,8 @@ from resihp_lightning.errors import ConfigError
 
 STEPS_FILE = "steps.jsonl"
 EVENTS_FILE = "events.jsonl"
+#: Fault kinds that end or freeze a rank (fail-stop).
+STOP_KINDS = ("kill", "hang")
 TABLE_FILE = "report.txt"
 PNG_FILE = "timeline.png"
 
@@ -69,6 +71,13 @@ class Summary:
     migration_s: float | None = None
     bytes_moved: int | None = None
     plans: list[tuple[int, str]] = field(default_factory=list)
+    recovery: dict[str, Any] | None = None
+    detected_after_s: float | None = None
+
+    @property
+    def stop_fault(self) -> bool:
+        """Whether the fault killed or froze a rank (fail-stop) rather than slowing it."""
+        return self.fault is not None and self.fault.get("kind") in STOP_KINDS
 
     @property
     def detection_latency(self) -> int | None:
@@ -140,6 +149,9 @@ def summarize(run: Run, skip: int = 3) -> Summary:
     steps = sorted(run.steps, key=lambda r: r["step"])
     world = max(int(steps[0].get("P", 1)) * int(steps[0].get("D", 1)), 1)
     faults = [e for e in run.events if e["event"] == "fault_injected" and e.get("kind", "slow") == "slow"]
+    stops = [e for e in run.events if e["event"] == "fault_injected" and e.get("kind") in STOP_KINDS]
+    if not faults and stops:
+        return _summarize_fail_stop(run, steps, world, stops[0], skip)
     fault = faults[0] if faults else None
     summary = Summary(len(steps), world, Phase("healthy"), Phase("slowed, before re-plan"), Phase("after re-plan"))
     fault_step = int(fault["start_step"]) if fault is not None else None
@@ -186,6 +198,62 @@ def summarize(run: Run, skip: int = 3) -> Summary:
     return summary
 
 
+def _summarize_fail_stop(run: Run, steps: list[dict[str, Any]], world: int, fault: dict[str, Any], skip: int) -> Summary:
+    """Phases around a killed / frozen rank: healthy, the step redone on the survivors, after recovery."""
+    summary = Summary(len(steps), world, Phase("healthy"), Phase("step redone on the survivors"), Phase("after recovery"))
+    summary.fault = fault
+    fault_step = int(fault["start_step"])
+    finished = [e for e in run.events if e["event"] == "recovery_finished"]
+    summary.recovery = finished[0] if finished else None
+    struck = [e for e in run.events if e["event"] == "fault_struck"]
+    detected = [e for e in run.events if e["event"] == "fail_stop_detected" and e.get("rank") == fault.get("rank")]
+    if struck and detected and "at" in struck[0] and "at" in detected[0]:
+        summary.detected_after_s = float(detected[0]["at"]) - float(struck[0]["at"])
+    if detected:
+        summary.detected_step = detected[0]["step"]
+    if summary.recovery is not None:
+        summary.applied_step = summary.recovery["step"]
+        summary.bytes_moved = summary.recovery.get("bytes_moved")
+        summary.migration_s = summary.recovery.get("restore_s")
+    previous = None
+    for record in steps:
+        label = _plan_label(record)
+        if label != previous:
+            summary.plans.append((record["step"], label))
+            previous = label
+    for record in steps:
+        step = record["step"]
+        if step < skip:
+            continue
+        phase = summary.healthy if step < fault_step else summary.slowed if step == fault_step else summary.after
+        phase.steps.append(step)
+        phase.tokens += int(record["tokens"])
+        phase.seconds += float(record["wall_ms"]) / 1000.0
+    healthy = summary.healthy.tokens_per_s
+    if healthy is not None:
+        survivors = len(summary.recovery["members"]) if summary.recovery is not None else world - 1
+        summary.ideal_tokens_per_s = healthy * survivors / world
+    return summary
+
+
+def _format_fail_stop(summary: Summary) -> list[str]:
+    fault = summary.fault or {}
+    how = "killed (SIGKILL)" if fault.get("kind") == "kill" else "frozen (SIGSTOP)"
+    lines = [f"fault: rank {fault.get('rank')} {how} inside step {fault.get('start_step')}"]
+    if summary.detected_after_s is not None:
+        lines.append(f"detection: {summary.detected_after_s:.3f} s after the fault")
+    recovery = summary.recovery
+    if recovery is None:
+        lines.append("recovery: none (see events.jsonl)")
+    else:
+        lines.append(
+            f"recovery: {len(recovery['members'])} survivors; regroup {recovery['regroup_s']:.3f} s, plan "
+            f"{recovery['plan_s']:.3f} s, restore {recovery['restore_s']:.3f} s "
+            f"({(recovery.get('bytes_moved') or 0) / 2**20:.1f} MiB), step redone in {recovery['redo_s']:.2f} s"
+        )
+    return lines
+
+
 def _fmt(value: float | None, spec: str = ".0f") -> str:
     return "-" if value is None else format(value, spec)
 
@@ -199,14 +267,20 @@ def format_table(summary: Summary) -> str:
         share = f"{rate / healthy * 100:.0f}%" if rate is not None and healthy else "-"
         rows.append((phase.name, phase.span, _fmt(rate), share))
     ideal = summary.ideal_tokens_per_s
-    if summary.fault is not None:
+    if summary.stop_fault:
+        survivors = len(summary.recovery["members"]) if summary.recovery is not None else summary.world_size - 1
+        rows.append((f"ideal ({survivors}/{summary.world_size} of healthy)", "-", _fmt(ideal),
+                     f"{ideal / healthy * 100:.0f}%" if ideal and healthy else "-"))
+    elif summary.fault is not None:
         ideal_note = f"ideal (S/N of healthy, S = {summary.world_size - 1} + 1/{summary.fault.get('factor', 1):g})"
         rows.append((ideal_note, "-", _fmt(ideal), f"{ideal / healthy * 100:.0f}%" if ideal and healthy else "-"))
     width = max(len(r[0]) for r in rows)
     lines = [f"| {'phase':<{width}} | steps   | tokens/s | of healthy |", f"|{'-' * (width + 2)}|---------|----------|------------|"]
     lines += [f"| {name:<{width}} | {span:<7} | {rate:>8} | {share:>10} |" for name, span, rate, share in rows]
     fault = summary.fault
-    if fault is None:
+    if summary.stop_fault:
+        lines += _format_fail_stop(summary)
+    elif fault is None:
         lines.append("no fault injected")
     else:
         lines.append(f"fault: {fault.get('factor', '?')}x slowdown on rank {fault.get('rank')} from step {fault['start_step']}")
@@ -246,12 +320,15 @@ def plot(run: Run, summary: Summary, out: str | os.PathLike[str]) -> Path:
                           label=f"{phase.name}: {value:.0f}")
     if summary.ideal_tokens_per_s is not None and summary.fault is not None:
         bottom.axhline(summary.ideal_tokens_per_s, color="gray", linestyle=":", linewidth=1.5,
-                       label=f"ideal S/N: {summary.ideal_tokens_per_s:.0f}")
+                       label=f"ideal: {summary.ideal_tokens_per_s:.0f}")
     marks = []
-    if summary.fault is not None:
+    if summary.stop_fault:
+        marks.append((int(summary.fault["start_step"]), "tab:red", "--",
+                      f"rank {summary.fault.get('rank')} {summary.fault.get('kind')}ed"))
+    elif summary.fault is not None:
         marks.append((int(summary.fault["start_step"]), "tab:red", "--",
                       f"fault: {summary.fault.get('factor', '?')}x on rank {summary.fault.get('rank')}"))
-    if summary.detected_step is not None:
+    if summary.detected_step is not None and not summary.stop_fault:
         marks.append((summary.detected_step, "tab:orange", "-.", f"detected (+{summary.detection_latency} steps)"))
     for step, label in summary.plans[1:]:
         marks.append((step, "tab:green", "-", f"plan {label}"))
@@ -263,7 +340,9 @@ def plot(run: Run, summary: Summary, out: str | os.PathLike[str]) -> Path:
                      color=color, fontsize=9, va="top",
                      bbox={"boxstyle": "round,pad=0.2", "facecolor": "white", "edgecolor": "none", "alpha": 0.85})
     if summary.migration_s is not None and summary.applied_step is not None:
-        top.annotate(f"migration {summary.migration_s:.2f} s", (summary.applied_step, wall[xs.index(summary.applied_step)])
+        what = "recovery" if summary.stop_fault else "migration"
+        seconds = summary.recovery["total_s"] if summary.stop_fault and summary.recovery else summary.migration_s
+        top.annotate(f"{what} {seconds:.2f} s", (summary.applied_step, wall[xs.index(summary.applied_step)])
                      if summary.applied_step in xs else (summary.applied_step, top_y * 0.5),
                      xytext=(8, -12), textcoords="offset points", fontsize=8, color="tab:green",
                      bbox={"boxstyle": "round,pad=0.2", "facecolor": "white", "edgecolor": "none", "alpha": 0.85})

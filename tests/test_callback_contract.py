@@ -69,12 +69,14 @@ def test_fit_with_a_plain_strategy_fails_at_setup_before_any_step(tmp_path):
     assert steps == []
 
 
-def test_fault_injector_needs_layers_only_for_a_slow_fault_on_its_own_rank(tmp_path):
-    slow_here = FaultInjector({"kind": "slow", "rank": 0, "factor": 2.0}, log_dir=str(tmp_path))
-    with pytest.raises(ConfigError, match=r"FaultInjector \(a slow fault on this rank\) needs a strategy with "
-                                          r"local_layers \(LayerHost"):
-        slow_here.setup(_trainer(tmp_path, [slow_here], strategy="ddp"), None, "fit")
-    for faults in ({"kind": "slow", "rank": 3, "factor": 2.0}, {"kind": "kill", "rank": 0, "start_step": 99}):
+def test_fault_injector_needs_layers_only_for_a_fault_on_its_own_rank(tmp_path):
+    # slow, kill and hang act on this rank's layers (kill / hang strike inside the step's schedule).
+    for fault in ({"kind": "slow", "rank": 0, "factor": 2.0}, {"kind": "kill", "rank": 0, "start_step": 99}):
+        here = FaultInjector(fault, log_dir=str(tmp_path))
+        with pytest.raises(ConfigError, match=r"FaultInjector \(a slow, kill or hang fault on this rank\) needs a "
+                                              r"strategy with local_layers \(LayerHost"):
+            here.setup(_trainer(tmp_path, [here], strategy="ddp"), None, "fit")
+    for faults in ({"kind": "slow", "rank": 3, "factor": 2.0}, {"kind": "delay_p2p", "rank": 0, "delay_ms": 1.0}):
         injector = FaultInjector(faults, log_dir=str(tmp_path))
         injector.setup(_trainer(tmp_path, [injector], strategy="ddp"), None, "fit")
         injector.teardown(None, None, "fit")

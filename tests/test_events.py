@@ -21,12 +21,17 @@ def test_every_event_kind_round_trips_through_the_file(tmp_path):
     log.log("plan_rejected", 9, reason="cooldown")
     log.log("fail_slow_recovered", 20, rank=2, speed=1.0)
     log.log("fail_stop_detected", None, rank=1)
+    log.log("fault_struck", 21, kind="kill", rank=1, at=12.5)
+    log.log("recovery_started", 21, generation=1, members=[0, 2, 3], failed={1: "exited"})
+    log.log("recovery_finished", 21, generation=1, members=[0, 2, 3], total_s=0.2)
+    log.log("fail_stop_unrecoverable", 22, reason="layer 3 lost", exit_code=75)
     lines = (tmp_path / "run" / "events.jsonl").read_text().splitlines()
-    assert len(lines) == 7 and all(json.loads(line)["event"] for line in lines)
+    assert len(lines) == 11 and all(json.loads(line)["event"] for line in lines)
     events = read_events(tmp_path / "run")
     assert [e["event"] for e in events] == [
         "fault_injected", "fail_slow_detected", "plan_computed", "plan_applied", "plan_rejected",
-        "fail_slow_recovered", "fail_stop_detected",
+        "fail_slow_recovered", "fail_stop_detected", "fault_struck", "recovery_started", "recovery_finished",
+        "fail_stop_unrecoverable",
     ]
     assert set(e["event"] for e in events) == set(EVENT_NAMES)
     assert all({"time", "step", "event"} <= set(e) for e in events)

@@ -43,6 +43,27 @@ def test_tiny_config_trains_on_four_processes_with_a_fault(tmp_path: Path) -> No
     assert "trained 6 steps" in result.stdout
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_a_rank_killed_mid_step_under_the_scripts_own_launcher_costs_one_step(tmp_path: Path) -> None:
+    """Lightning's launcher starts ranks 1..3 as children of rank 0; killing one must not end the job."""
+    run_dir = tmp_path / "run"
+    result = _run("--run_dir", str(run_dir), "--fault.kind", "kill", "--fault.rank", "2", "--fault.start_step", "3",
+                  "--fault.micro_batch", "2", timeout=230)
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == list(range(6))  # no step lost, none repeated
+    assert [s["P"] * s["D"] for s in steps] == [4, 4, 4, 3, 3, 3]
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    kinds = [e["event"] for e in events]
+    for kind in ("fault_struck", "fail_stop_detected", "recovery_started", "plan_applied", "recovery_finished"):
+        assert kind in kinds, kinds
+    finished = next(e for e in events if e["event"] == "recovery_finished")
+    assert finished["members"] == [0, 1, 3] and finished["step"] == 3
+    assert "killed (SIGKILL) inside step 3" in (run_dir / "report.txt").read_text()
+    assert "trained 6 steps" in result.stdout and "on 3 processes" in result.stdout
+
+
 def _one_line_error(result: subprocess.CompletedProcess) -> str:
     assert result.returncode == 2, result.stderr[-2000:]
     lines = [line for line in result.stderr.splitlines() if line.strip()]

@@ -30,6 +30,7 @@ _EXPORTS = {
     "HeartbeatMonitor": "heartbeat_callback",
     "FaultInjector": "fault_injector",
     "ReplanController": "controller",
+    "FailStopReporter": "recovery_log",
 }
 
 __all__ = sorted(_EXPORTS)

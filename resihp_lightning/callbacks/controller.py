@@ -124,6 +124,9 @@ class ReplanController(Callback):
     @override
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         strategy: Replannable = trainer.strategy
+        self.rank = trainer.global_rank  # it changes when lost ranks' survivors regroup
+        if self.events is not None:
+            self.events.rank = self.rank
         if self.detector is None:
             return  # setup did not run
         step = trainer.global_step

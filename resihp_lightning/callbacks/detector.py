@@ -102,6 +102,9 @@ class StragglerDetector(Callback):
     @override
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         strategy: StepStatsSource = trainer.strategy
+        self.rank = trainer.global_rank  # it changes when lost ranks' survivors regroup
+        if self.events is not None:
+            self.events.rank = self.rank
         stats = strategy.last_step_stats
         if stats is None:
             return  # no step measured yet

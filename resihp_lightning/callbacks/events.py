@@ -9,7 +9,11 @@ event              fields
 fault_injected     kind, rank and the fault's parameters (factor, start/end step, ...)
 fail_slow_detected rank, speed (1.0 healthy, 0.5 half speed)
 fail_slow_recovered rank, speed
-fail_stop_detected rank (reported by a live rank)
+fault_struck       kind, rank, at (a kill / hang fault fired inside the step; monotonic time)
+fail_stop_detected rank, how (exited, silent = heartbeat, hung = progress, left out), at
+recovery_started   generation, members (the survivors), failed
+recovery_finished  generation, members, abort_s, regroup_s, plan_s, restore_s, redo_s, total_s, bytes_moved
+fail_stop_unrecoverable reason, exit_code
 plan_computed      plan (Plan JSON), predicted_ms, solve_seconds, status
 plan_applied       plan, migration_seconds, bytes_moved
 plan_rejected      reason
@@ -38,6 +42,10 @@ EVENT_NAMES = (
     "fail_slow_detected",
     "fail_slow_recovered",
     "fail_stop_detected",
+    "fault_struck",
+    "recovery_started",
+    "recovery_finished",
+    "fail_stop_unrecoverable",
     "plan_computed",
     "plan_applied",
     "plan_rejected",

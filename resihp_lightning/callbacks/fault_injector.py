@@ -9,7 +9,9 @@ Per fault (:class:`~resihp_lightning.callbacks.faults.FaultConfig`), on the rank
   that has a ``slow`` fault; other faults need nothing from the strategy), re-wrapped after every
   re-plan, since a rebuild may hand the rank other modules.
 * ``delay_p2p``: every pipeline send waits ``delay_ms`` while active.
-* ``kill``: at ``start_step`` the process ends with ``os._exit(exit_code)``.
+* ``kill`` / ``hang``: inside step ``start_step``, at the forward of the rank's ``micro_batch``-th
+  micro-batch (a pre-hook on its first layer), the process sends itself SIGKILL (as ``kill -9``
+  would) or SIGSTOP (frozen, as a hung device looks from outside).
 
 Each fault writes one ``fault_injected`` event when it starts (by the faulted rank, which may not be
 rank 0, so the write is forced).
@@ -22,6 +24,8 @@ injected anew into the new process, is logged again).
 from __future__ import annotations
 
 import os
+import signal
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,7 +35,7 @@ from typing_extensions import override
 
 from resihp_lightning._logging import get_logger
 from resihp_lightning.callbacks.events import EventLog
-from resihp_lightning.callbacks.faults import DelayedCall, FaultConfig, Slowdown, delay_p2p_sends
+from resihp_lightning.callbacks.faults import STOP_KINDS, DelayedCall, FaultConfig, Slowdown, delay_p2p_sends
 from resihp_lightning.contract import LayerHost, require
 
 log = get_logger(__name__)
@@ -82,8 +86,8 @@ class FaultInjector(Callback):
         self.rank = trainer.global_rank
         self._mine = [f for f in self.faults if f.rank == self.rank]
         slow = any(f.kind == "slow" for f in self._mine)
-        if slow:
-            require(trainer.strategy, LayerHost, "FaultInjector (a slow fault on this rank)")
+        if slow or any(f.kind in STOP_KINDS for f in self._mine):
+            require(trainer.strategy, LayerHost, "FaultInjector (a slow, kill or hang fault on this rank)")
         if self.events is None:
             log_dir = self.log_dir or trainer.log_dir or trainer.default_root_dir
             self.events = EventLog(Path(log_dir), rank=self.rank)
@@ -91,6 +95,21 @@ class FaultInjector(Callback):
             self._slowdown = Slowdown(self.current_factor)
         if any(f.kind == "delay_p2p" for f in self._mine):
             self._delay = delay_p2p_sends(self.current_delay_s)
+
+    def _strike_inside_step(self, host: LayerHost, fault: FaultConfig) -> None:
+        """Arms a pre-hook on this rank's first layer that kills / freezes the process mid-schedule."""
+        layers = host.local_layers()
+        first = layers[min(layers)]
+        seen = [0]
+        sig = signal.SIGKILL if fault.kind == "kill" else signal.SIGSTOP
+
+        def strike(module: Any, args: Any) -> None:
+            seen[0] += 1
+            if seen[0] == fault.micro_batch:
+                self.events.log("fault_struck", self.step, force=True, kind=fault.kind, rank=self.rank, at=time.monotonic())
+                os.kill(os.getpid(), sig)
+
+        first.register_forward_pre_hook(strike)
 
     @override
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -110,8 +129,8 @@ class FaultInjector(Callback):
                 self._announced.add(index)
                 self.events.log("fault_injected", self.step, force=True, **fault.to_dict())
                 log.warning("injecting %s on rank %d at step %d", fault.kind, self.rank, self.step)
-            if fault.kind == "kill":
-                os._exit(fault.exit_code)
+            if fault.kind in STOP_KINDS and self.step == fault.start_step:
+                self._strike_inside_step(trainer.strategy, fault)
         if self._slowdown is not None and self.current_factor() > 1.0:
             host: LayerHost = trainer.strategy
             for module in host.local_layers().values():

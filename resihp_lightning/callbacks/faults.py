@@ -1,6 +1,6 @@
 """Fault descriptions and the plain-PyTorch machinery that injects them (no Lightning needed).
 
-* :class:`FaultConfig`: one fault, YAML-friendly (``kind``: ``slow``, ``delay_p2p`` or ``kill``).
+* :class:`FaultConfig`: one fault, YAML-friendly (``kind``: ``slow``, ``delay_p2p``, ``kill`` or ``hang``).
 * :class:`Slowdown`: makes wrapped modules behave like a device at ``1/factor`` speed. Inside the
   module's own ``forward`` it times the real forward and then sleeps ``(factor - 1)`` times that;
   in the backward pass, identity autograd nodes on the module's outputs and inputs time the module's
@@ -24,7 +24,9 @@ from typing import Any
 
 from resihp_lightning.errors import ConfigError, invalid_option
 
-FAULT_KINDS = ("slow", "delay_p2p", "kill")
+FAULT_KINDS = ("slow", "delay_p2p", "kill", "hang")
+#: Faults that end (``kill``: SIGKILL, like ``kill -9``) or freeze (``hang``: SIGSTOP) the process.
+STOP_KINDS = ("kill", "hang")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,13 +35,15 @@ class FaultConfig:
 
     Attributes:
         kind: ``"slow"`` (compute at 1/factor speed), ``"delay_p2p"`` (wait ``delay_ms`` before
-            each pipeline send) or ``"kill"`` (``os._exit(exit_code)`` at ``start_step``).
-        rank: the global rank that suffers it.
+            each pipeline send), ``"kill"`` (the process gets SIGKILL, as from ``kill -9``) or
+            ``"hang"`` (SIGSTOP: alive but frozen). ``kill`` and ``hang`` strike inside step
+            ``start_step``, at the forward of the rank's ``micro_batch``-th micro-batch.
+        rank: the rank that suffers it (its global rank when the job started).
         factor: slowdown factor for ``slow`` (> 1; 2.0 = half speed).
         start_step: first step (trainer global step) of the fault; the step of death for ``kill``.
         end_step: first step without the fault again (``None``: to the end of training).
         delay_ms: wait per send for ``delay_p2p`` (> 0).
-        exit_code: status of the killed process.
+        micro_batch: for ``kill`` / ``hang``: which of the rank's micro-batches of the step (1 = first).
     """
 
     kind: str = "slow"
@@ -48,11 +52,13 @@ class FaultConfig:
     start_step: int = 0
     end_step: int | None = None
     delay_ms: float = 0.0
-    exit_code: int = 1
+    micro_batch: int = 1
 
     def __post_init__(self) -> None:
         if self.kind not in FAULT_KINDS:
             raise invalid_option("fault.kind", self.kind, FAULT_KINDS)
+        if not isinstance(self.micro_batch, int) or isinstance(self.micro_batch, bool) or self.micro_batch < 1:
+            raise invalid_option("fault.micro_batch", self.micro_batch, "an integer >= 1")
         for name in ("rank", "start_step"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:

@@ -109,6 +109,7 @@ class StepRecorder(Callback):
     @override
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         strategy: Replannable = trainer.strategy
+        self.rank = trainer.global_rank  # it changes when lost ranks' survivors regroup
         now = time.perf_counter()
         wall_ms = (now - (self._last_end or now)) * 1000.0
         self._last_end = now

@@ -161,6 +161,11 @@ class ResiHPStrategyMixin:
         return self._job.last_recovery if self._job is not None else None
 
     @property
+    def fail_stop_listeners(self) -> list[Callable[[str, dict[str, Any]], None]]:
+        """Called as ``listener(event, fields)`` before this process exits unrecoverably (empty without fail_stop)."""
+        return self._job.listeners if self._job is not None else []
+
+    @property
     def runtime(self) -> PipelineRuntime | None:
         """This rank's pipeline runtime (``None`` before setup)."""
         return self._runtime

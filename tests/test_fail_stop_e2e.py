@@ -132,3 +132,25 @@ def test_a_lost_layer_ends_the_job_with_the_restart_status_and_no_hang():
     assert outcome.wall_s < 100, outcome.describe()
     codes = {r.rank: r.exitcode for r in outcome.ranks}
     assert codes == {0: UNRECOVERABLE_EXIT_CODE, 1: UNRECOVERABLE_EXIT_CODE, 2: -9, 3: UNRECOVERABLE_EXIT_CODE}, outcome.describe()
+
+
+def test_fail_stop_options_are_checked_by_name():
+    from resihp_lightning.errors import ConfigError
+    from resihp_lightning.strategy.fail_stop import FailStopConfig
+    from resihp_lightning.strategy.options import StrategyOptions
+
+    assert StrategyOptions(fail_stop=True).fail_stop == FailStopConfig()
+    assert StrategyOptions(fail_stop={"detect_timeout_s": 2.0}).fail_stop.detect_timeout_s == 2.0
+    assert StrategyOptions().fail_stop is None and StrategyOptions(fail_stop=False).fail_stop is None
+    for bad, pattern in (
+        ({"detect_timeout_s": 0.1}, r"`fail_stop.detect_timeout_s`; allowed: seconds >= 2 x interval_s"),
+        ({"solver": "magic"}, r"`fail_stop.solver`; allowed: 'cpsat', 'pulp', 'exact'"),
+        ({"exit_code": 0}, r"`fail_stop.exit_code`"),
+        ({"store_port": 70000}, r"`fail_stop.store_port`"),
+        ({"join_timeout_s": 200.0}, r"`fail_stop.join_timeout_s`; allowed: < regroup_timeout_s"),
+        ({"detect_s": 1.0}, r"`fail_stop.detect_s`"),
+    ):
+        with pytest.raises(ConfigError, match=pattern):
+            StrategyOptions(fail_stop=bad)
+    with pytest.raises(ConfigError, match="`fail_stop`"):
+        StrategyOptions(fail_stop="yes")

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from resihp_lightning.config import PlannerConfig
+from resihp_lightning.config import SOLVERS, PlannerConfig
 from resihp_lightning.errors import PlanError, invalid_option
 from resihp_lightning.plan import Device, Layer, Plan, Problem
 from resihp_lightning.telemetry import LayerCost
@@ -42,6 +42,10 @@ class FailStopConfig:
         solver: planner backend for the survivors' plan (``exact`` is instant at small scale).
         exit_code: process exit status when recovery is impossible (a layer lost with every holder,
             the store lost, this rank evicted).
+        store_port: the rendezvous store host's port. ``None`` (one machine): a free port, found by the
+            job's processes through a file in the temporary directory. Several machines need a fixed
+            port; the host then runs on node 0 at ``$MASTER_ADDR`` (that machine is a single point of
+            failure: losing it ends the job, for a restart).
     """
 
     detect_timeout_s: float = 1.0
@@ -51,12 +55,27 @@ class FailStopConfig:
     regroup_timeout_s: float = 120.0
     solver: str = "exact"
     exit_code: int = UNRECOVERABLE_EXIT_CODE
+    store_port: int | None = None
 
     def __post_init__(self) -> None:
-        PlannerConfig(solver=self.solver)  # validates the name
+        if self.solver not in SOLVERS:
+            raise invalid_option("fail_stop.solver", self.solver, SOLVERS)
+        for name in ("interval_s", "join_timeout_s", "regroup_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise invalid_option(f"fail_stop.{name}", value, "seconds > 0")
+        if not isinstance(self.detect_timeout_s, (int, float)) or not self.detect_timeout_s >= 2 * self.interval_s:
+            raise invalid_option("fail_stop.detect_timeout_s", self.detect_timeout_s, f"seconds >= 2 x interval_s ({2 * self.interval_s:g})")
+        if self.progress_timeout_s is not None and not (
+            isinstance(self.progress_timeout_s, (int, float)) and self.progress_timeout_s >= 2 * self.interval_s
+        ):
+            raise invalid_option("fail_stop.progress_timeout_s", self.progress_timeout_s, "null or seconds >= 2 x interval_s")
+        if self.join_timeout_s >= self.regroup_timeout_s:
+            raise invalid_option("fail_stop.join_timeout_s", self.join_timeout_s, f"< regroup_timeout_s ({self.regroup_timeout_s:g})")
         if not isinstance(self.exit_code, int) or not 1 <= self.exit_code <= 255:
             raise invalid_option("fail_stop.exit_code", self.exit_code, "an integer 1..255")
-        self.world_config("gloo", 60.0)  # validates the timeouts through the resilience layer's checks
+        if self.store_port is not None and (not isinstance(self.store_port, int) or not 1 <= self.store_port <= 65535):
+            raise invalid_option("fail_stop.store_port", self.store_port, "null or a TCP port 1..65535")
 
     @classmethod
     def from_value(cls, value: Any) -> FailStopConfig | None:
@@ -74,12 +93,15 @@ class FailStopConfig:
             return cls(**value)
         raise invalid_option("fail_stop", value, "null, true, false, a FailStopConfig or its dict")
 
-    def world_config(self, backend: str, collective_timeout_s: float) -> Any:
+    def world_config(self, backend: str, collective_timeout_s: float, node_rank: int = 0) -> Any:
         """The :class:`~resihp_lightning.resilience.world.WorldConfig` these options describe."""
         from resihp_lightning.resilience.detector import DetectorConfig
+        from resihp_lightning.resilience.store import StoreConfig
         from resihp_lightning.resilience.world import WorldConfig
 
+        store = StoreConfig() if self.store_port is None else StoreConfig(port=self.store_port, spawn=node_rank == 0)
         return WorldConfig(
+            store=store,
             backend=backend,
             collective_timeout_s=collective_timeout_s,
             join_timeout_s=self.join_timeout_s,

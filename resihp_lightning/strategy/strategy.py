@@ -279,11 +279,16 @@ class ResiHPStrategyMixin:
         if self._job is not None:  # set up again (trainer.validate after fit): the groups exist
             return
         # As DDPStrategy.setup_distributed, but the default group comes from a world that can regroup.
+        if self.num_nodes > 1 and self.options.fail_stop.store_port is None:
+            raise self.misconfiguration_error(
+                "ResiHPStrategy(fail_stop=...) on several machines needs fail_stop.store_port (a fixed port for the "
+                "rendezvous store host, which runs on node 0 at MASTER_ADDR)"
+            )
         self.set_world_ranks()
         self._process_group_backend = self._get_process_group_backend()
         self._job = SurvivingJob(
             self.options.fail_stop, self.global_rank, self.world_size, self._process_group_backend,
-            self.options.timeout.total_seconds(),
+            self.options.timeout.total_seconds(), node_rank=self.node_rank,
         )
         self._note_ranks()
 
@@ -687,6 +692,11 @@ class ResiHPStrategy(ResiHPStrategyMixin, DDPStrategy):
             micro-batch counts may change live (layer moves are refused with a ``PlanError``).
         process_group_backend: ``"gloo"`` / ``"nccl"`` (default by device).
         timeout: collective timeout.
+        gather_weights: which ranks' LightningModule receives every layer's trained weights at the end
+            of ``fit``: ``"all"`` (default), ``"rank0"`` or ``"none"``.
+        fail_stop: in-process recovery from dead or hung ranks
+            (:class:`~resihp_lightning.strategy.fail_stop.FailStopConfig`, ``True`` for the defaults;
+            default off). See :mod:`~resihp_lightning.strategy.survivors`.
         options: all of the above as one :class:`StrategyOptions` (the other arguments are then ignored).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for
             Lightning's ``DDPStrategy``.

@@ -46,12 +46,16 @@ class SurvivingJob:
         world_size: the number of processes at start.
         backend: ``"gloo"`` or ``"nccl"``.
         collective_timeout_s: the strategy's collective timeout.
+        node_rank: this machine's index (the store host runs on node 0 when the port is fixed).
     """
 
-    def __init__(self, config: FailStopConfig, rank: int, world_size: int, backend: str, collective_timeout_s: float) -> None:
+    def __init__(
+        self, config: FailStopConfig, rank: int, world_size: int, backend: str, collective_timeout_s: float, node_rank: int = 0
+    ) -> None:
         self.config = config
         self.backend = backend
-        self.world = ElasticWorld(config.world_config(backend, collective_timeout_s), rank=rank, world_size=world_size).start()
+        world_config = config.world_config(backend, collective_timeout_s, node_rank)
+        self.world = ElasticWorld(world_config, rank=rank, world_size=world_size).start()
         self.commit = StepCommit(self.world)
         self.last_recovery: RecoveryRecord | None = None
         #: Called as ``listener(event, fields)`` before the process exits unrecoverably (event logs).

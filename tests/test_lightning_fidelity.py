@@ -202,3 +202,24 @@ def test_overriding_a_step_method_is_refused_with_the_reason():
     check_contract(Net())
     with pytest.raises(MisconfigurationException, match=r"overrides training_step\(\).*pipeline_loss"):
         check_contract(Custom())
+
+
+def test_manual_optimization_is_refused_with_the_reason(tmp_path):
+    import lightning.pytorch as pl
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    from resihp_lightning.strategy.trainer_options import refuse_unsupported
+
+    Net = build_class()
+
+    class Manual(Net):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, default_root_dir=str(tmp_path))
+    trainer.strategy.connect(Net())
+    refuse_unsupported(trainer, trainer.strategy, MisconfigurationException)
+    trainer.strategy.connect(Manual())
+    with pytest.raises(MisconfigurationException, match=r"automatic_optimization = False.*configure_optimizers"):
+        refuse_unsupported(trainer, trainer.strategy, MisconfigurationException)

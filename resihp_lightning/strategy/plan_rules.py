@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from resihp_lightning.errors import ConfigError, PlanError
 from resihp_lightning.placement import same_layout
-from resihp_lightning.plan import Device, Layer, Plan, Problem, validate
+from resihp_lightning.plan import Device, Layer, Plan, Problem, even_split, validate
 from resihp_lightning.strategy.options import StrategyOptions
 from resihp_lightning.strategy.wrapped_state import wrapped_config_reason, wraps_optimizer
 
@@ -82,3 +83,38 @@ def initial_plan(options: StrategyOptions, world: int, num_layers: int) -> Plan:
     if total < d:
         raise ConfigError(f"invalid value {total!r} for option `micro_batches`; allowed: at least D = {d}")
     return Plan.uniform(list(range(world)), num_layers, p, total)
+
+
+def settle_micro_batches(rows: int, micro_batch_size: int, micro_batches: int | None, fixed: bool, plan: Plan) -> Plan | None:
+    """Checks a training batch of ``rows`` rows; returns the plan with M settled, when it changes.
+
+    Args:
+        rows: the batch's rows.
+        micro_batch_size: rows per micro-batch.
+        micro_batches: M as known so far (``None``: not yet).
+        fixed: M is fixed (by the options or an earlier batch): the batch must have exactly M.
+        plan: the plan in force.
+
+    Returns:
+        ``None`` when the plan already deals out the batch's micro-batches; else ``plan`` with them
+        split evenly over its replicas (the first batch of a job whose M was left open).
+
+    Raises:
+        ConfigError: the batch does not fit (naming the DataLoader setting to change).
+    """
+    if rows % micro_batch_size:
+        raise ConfigError(f"a training batch has {rows} rows, not a multiple of micro_batch_size={micro_batch_size}")
+    count = rows // micro_batch_size
+    if fixed:
+        if count != micro_batches:
+            raise ConfigError(
+                f"a training batch has {rows} rows = {count} micro-batches of {micro_batch_size}, but the job runs "
+                f"M={micro_batches} per step (set drop_last=True on the DataLoader, or micro_batches)"
+            )
+        return None
+    if count == micro_batches and sum(r.micro_batches for r in plan.replicas) == count:
+        return None
+    if count < plan.data_degree:
+        raise ConfigError(f"a training batch of {count} micro-batches cannot feed D={plan.data_degree} replicas")
+    counts = even_split(count, plan.data_degree)
+    return Plan(tuple(replace(r, micro_batches=c) for r, c in zip(plan.replicas, counts)))

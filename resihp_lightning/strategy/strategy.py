@@ -13,17 +13,18 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -31,10 +32,10 @@ from typing_extensions import override
 from resihp_lightning import _registration
 from resihp_lightning._logging import quiet_agreed_errors, user_warn
 from resihp_lightning.contract import MigrationRecord
-from resihp_lightning.errors import ConfigError, PlanError
+from resihp_lightning.errors import PlanError
 from resihp_lightning.placement import row_offset
-from resihp_lightning.plan import Plan, even_split
-from resihp_lightning.strategy import batching, checkpoint
+from resihp_lightning.plan import Plan
+from resihp_lightning.strategy import batching, checkpoint, evaluation
 from resihp_lightning.strategy.engine import init_deepspeed_comm
 from resihp_lightning.strategy.fail_stop import FailStopConfig, RecoveryRecord
 from resihp_lightning.strategy.launcher import without_observer
@@ -42,7 +43,7 @@ from resihp_lightning.strategy.loss_logging import LossLogRecorder
 from resihp_lightning.strategy.module import check_contract, layer_specs, tied_parameters
 from resihp_lightning.strategy.module_weights import LayerKeys, restore_full_precision, sync_module_layers
 from resihp_lightning.strategy.options import StrategyOptions
-from resihp_lightning.strategy.plan_rules import check_plan, initial_plan
+from resihp_lightning.strategy.plan_rules import check_plan, initial_plan, settle_micro_batches
 from resihp_lightning.strategy.runtime import PipelineRuntime, RuntimeConfig
 from resihp_lightning.strategy.survivors import SurvivingJob
 from resihp_lightning.strategy.trainer_options import effective_deepspeed_config, refuse_unsupported
@@ -115,7 +116,6 @@ class ResiHPStrategyMixin:
         self._micro_batches_settled = False
         self._last_step_stats: StepStats | None = None
         self._last_migration: MigrationRecord | None = None
-        self._eval_rows = 0
         self._keys: LayerKeys | None = None
         self._deepspeed_config: dict[str, Any] | None = None
         self._loss_log = LossLogRecorder()
@@ -408,29 +408,21 @@ class ResiHPStrategyMixin:
 
     @override
     def validation_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Tensor:
-        loss = self._evaluate(batch)
-        self.lightning_module.log(
-            "val_loss", loss, on_step=False, on_epoch=True, prog_bar=True, batch_size=self._eval_rows, sync_dist=True
-        )
+        loss, rows = self._evaluate(batch)
+        self.lightning_module.log("val_loss", loss, on_step=False, on_epoch=True, prog_bar=True, batch_size=rows, sync_dist=True)
         return loss
 
     @override
     def test_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Tensor:
-        loss = self._evaluate(batch)
-        self.lightning_module.log("test_loss", loss, on_step=False, on_epoch=True, batch_size=self._eval_rows, sync_dist=True)
+        loss, rows = self._evaluate(batch)
+        self.lightning_module.log("test_loss", loss, on_step=False, on_epoch=True, batch_size=rows, sync_dist=True)
         return loss
 
     @override
     def predict_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Any:
-        # The whole batch's outputs, in row order, on every rank (as one device would return them).
-        items, outputs = self._run_share(batch, compute_loss=False)
-        mine = None
-        if outputs is not None:
-            mine = (self._require_runtime().position.replica, [batching.to_cpu(out) for out in outputs])
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine)
-        parts = [part for _, part in sorted(entry for entry in gathered if entry is not None)]
-        return batching.to_device(batching.concat_rows([out for part in parts for out in part]), self.root_device)
+        runtime = self._require_runtime()
+        _, _, outputs = evaluation.run_share(runtime, self.lightning_module, batch, self.micro_batch_size, compute_loss=False)
+        return evaluation.joined_outputs(runtime.position.replica, outputs, self.root_device)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
@@ -556,9 +548,6 @@ class ResiHPStrategyMixin:
 
     def _note_ranks(self) -> None:
         """Points Lightning's rank-zero utilities at this process's rank in the current group."""
-        from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
-        from lightning.pytorch.utilities.rank_zero import rank_zero_only
-
         rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank
 
     # ----------------------------------------------------------------------------- internals
@@ -590,26 +579,12 @@ class ResiHPStrategyMixin:
 
     def _settle_micro_batches(self, rows: int) -> None:
         """Checks a training batch's size; the first one fixes M when the options left it open."""
-        mbs = self.micro_batch_size
-        if rows % mbs:
-            raise ConfigError(f"a training batch has {rows} rows, not a multiple of micro_batch_size={mbs}")
-        count = rows // mbs
-        if self.options.micro_batches is not None or self._micro_batches_settled:
-            if count != self._num_micro:
-                raise ConfigError(
-                    f"a training batch has {rows} rows = {count} micro-batches of {mbs}, but the job runs "
-                    f"M={self._num_micro} per step (set drop_last=True on the DataLoader, or micro_batches)"
-                )
-            return
+        fixed = self.options.micro_batches is not None or self._micro_batches_settled
         self._micro_batches_settled = True
-        plan = self.current_plan
-        if count == self._num_micro and sum(r.micro_batches for r in plan.replicas) == count:
-            return
-        if count < plan.data_degree:
-            raise ConfigError(f"a training batch of {count} micro-batches cannot feed D={plan.data_degree} replicas")
-        counts = even_split(count, plan.data_degree)
-        self._num_micro = count
-        self._require_runtime().switch(Plan(tuple(replace(r, micro_batches=c) for r, c in zip(plan.replicas, counts))))
+        plan = settle_micro_batches(rows, self.micro_batch_size, self._num_micro, fixed, self.current_plan)
+        if plan is not None:
+            self._num_micro = sum(r.micro_batches for r in plan.replicas)
+            self._require_runtime().switch(plan)
 
     def _setup_user_optimizer(self, trainer: Any) -> Optimizer:
         module = self.lightning_module
@@ -626,26 +601,13 @@ class ResiHPStrategyMixin:
             )
         return self.optimizers[0]
 
-    def _run_share(self, batch: Any, compute_loss: bool) -> tuple[list[batching.MicroBatch], list[Any] | None]:
-        """Runs this replica's share of an evaluation batch (see ``batching.eval_shares``)."""
-        runtime = self._require_runtime()
-        split = batching.split_batch(self.lightning_module, batch)
-        self._eval_rows = split.rows
-        shares = batching.eval_shares(split.rows, self.micro_batch_size, [r.micro_batches for r in runtime.plan.replicas])
-        offset, count = shares[runtime.position.replica]
-        items = batching.micro_batches(split, offset, count, self.micro_batch_size)
-        return items, runtime.eval_batch(items, compute_loss)
-
-    def _evaluate(self, batch: Any) -> Tensor:
-        with self._loss_log.recording(self.lightning_module):
-            items, losses = self._run_share(batch, compute_loss=True)
-        self._loss_log.replay(self.lightning_module, self.root_device)
-        sums = torch.zeros(2, dtype=torch.float64, device=self.root_device)
-        for mb, loss in zip(items, losses or ()):
-            sums[0] += float(loss.float()) * mb.rows
-            sums[1] += mb.rows
-        dist.all_reduce(sums)
-        return (sums[0] / sums[1]).float()
+    def _evaluate(self, batch: Any) -> tuple[Tensor, int]:
+        """The batch's mean loss over rows (``self.log`` in ``pipeline_loss`` works here too) and its rows."""
+        module = self.lightning_module
+        with self._loss_log.recording(module):
+            split, items, losses = evaluation.run_share(self._require_runtime(), module, batch, self.micro_batch_size, True)
+        self._loss_log.replay(module, self.root_device)
+        return evaluation.mean_loss(items, losses, self.root_device), split.rows
 
 
 class ResiHPStrategy(ResiHPStrategyMixin, DDPStrategy):

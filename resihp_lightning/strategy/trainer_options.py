@@ -87,6 +87,12 @@ def refuse_unsupported(trainer: Any, strategy: Any, error: type[Exception]) -> N
             "Trainer(accumulate_grad_batches) must be 1 with ResiHPStrategy; the pipeline accumulates over "
             "micro-batches already (set micro_batches / the batch size instead)"
         )
+    if not getattr(trainer.lightning_module, "automatic_optimization", True):
+        raise error(
+            "manual optimization (LightningModule.automatic_optimization = False) is not supported by "
+            "ResiHPStrategy: the pipeline engine runs each micro-batch's forward and backward and the "
+            "optimizer step itself; configure one optimizer in configure_optimizers instead"
+        )
     if getattr(strategy, "_layer_sync", None) is not None:
         raise error(
             "Trainer(sync_batchnorm=True) is not supported by ResiHPStrategy: each layer runs on one stage per "

@@ -172,6 +172,24 @@ def summarize(run: Run, skip: int = 3) -> Summary:
     if fault_step is not None:
         after_fault = [s for s in migrated if s > fault_step]
         summary.applied_step = after_fault[0] if after_fault else None
+    def phase_of(record: dict[str, Any]) -> Phase | None:
+        step = record["step"]
+        if record.get("migrated"):
+            return None
+        if fault_step is None or step < fault_step:
+            return summary.healthy
+        return summary.slowed if summary.applied_step is None or step < summary.applied_step else summary.after
+
+    _fill_phases(summary, steps, skip, phase_of)
+    healthy = summary.healthy.tokens_per_s
+    if healthy is not None:
+        factor = float(fault.get("factor", 1.0)) if fault is not None else 1.0
+        summary.ideal_tokens_per_s = healthy * (world - 1 + 1.0 / factor) / world if fault is not None else healthy
+    return summary
+
+
+def _fill_phases(summary: Summary, steps: list[dict[str, Any]], skip: int, phase_of: Any) -> None:
+    """Records the plan changes, and adds each step from ``skip`` on to the phase ``phase_of`` gives (or none)."""
     previous = None
     for record in steps:
         label = _plan_label(record)
@@ -179,23 +197,11 @@ def summarize(run: Run, skip: int = 3) -> Summary:
             summary.plans.append((record["step"], label))
             previous = label
     for record in steps:
-        step = record["step"]
-        if step < skip or record.get("migrated"):
-            continue
-        if fault_step is None or step < fault_step:
-            phase = summary.healthy
-        elif summary.applied_step is None or step < summary.applied_step:
-            phase = summary.slowed
-        else:
-            phase = summary.after
-        phase.steps.append(step)
-        phase.tokens += int(record["tokens"])
-        phase.seconds += float(record["wall_ms"]) / 1000.0
-    healthy = summary.healthy.tokens_per_s
-    if healthy is not None:
-        factor = float(fault.get("factor", 1.0)) if fault is not None else 1.0
-        summary.ideal_tokens_per_s = healthy * (world - 1 + 1.0 / factor) / world if fault is not None else healthy
-    return summary
+        phase = phase_of(record) if record["step"] >= skip else None
+        if phase is not None:
+            phase.steps.append(record["step"])
+            phase.tokens += int(record["tokens"])
+            phase.seconds += float(record["wall_ms"]) / 1000.0
 
 
 def _summarize_fail_stop(run: Run, steps: list[dict[str, Any]], world: int, fault: dict[str, Any], skip: int) -> Summary:
@@ -215,20 +221,8 @@ def _summarize_fail_stop(run: Run, steps: list[dict[str, Any]], world: int, faul
         summary.applied_step = summary.recovery["step"]
         summary.bytes_moved = summary.recovery.get("bytes_moved")
         summary.migration_s = summary.recovery.get("restore_s")
-    previous = None
-    for record in steps:
-        label = _plan_label(record)
-        if label != previous:
-            summary.plans.append((record["step"], label))
-            previous = label
-    for record in steps:
-        step = record["step"]
-        if step < skip:
-            continue
-        phase = summary.healthy if step < fault_step else summary.slowed if step == fault_step else summary.after
-        phase.steps.append(step)
-        phase.tokens += int(record["tokens"])
-        phase.seconds += float(record["wall_ms"]) / 1000.0
+    _fill_phases(summary, steps, skip, lambda record: summary.healthy if record["step"] < fault_step
+                 else summary.slowed if record["step"] == fault_step else summary.after)
     healthy = summary.healthy.tokens_per_s
     if healthy is not None:
         survivors = len(summary.recovery["members"]) if summary.recovery is not None else world - 1

@@ -95,3 +95,34 @@ def test_report_fails_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixtur
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("resihp report: error: ")
     assert not (run / "timeline.png").exists()
+
+
+def test_a_killed_rank_splits_the_run_around_the_redone_step(tmp_path: Path) -> None:
+    """Steps 3-9 healthy on 4 processes (0.5 s), step 10 killed and redone (2 s), 11-19 on 3 (0.6 s)."""
+    run_dir = tmp_path / "killed"
+    run_dir.mkdir()
+    steps = [{"step": s, "time": 1000.0 + s, "wall_ms": 2000.0 if s == 10 or s < 3 else 500.0 if s < 10 else 600.0,
+              "tokens": TOKENS, "P": 2 if s < 10 else 1, "D": 2 if s < 10 else 3, "micro": [4, 4] if s < 10 else [2, 3, 3],
+              "migrated": False} for s in range(20)]
+    (run_dir / "steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    plan = {"pipeline_degree": 1, "data_degree": 3,
+            "replicas": [{"devices": [d], "bounds": [0, 8], "micro_batches": m} for d, m in ((0, 2), (1, 3), (3, 3))]}
+    events = [
+        {"time": 1010.0, "step": 10, "event": "fault_injected", "kind": "kill", "rank": 2, "start_step": 10},
+        {"time": 1010.1, "step": 10, "event": "fault_struck", "kind": "kill", "rank": 2, "at": 50.0},
+        {"time": 1010.2, "step": 10, "event": "fail_stop_detected", "rank": 2, "how": "exited", "at": 50.04},
+        {"time": 1010.2, "step": 10, "event": "recovery_started", "generation": 1, "members": [0, 1, 3]},
+        {"time": 1010.2, "step": 10, "event": "plan_applied", "plan": plan, "migration_seconds": 0.1, "bytes_moved": 2**20},
+        {"time": 1010.2, "step": 10, "event": "recovery_finished", "generation": 1, "members": [0, 1, 3], "abort_s": 0.0,
+         "regroup_s": 0.2, "plan_s": 0.02, "restore_s": 0.1, "redo_s": 1.5, "total_s": 1.82, "bytes_moved": 2**20},
+    ]
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    summary = summarize(load_run(run_dir))
+    assert (summary.healthy.span, summary.slowed.span, summary.after.span) == ("3-9", "10-10", "11-19")
+    assert summary.healthy.tokens_per_s == pytest.approx(TOKENS / 0.5)
+    assert summary.ideal_tokens_per_s == pytest.approx(TOKENS / 0.5 * 3 / 4)
+    assert summary.detected_after_s == pytest.approx(0.04)
+    code = main(["report", str(run_dir)])
+    text = (run_dir / "report.txt").read_text()
+    assert code == 0 and "rank 2 killed (SIGKILL) inside step 10" in text and "ideal (3/4 of healthy)" in text
+    assert "regroup 0.200 s" in text and "step redone in 1.50 s" in text and (run_dir / "timeline.png").stat().st_size > 10_000

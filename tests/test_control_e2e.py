@@ -53,21 +53,15 @@ class _Rows(torch.utils.data.Dataset):
         return self.x[i % BASE_ROWS], self.y[i % BASE_ROWS]
 
 
-def _control_rank(rank: int, world: int, log_dir: str) -> dict:
-    import lightning.pytorch as pl
-    from torch.utils.data import DataLoader
-
-    from resihp_lightning.callbacks import FaultInjector, ReplanController, StragglerDetector
-    from resihp_lightning.callbacks.replan_policy import ControllerConfig
-    from resihp_lightning.config import PlannerConfig
+def build_stack(width: int = WIDTH, depth: int = DEPTH) -> type:
+    """The control tests' model: ``depth`` Linear + tanh layers, SGD (built lazily: Lightning imports slowly)."""
     from resihp_lightning.strategy.module import ResiHPModule
-    from resihp_lightning.strategy.strategy import ResiHPStrategy
 
     class Stack(ResiHPModule):
         def __init__(self) -> None:
             super().__init__()
             torch.manual_seed(0)
-            self.layers = nn.ModuleList([nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(DEPTH)])
+            self.layers = nn.ModuleList([nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(depth)])
 
         def pipeline_layers(self):
             return list(self.layers)
@@ -77,6 +71,20 @@ def _control_rank(rank: int, world: int, log_dir: str) -> dict:
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    return Stack
+
+
+def _control_rank(rank: int, world: int, log_dir: str) -> dict:
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    from resihp_lightning.callbacks import FaultInjector, ReplanController, StragglerDetector
+    from resihp_lightning.callbacks.replan_policy import ControllerConfig
+    from resihp_lightning.config import PlannerConfig
+    from resihp_lightning.strategy.strategy import ResiHPStrategy
+
+    Stack = build_stack()
 
     steps: list[dict] = []  # per training step: plan in force, rank's step time, detector's view
 

@@ -22,8 +22,8 @@ import os
 
 import pytest
 import torch
-from torch import nn
-from torch.nn import functional as F
+
+from test_control_e2e import build_stack
 
 WORLD, WIDTH, DEPTH, MBS, M = 4, 512, 2, 32, 32
 SLOW_RANK, FACTOR, FAULT_STEP = 2, 20.0, 6
@@ -37,23 +37,9 @@ def _rank(rank: int, world: int, log_dir: str) -> dict:
 
     from resihp_lightning.callbacks import FaultInjector, ReplanController, StragglerDetector
     from resihp_lightning.callbacks.progress import ResiHPProgressBar, StepRecorder
-    from resihp_lightning.strategy.module import ResiHPModule
     from resihp_lightning.strategy.strategy import ResiHPStrategy
 
-    class Stack(ResiHPModule):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.layers = nn.ModuleList([nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(DEPTH)])
-
-        def pipeline_layers(self):
-            return list(self.layers)
-
-        def pipeline_loss(self, outputs, labels):
-            return F.mse_loss(outputs, labels)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.01)
+    Stack = build_stack(WIDTH, DEPTH)
 
     gen = torch.Generator().manual_seed(1)
     rows = M * MBS * 8

@@ -59,6 +59,14 @@ class StepStatsSource(Protocol):
     def last_step_stats(self) -> StepStats | None:
         """This rank's statistics of the last training step (``None`` before the first)."""
 
+    @property
+    def collectives_interrupted(self) -> bool:
+        """Whether a lost peer interrupted this step's collectives after its update (skip the rest of them)."""
+
+    def collective(self, run: Any) -> tuple[bool, Any]:
+        """Runs ``run()`` (a collective of a callback, between steps): ``(True, result)``, or ``(False, None)``
+        when a peer was lost and the survivors regrouped (the callback skips the rest of this step)."""
+
 
 @runtime_checkable
 class LayerHost(Protocol):
@@ -96,6 +104,11 @@ class Replannable(StepStatsSource, LayerHost, Protocol):
 
     def layer_profile(self) -> list[LayerCost]:
         """Measured per-layer costs (collective: every rank calls it at the same step)."""
+
+
+def provides(obj: Any, protocol: type) -> bool:
+    """Whether ``obj`` has every member of ``protocol`` (looked up statically)."""
+    return not missing_members(obj, protocol)
 
 
 def missing_members(obj: Any, protocol: type) -> list[str]:
@@ -138,3 +151,8 @@ class Survivable(Protocol):
     @property
     def fail_stop_listeners(self) -> list[Any]:
         """Called as ``listener(event, fields)`` just before the process exits because it cannot recover."""
+
+    @property
+    def recovery_listeners(self) -> list[Any]:
+        """Called (no arguments) on every survivor inside a recovery, in registration order, after the new
+        group formed: a callback re-synchronises its cross-rank state there (collectives allowed)."""

@@ -19,7 +19,10 @@ from test_lightning_fidelity import STEPS, build_class, reference
 from test_strategy_e2e import M, MBS, make_data
 
 
-def _job(rank: int, world: int, run_dir: str, victims: dict, steps: int, how: str = "kill", **strategy_kwargs) -> dict:
+def _job(
+    rank: int, world: int, run_dir: str, victims: dict, steps: int, how: str = "kill", between: bool = False,
+    **strategy_kwargs,
+) -> dict:
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -36,7 +39,7 @@ def _job(rank: int, world: int, run_dir: str, victims: dict, steps: int, how: st
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             strategy = trainer.strategy
-            if victims.get(strategy.device_id) != trainer.global_step:
+            if between or victims.get(strategy.device_id) != trainer.global_step:
                 return
             layer = next(iter(strategy.local_layers().values()))
             seen = [0]
@@ -51,6 +54,10 @@ def _job(rank: int, world: int, run_dir: str, victims: dict, steps: int, how: st
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self.losses.append(float(outputs["loss"]))
+            # ``between``: the victim dies after its step, before the callbacks' collectives of that step.
+            if between and victims.get(trainer.strategy.device_id) == trainer.global_step - 1:
+                last_words(run_dir, rank, died_at=time.monotonic())
+                os.kill(os.getpid(), signal.SIGKILL)
 
     recorder = KillInsideStep()
     x, y = make_data()
@@ -58,7 +65,7 @@ def _job(rank: int, world: int, run_dir: str, victims: dict, steps: int, how: st
     trainer = pl.Trainer(
         accelerator="cpu", devices=world, strategy=strategy, max_steps=steps, logger=False,
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-        callbacks=[recorder],
+        callbacks=[recorder, *_callbacks(between)],
     )
     model = build_class()()
     trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=M * MBS))
@@ -68,6 +75,15 @@ def _job(rank: int, world: int, run_dir: str, victims: dict, steps: int, how: st
         "recovery": strategy.last_recovery,
         "plan": strategy.current_plan.to_dict(),
     }
+
+
+def _callbacks(with_controller: bool) -> list:
+    """The detector and the controller, whose own collectives a lost rank can interrupt."""
+    if not with_controller:
+        return []
+    from resihp_lightning.callbacks import ReplanController, StragglerDetector
+
+    return [StragglerDetector(warmup_steps=1, fit_steps=2), ReplanController(planner={"solver": "exact"})]
 
 
 def _check_exact(outcome, survivors, steps) -> None:
@@ -154,3 +170,17 @@ def test_fail_stop_options_are_checked_by_name():
             StrategyOptions(fail_stop=bad)
     with pytest.raises(ConfigError, match="`fail_stop`"):
         StrategyOptions(fail_stop="yes")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_a_rank_lost_between_steps_interrupts_the_callbacks_collectives_not_the_job():
+    """Rank 1 dies after step 2 and before the detector's all-gather: the survivors regroup there, skip the
+    rest of that step's collectives, re-synchronise the detector and controller, and go on exactly."""
+    from resihp_lightning.resilience.harness import run_job
+
+    outcome = run_job(_job, 4, timeout=180, wait_for=[0, 2, 3], victims={1: 2}, steps=STEPS, between=True,
+                      pipeline_degree=2)
+    _check_exact(outcome, [0, 2, 3], STEPS)
+    record = outcome.values()[0]["recovery"]
+    assert record.members == (0, 2, 3) and 1 in record.failed and record.redo_s == 0.0  # nothing to redo

@@ -57,7 +57,7 @@ from resihp_lightning.callbacks.replan_policy import (
     estimate_migration_s,
 )
 from resihp_lightning.config import PlannerConfig, config_from_dict
-from resihp_lightning.contract import Replannable, require
+from resihp_lightning.contract import Replannable, Survivable, provides, require
 from resihp_lightning.errors import ConfigError, PlanError, ResiHPError
 from resihp_lightning.plan import Plan, evaluate
 from resihp_lightning.telemetry import LayerCost
@@ -120,6 +120,9 @@ class ReplanController(Callback):
         if self.events is None:
             self.events = self.detector.events or EventLog(
                 Path(self.log_dir or trainer.log_dir or trainer.default_root_dir), rank=self.rank)
+        self._step = lambda: trainer.global_step
+        if provides(trainer.strategy, Survivable) and self._resync not in trainer.strategy.recovery_listeners:
+            trainer.strategy.recovery_listeners.append(self._resync)
 
     @override
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -127,8 +130,8 @@ class ReplanController(Callback):
         self.rank = trainer.global_rank  # it changes when lost ranks' survivors regroup
         if self.events is not None:
             self.events.rank = self.rank
-        if self.detector is None:
-            return  # setup did not run
+        if self.detector is None or strategy.collectives_interrupted:
+            return  # setup did not run, or the survivors of a lost rank meet again at the next step
         step = trainer.global_step
         self._note_applied(strategy, step)
         self._put_back_chosen(strategy, step)
@@ -138,15 +141,20 @@ class ReplanController(Callback):
         first = self.detector.config.warmup_steps + self.detector.config.fit_steps
         due = (self._profile is None and step >= first) or (interval and step > 0 and step % interval == 0)
         if due and not flagged:
-            self._profile = strategy.layer_profile()  # collective, at the same step on every rank
+            done, profile = strategy.collective(strategy.layer_profile)  # at the same step on every rank
+            if not done:
+                return
+            self._profile = profile
         if self.detector.version == self._seen_version:
             return
         self._seen_version = self.detector.version
         if self._profile is None:
-            self._profile = strategy.layer_profile()
+            done, self._profile = strategy.collective(strategy.layer_profile)
+            if not done:
+                return
         verdict = self._plan_on_rank0(trainer, step) if self.rank == 0 else None
-        plan_dict = _broadcast(verdict)
-        if plan_dict is None:
+        done, plan_dict = strategy.collective(lambda: _broadcast(verdict))
+        if not done or plan_dict is None:
             return
         plan = Plan.from_dict(plan_dict)
         try:
@@ -184,6 +192,20 @@ class ReplanController(Callback):
         self._chosen = None if chosen is None else Plan.from_dict(chosen)
         self._awaiting = self._chosen if state_dict["awaiting"] else None
         self._restore = self._chosen
+
+    def _resync(self) -> None:
+        """Inside a fail-stop recovery: every survivor takes the new rank 0's decision state.
+
+        The survivors run the plan the recovery chose, so no chosen plan is awaited or put back, and
+        the recovery counts as a plan change for the cooldown.
+        """
+        import torch.distributed as dist
+
+        box = [self.state_dict() if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        self.load_state_dict(box[0])
+        self._chosen = self._awaiting = self._restore = None
+        self._last_change_step = self._step()
 
     # ---------------------------------------------------------------------------- internals
     def _put_back_chosen(self, strategy: Replannable, step: int) -> None:

@@ -39,7 +39,7 @@ from resihp_lightning.callbacks.straggler import (
     StragglerCore,
 )
 from resihp_lightning.config import config_from_options
-from resihp_lightning.contract import StepStatsSource, require
+from resihp_lightning.contract import StepStatsSource, Survivable, provides, require
 
 log = get_logger(__name__)
 
@@ -94,6 +94,8 @@ class StragglerDetector(Callback):
     @override
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         require(trainer.strategy, StepStatsSource, "StragglerDetector")
+        if provides(trainer.strategy, Survivable) and self._resync not in trainer.strategy.recovery_listeners:
+            trainer.strategy.recovery_listeners.append(self._resync)
         self.rank = trainer.global_rank
         if self.events is None:
             log_dir = self.log_dir or trainer.log_dir or trainer.default_root_dir
@@ -106,8 +108,8 @@ class StragglerDetector(Callback):
         if self.events is not None:
             self.events.rank = self.rank
         stats = strategy.last_step_stats
-        if stats is None:
-            return  # no step measured yet
+        if stats is None or strategy.collectives_interrupted:
+            return  # no step measured yet, or the survivors of a lost rank meet again at the next step
         if stats.step == self._last_step:
             return  # no new step
         self._last_step = stats.step
@@ -120,7 +122,10 @@ class StragglerDetector(Callback):
     # ------------------------------------------------------------------------------ report
     def report(self, trainer: Any, step: int) -> None:
         """Gathers every rank's pending summaries and folds them into the core (collective)."""
-        gathered = _all_gather(self._pending)
+        strategy: StepStatsSource = trainer.strategy
+        done, gathered = strategy.collective(lambda: _all_gather(self._pending))
+        if not done:
+            return  # a peer was lost: the survivors regrouped and _resync made their state agree
         self._pending = []
         by_step: dict[int, list[RankSummary]] = {}
         for part in gathered:
@@ -175,6 +180,23 @@ class StragglerDetector(Callback):
         self._last_step = state_dict["last_step"]
         self._next_report = state_dict["next_report"]
         self._interval = state_dict["interval"]
+
+    def _resync(self) -> None:
+        """Inside a fail-stop recovery: every survivor takes the cross-rank state of the new rank 0.
+
+        Survivors can be interrupted at different collectives of a step (one folded step s into its
+        core, another did not), so their states may differ; the decisions they take at the same step
+        must not. Each keeps its own tracker (its own measurements); pending summaries are dropped.
+        """
+        import torch.distributed as dist
+
+        box = [{"core": self.core.state_dict(), "last_step": self._last_step, "next_report": self._next_report,
+                "interval": self._interval} if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        state = box[0]
+        self.core.load_state_dict(state["core"])
+        self._last_step, self._next_report, self._interval = state["last_step"], state["next_report"], state["interval"]
+        self._pending = []
 
     def _log_scores(self, trainer: Any, step: int) -> None:
         if self.rank != 0:

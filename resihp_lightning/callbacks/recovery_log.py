@@ -39,7 +39,8 @@ class FailStopReporter(Callback):
         if self.events is None:
             log_dir = self.log_dir or trainer.log_dir or trainer.default_root_dir
             self.events = EventLog(Path(log_dir), rank=trainer.global_rank)
-        trainer.strategy.fail_stop_listeners.append(self._unrecoverable)
+        if self._unrecoverable not in trainer.strategy.fail_stop_listeners:
+            trainer.strategy.fail_stop_listeners.append(self._unrecoverable)
         self._step = lambda: trainer.global_step
 
     @override

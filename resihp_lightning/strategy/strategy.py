@@ -34,6 +34,7 @@ from resihp_lightning._logging import quiet_agreed_errors, user_warn
 from resihp_lightning.contract import MigrationRecord
 from resihp_lightning.errors import PlanError
 from resihp_lightning.placement import row_offset
+from resihp_lightning.resilience.errors import PeerFailure
 from resihp_lightning.plan import Plan
 from resihp_lightning.strategy import batching, checkpoint, evaluation
 from resihp_lightning.strategy.engine import init_deepspeed_comm
@@ -120,6 +121,7 @@ class ResiHPStrategyMixin:
         self._deepspeed_config: dict[str, Any] | None = None
         self._loss_log = LossLogRecorder()
         self._job: SurvivingJob | None = None  # the job's recoverable groups when fail_stop is on
+        self._interrupted = False  # a peer was lost after this step's update: skip its other collectives
 
     @classmethod
     @override
@@ -164,6 +166,35 @@ class ResiHPStrategyMixin:
     def fail_stop_listeners(self) -> list[Callable[[str, dict[str, Any]], None]]:
         """Called as ``listener(event, fields)`` before this process exits unrecoverably (empty without fail_stop)."""
         return self._job.listeners if self._job is not None else []
+
+    @property
+    def recovery_listeners(self) -> list[Callable[[], None]]:
+        """Called on every survivor inside a recovery (callbacks re-synchronise their state there)."""
+        return self._job.recovery_listeners if self._job is not None else []
+
+    @property
+    def collectives_interrupted(self) -> bool:
+        """Whether a lost peer interrupted this step after its update; callbacks skip their collectives then."""
+        return self._interrupted
+
+    def collective(self, run: Callable[[], Any]) -> tuple[bool, Any]:
+        """Runs a callback's collective between steps (see :class:`~resihp_lightning.contract.StepStatsSource`).
+
+        Without fail-stop recovery it simply runs. With it, a lost peer makes the survivors regroup
+        (:meth:`_recover`), and this and every later collective of the step is skipped on this rank:
+        survivors interrupted at different collectives of the same step meet again at the next step.
+        """
+        if self._job is None:
+            return True, run()
+        if self._interrupted:
+            return False, None
+        try:
+            with self._job.world.guard():
+                return True, run()
+        except PeerFailure as failure:
+            self._recover(failure)
+            self._interrupted = True
+            return False, None
 
     @property
     def runtime(self) -> PipelineRuntime | None:
@@ -358,6 +389,7 @@ class ResiHPStrategyMixin:
 
     @override
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        self._interrupted = False
         split = batching.split_batch(self.lightning_module, batch)
         self._settle_micro_batches(split.rows)
         if self._pending is not None:
@@ -384,13 +416,16 @@ class ResiHPStrategyMixin:
             ),
             step_ms=(time.perf_counter() - start) * 1000.0,
         )
-        self._after_step(lambda: self._loss_log.replay(self.lightning_module, self.root_device))
+        self.collective(lambda: self._loss_log.replay(self.lightning_module, self.root_device))
         loss = loss.detach().float().reshape(())
         # The loss is already the global batch's on every rank; sync_dist only averages identical
         # values (exactly), and tells Lightning that epoch-level aggregation is distributed-safe.
-        self._after_step(lambda: self.lightning_module.log(
+        # After an interruption the value is logged unsynced: the survivors are at different collectives.
+        logged, _ = self.collective(lambda: self.lightning_module.log(
             "train_loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=split.rows, sync_dist=True
         ))
+        if not logged:
+            self.lightning_module.log("train_loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=split.rows)
         if self._job is not None:
             self._job.progress(self.lightning_module.trainer.global_step + 1)
         return loss
@@ -538,13 +573,6 @@ class ResiHPStrategyMixin:
             f"ResiHPStrategy: lost rank(s) {sorted(self._job.last_recovery.failed)} at step {step}; "
             f"{self.world_size} survivors go on under {self.current_plan.pipeline_degree}x{self.current_plan.data_degree}"
         )
-
-    def _after_step(self, action: Callable[[], Any]) -> None:
-        """Runs a collective after the step's commit point (again on the survivors if a peer is lost)."""
-        if self._job is None:
-            action()
-        else:
-            self._job.run_collective(action, self._recover)
 
     def _note_ranks(self) -> None:
         """Points Lightning's rank-zero utilities at this process's rank in the current group."""

@@ -6,7 +6,7 @@ recovery itself: regroup the survivors, re-initialise ``deepspeed.comm`` on the 
 the survivors, and let the :class:`~.runtime.PipelineRuntime` restore the layers each survivor now
 needs. The strategy wraps each training step in :meth:`SurvivingJob.run_step` (a step that lost a
 peer before its commit point is redone) and each collective after the commit point in
-:meth:`SurvivingJob.run_collective` (it is run again on the survivors; the step is not redone).
+``ResiHPStrategy.collective`` (skipped after a recovery: the survivors meet again at the next step).
 """
 
 from __future__ import annotations
@@ -60,6 +60,8 @@ class SurvivingJob:
         self.last_recovery: RecoveryRecord | None = None
         #: Called as ``listener(event, fields)`` before the process exits unrecoverably (event logs).
         self.listeners: list[Callable[[str, dict[str, Any]], None]] = []
+        #: Called on every survivor inside each recovery, after the runtime is rebuilt (state resync).
+        self.recovery_listeners: list[Callable[[], None]] = []
         self._redo_pending = False
         self._closed = False
         atexit.register(self.close)
@@ -96,21 +98,12 @@ class SurvivingJob:
                     result = attempt()
             except PeerFailure as failure:
                 recover(failure)
+                self._redo_pending = True
                 continue
             if self._redo_pending and self.last_recovery is not None:
                 self.last_recovery = replace(self.last_recovery, redo_s=time.monotonic() - started)
             self._redo_pending = False
             return result
-
-    def run_collective(self, action: Callable[[], Any], recover: Callable[[PeerFailure], None]) -> None:
-        """Runs a collective after the commit point; on a lost peer, ``recover`` and run it again."""
-        while True:
-            try:
-                with self.world.guard():
-                    action()
-                return
-            except PeerFailure as failure:
-                recover(failure)
 
     def progress(self, step: int) -> None:
         """Tells the peers' hang check that this process finished ``step``."""
@@ -164,6 +157,8 @@ class SurvivingJob:
         except (PlanError, ConfigError) as err:
             self.unrecoverable(step, str(err))
         clock.mark("restore")
+        for listener in self.recovery_listeners:
+            listener()
         known = {r: f for r, f in world.detector.failed.items() if r in before and r not in members}
         self.last_recovery = RecoveryRecord(
             step=step,
@@ -178,7 +173,6 @@ class SurvivingJob:
             restore_s=clock.marks["restore"],
             bytes_moved=record.bytes_moved,
         )
-        self._redo_pending = True
         log.warning("recovered from %s at step %d: %d survivors under %s", failure, step, len(members), plan.layout_key())
         return record
 

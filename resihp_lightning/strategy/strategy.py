@@ -382,6 +382,25 @@ class ResiHPStrategyMixin:
         self._runtime.start(optimizer)
         self.setup_precision_plugin()
 
+    # Lightning's own collectives (ModelCheckpoint, early stopping, ...) between steps: with fail-stop
+    # recovery a lost peer regroups the survivors, and the call answers as a single process would.
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        parent = super().barrier
+        self.collective(lambda: parent(*args, **kwargs))
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        parent = super().broadcast
+        done, result = self.collective(lambda: parent(obj, src))
+        return result if done else obj
+
+    @override
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        parent = super().reduce
+        done, result = self.collective(lambda: parent(tensor, group=group, reduce_op=reduce_op))
+        return result if done else tensor
+
     @override
     def model_to_device(self) -> None:
         # The pipeline module moves its own (local) layers; the rest of the model stays where it is.

@@ -14,7 +14,10 @@ the same script from ``exec`` to the end of its first step (process start, impor
 data, model build, first step), plus loading a checkpoint of the demo model into it (``torch.load``
 + ``load_state_dict``). Lost work since the last checkpoint comes on top and is not counted.
 
-Run: ``python benchmarks/fail_stop.py [--repeats 3]`` (about a minute per run on 2 cores).
+**Overhead** (``--overhead N``): healthy step time of the demo with ``fail_stop`` on (heartbeat
+threads, the store host, the commit vote of every step) and off, N runs of each, interleaved.
+
+Run: ``python benchmarks/fail_stop.py [--repeats 3] [--overhead 0]`` (about a minute per run on 2 cores).
 """
 
 from __future__ import annotations
@@ -132,13 +135,33 @@ def _checkpoint_load_s(run_dir: Path) -> float:
     return time.perf_counter() - started
 
 
+def overhead(repeats: int, steps: int = 14) -> dict[str, list[float]]:
+    """Median healthy step wall time (steps 3..) with fail_stop on and off, interleaved runs."""
+    times: dict[str, list[float]] = {"on": [], "off": []}
+    for _ in range(repeats):
+        for mode in ("on", "off"):
+            run_dir = Path(tempfile.mkdtemp(prefix=f"resihp-overhead-{mode}-"))
+            extra = () if mode == "on" else ("--strategy.fail_stop", "null")
+            _run(run_dir, "--trainer.max_steps", str(steps), *extra)
+            walls = [json.loads(line)["wall_ms"] for line in (run_dir / "steps.jsonl").read_text().splitlines()][3:]
+            times[mode].append(statistics.median(walls) / 1000.0)
+            print(f"fail_stop {mode}: median step {times[mode][-1]:.3f} s", flush=True)
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--victim", type=int, default=2)
     parser.add_argument("--kill-step", type=int, default=8)
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--overhead", type=int, default=0, help="runs of each (on / off) for the overhead table")
     args = parser.parse_args()
+    if args.overhead:
+        times = overhead(args.overhead)
+        on, off = statistics.median(times["on"]), statistics.median(times["off"])
+        print(f"\nhealthy step: fail_stop on {on:.3f} s, off {off:.3f} s, ratio {on / off:.3f}")
+        return
     rows = in_process(args.repeats, args.victim, args.kill_step, args.steps)
     keys = ("detect", "abort", "regroup", "plan", "restore", "redo", "kill_to_first_step", "healthy_step")
     print("\n| in-process (median of %d) | " % len(rows) + " | ".join(keys) + " |")

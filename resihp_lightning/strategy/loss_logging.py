@@ -42,7 +42,15 @@ class LossLogRecorder:
             del module.log
 
     def replay(self, module: Any, device: torch.device) -> None:
-        """Logs each recorded name's mean over the global batch on every rank (collective)."""
+        """Logs each recorded name's mean over the global batch on every rank (collective).
+
+        Every rank must join (only last stages know what was logged); a one-number all-reduce first
+        keeps the common case, nothing logged, to that.
+        """
+        anything = torch.tensor([len(self._sums)], dtype=torch.int64, device=device)
+        dist.all_reduce(anything, op=dist.ReduceOp.MAX)
+        if not int(anything.item()):
+            return
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, self._sums)
         merged: dict[str, list[Any]] = {}

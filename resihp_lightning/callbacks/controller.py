@@ -18,8 +18,10 @@ rank, so every rank takes this branch at the same step):
    model is recalibrated.
 
 A healed device changes the speeds back, so the same path plans the job back to a healthy layout.
-Fail-stop is not re-planned live (a dead rank breaks the process group); the
-:class:`~.heartbeat_callback.HeartbeatMonitor` reports it and the job restarts from a checkpoint.
+Fail-stop is recovered by the strategy itself (``ResiHPStrategy(fail_stop=...)``): it plans for the
+survivors, and inside the recovery the controller takes the new rank 0's state (cooldown from the
+recovery on); its collectives go through ``strategy.collective``, which skips the rest of a step
+that a lost rank interrupted.
 
 Checkpoints (Lightning's ``state_dict`` / ``load_state_dict``): the controller saves the step of its
 last plan change (so the cooldown carries over), the migration cost model calibrated so far (rank

@@ -8,11 +8,15 @@ rank, so every rank takes this branch at the same step):
    taken once the detector's warm-up and fit are over and refreshed every ``profile_interval_steps``,
    both only while no rank is flagged; the strategy's per-layer recording is paused while any rank
    is flagged, so slow devices do not inflate the costs);
-2. rank 0 builds the :class:`~resihp_lightning.plan.Problem` (:func:`.replan_policy.build_problem`),
-   runs the planner (:func:`resihp_lightning.solver.solve`), prices the plan in force under the same
-   speeds, and decides (:func:`.replan_policy.decide`: gain vs. migration cost, hysteresis, cooldown);
-   it logs ``plan_computed`` and, when it says no, ``plan_rejected``;
-3. rank 0 broadcasts the verdict (``broadcast_object_list``) and every rank calls
+2. rank 0 builds the :class:`~resihp_lightning.plan.Problem` (:func:`.replan_policy.build_problem`)
+   and hands it to the planner's worker process (:class:`.background_planner.BackgroundPlanner`), so
+   the solve runs off the training step; when the result is back (within ``plan_wait_s`` at this step,
+   or at a later step boundary while training goes on), rank 0 prices the plan in force under the same
+   speeds and decides (:func:`.replan_policy.decide`: gain vs. migration cost, hysteresis, cooldown);
+   it logs ``plan_computed`` and, when it says no, ``plan_rejected``. A solve whose inputs changed
+   meanwhile (the speeds moved again) is superseded by a new one;
+3. at each step boundary while a solve is pending, rank 0 broadcasts the verdict or "pending"
+   (``broadcast_object_list``, a few bytes) and, once there is a plan, every rank calls
    ``strategy.request_plan(plan)``; the strategy applies it at the next step boundary, after which
    ``plan_applied`` is logged with the measured migration time and bytes, and the migration cost
    model is recalibrated.
@@ -48,6 +52,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from resihp_lightning._logging import get_logger, user_info
+from resihp_lightning.callbacks.background_planner import BackgroundPlanner
 from resihp_lightning.callbacks.detector import StragglerDetector
 from resihp_lightning.callbacks.events import EventLog
 from resihp_lightning.callbacks.replan_policy import (
@@ -61,7 +66,7 @@ from resihp_lightning.callbacks.replan_policy import (
 from resihp_lightning.config import PlannerConfig, config_from_dict
 from resihp_lightning.contract import Replannable, Survivable, provides, require
 from resihp_lightning.errors import ConfigError, PlanError, ResiHPError
-from resihp_lightning.plan import Plan, evaluate
+from resihp_lightning.plan import Plan, Problem, evaluate
 from resihp_lightning.telemetry import LayerCost
 
 log = get_logger(__name__)
@@ -106,6 +111,9 @@ class ReplanController(Callback):
         self._restore: Plan | None = None  # from a checkpoint: to put back in force after the first step
         self._overhead_s = self.config.migration_overhead_s
         self._bandwidth = self.config.migration_bandwidth_mb_s
+        self._inflight = False  # a solve was started and its verdict not broadcast yet (every rank knows)
+        self._planner: BackgroundPlanner | None = None  # rank 0's worker process
+        self._problem: Problem | None = None  # rank 0: what the pending solve answers
 
     # ---------------------------------------------------------------------------- callbacks
     @override
@@ -123,8 +131,17 @@ class ReplanController(Callback):
             self.events = self.detector.events or EventLog(
                 Path(self.log_dir or trainer.log_dir or trainer.default_root_dir), rank=self.rank)
         self._step = lambda: trainer.global_step
+        if self.rank == 0 and self._planner is None:
+            self._planner = BackgroundPlanner()  # its start-up overlaps the detector's warm-up
         if provides(trainer.strategy, Survivable) and self._resync not in trainer.strategy.recovery_listeners:
             trainer.strategy.recovery_listeners.append(self._resync)
+
+    @override
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if self._planner is not None:
+            self._planner.close()
+            self._planner = None
+        self._inflight = False
 
     @override
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -147,18 +164,26 @@ class ReplanController(Callback):
             if not done:
                 return
             self._profile = profile
-        if self.detector.version == self._seen_version:
+        wait = 0.0
+        if self.detector.version != self._seen_version:
+            self._seen_version = self.detector.version
+            if self._profile is None:
+                done, self._profile = strategy.collective(strategy.layer_profile)
+                if not done:
+                    return
+            if self.rank == 0:
+                self._submit(trainer, step)
+            self._inflight, wait = True, self.config.plan_wait_s
+        if not self._inflight:
             return
-        self._seen_version = self.detector.version
-        if self._profile is None:
-            done, self._profile = strategy.collective(strategy.layer_profile)
-            if not done:
-                return
-        verdict = self._plan_on_rank0(trainer, step) if self.rank == 0 else None
-        done, plan_dict = strategy.collective(lambda: _broadcast(verdict))
-        if not done or plan_dict is None:
+        verdict = self._collect_on_rank0(trainer, step, wait) if self.rank == 0 else None
+        done, message = strategy.collective(lambda: _broadcast(verdict))
+        if not done or message == _PENDING:
             return
-        plan = Plan.from_dict(plan_dict)
+        self._inflight = False
+        if message is None:
+            return
+        plan = Plan.from_dict(message)
         try:
             strategy.request_plan(plan)
         except PlanError as err:
@@ -173,7 +198,7 @@ class ReplanController(Callback):
         """Cooldown, migration cost model, layer profile and chosen plan, as plain data."""
         return {
             "last_change_step": self._last_change_step,
-            "seen_version": self._seen_version,
+            "seen_version": -1 if self._inflight else self._seen_version,  # a pending solve is redone
             "migration_overhead_s": self._overhead_s,
             "migration_bandwidth_mb_s": self._bandwidth,
             "profile": None if self._profile is None else [dataclasses.asdict(cost) for cost in self._profile],
@@ -208,6 +233,7 @@ class ReplanController(Callback):
         self.load_state_dict(box[0])
         self._chosen = self._awaiting = self._restore = None
         self._last_change_step = self._step()
+        self._inflight = False
 
     # ---------------------------------------------------------------------------- internals
     def _put_back_chosen(self, strategy: Replannable, step: int) -> None:
@@ -233,30 +259,47 @@ class ReplanController(Callback):
         self._awaiting = plan
         user_info(f"re-planning at step {step}: putting back the plan chosen before the resume")
 
-    def _plan_on_rank0(self, trainer: Any, step: int) -> dict[str, Any] | None:
-        from resihp_lightning.solver import solve
-
+    def _submit(self, trainer: Any, step: int) -> None:
+        """Rank 0: builds the problem for the speeds now and starts solving it in the background."""
         strategy: Replannable = trainer.strategy
         current: Plan = strategy.current_plan
         ranks = sorted(current.device_ids)
         micro = strategy.micro_batches or sum(r.micro_batches for r in current.replicas)
+        self._problem = None
         try:
-            problem = build_problem(self._profile, self.detector.speeds, ranks, micro, self.config, self.planner,
-                                    per_replica_bounds=strategy.supports_per_replica_bounds)
-            plan = solve(problem, self.planner)
+            self._problem = build_problem(self._profile, self.detector.speeds, ranks, micro, self.config, self.planner,
+                                          per_replica_bounds=strategy.supports_per_replica_bounds)
         except ResiHPError as err:
             self._log("plan_rejected", step, reason=f"planner failed: {err}")
+            return
+        if self._planner is None:  # this rank became rank 0 in a regroup
+            self._planner = BackgroundPlanner()
+        self._planner.submit(self._problem, self.planner, tag=dict(self.detector.speeds))
+
+    def _collect_on_rank0(self, trainer: Any, step: int, wait_s: float) -> Any:
+        """Rank 0: the verdict to broadcast: ``_PENDING``, a plan dict to apply, or ``None`` (no change)."""
+        if self._problem is None or self._planner is None or not self._planner.busy:
             return None
-        except Exception as err:  # noqa: BLE001
-            # Only rank 0 plans while the others wait in the broadcast: an escaping exception here
-            # would leave them hanging until the collective timeout. Keep training under the plan in
-            # force, and keep the traceback in the log so the bug is not hidden.
-            log.exception("planner raised at step %d; keeping the plan in force", step)
-            self._log("plan_rejected", step, reason=f"planner error: {type(err).__name__}: {err}")
+        done, speeds, result = self._planner.poll(wait_s)
+        if not done:
+            return _PENDING
+        if isinstance(result, BaseException):
+            # Keep training under the plan in force; the log keeps what went wrong.
+            if isinstance(result, ResiHPError):
+                self._log("plan_rejected", step, reason=f"planner failed: {result}")
+            else:
+                log.error("planner raised at step %d; keeping the plan in force: %r", step, result)
+                self._log("plan_rejected", step, reason=f"planner error: {type(result).__name__}: {result}")
             return None
+        return self._decide(trainer, step, self._problem, result, speeds)
+
+    def _decide(self, trainer: Any, step: int, problem: Any, plan: Plan, speeds: dict[int, float]) -> dict[str, Any] | None:
+        """Rank 0: prices the plan in force and the new one under the same speeds; the plan dict to apply, or None."""
+        strategy: Replannable = trainer.strategy
+        current: Plan = strategy.current_plan
         self._log("plan_computed", step, plan=plan, predicted_ms=plan.iteration_ms,
                   solve_seconds=plan.solve_seconds, status=plan.status,
-                  speeds={r: s for r, s in self.detector.speeds.items() if s != 1.0})
+                  speeds={r: s for r, s in speeds.items() if s != 1.0})
         try:
             current_ms = evaluate(problem, current).iteration_ms
         except PlanError:
@@ -299,6 +342,10 @@ class ReplanController(Callback):
     def _log(self, event: str, step: int, **fields: Any) -> None:
         if self.rank == 0 and self.events is not None:
             self.events.log(event, step, **fields)
+
+
+#: What rank 0 broadcasts while the background solve is still running.
+_PENDING = "pending"
 
 
 def _broadcast(obj: Any) -> Any:

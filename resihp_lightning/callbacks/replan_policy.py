@@ -47,6 +47,9 @@ class ControllerConfig:
         memory_mb: memory per device for the Problem (``None``: unlimited).
         profile_interval_steps: refresh the cached healthy layer profile this often while no rank
             is flagged (the profile is a collective; 0 = only when first needed).
+        plan_wait_s: how long every rank waits, at the step whose detector change started a solve,
+            for the solve to finish; a longer solve goes on in the planner's worker process while
+            training continues, and its plan is applied at the first step boundary after it is ready.
     """
 
     min_relative_gain: float = 0.05
@@ -60,11 +63,12 @@ class ControllerConfig:
     allreduce_ms: float = 0.0
     memory_mb: float | None = None
     profile_interval_steps: int = 50
+    plan_wait_s: float = 0.5
 
     def __post_init__(self) -> None:
         if not _number(self.min_relative_gain) or not 0 <= self.min_relative_gain < 1:
             raise invalid_option("controller.min_relative_gain", self.min_relative_gain, "a number in [0, 1)")
-        for name in ("payback_factor", "p2p_ms", "allreduce_ms", "migration_overhead_s"):
+        for name in ("payback_factor", "p2p_ms", "allreduce_ms", "migration_overhead_s", "plan_wait_s"):
             if not _number(getattr(self, name)) or getattr(self, name) < 0:
                 raise invalid_option(f"controller.{name}", getattr(self, name), "a number >= 0")
         for name in ("speed_quantum", "migration_bandwidth_mb_s"):

@@ -7,11 +7,17 @@ Reads pickled ``(job id, Problem, PlannerConfig)`` requests from stdin and write
 
 from __future__ import annotations
 
+import os
 import pickle
 import sys
 
+#: Added to the worker's nice value (lower CPU priority than the training processes).
+NICENESS = 19
+
 
 def main() -> None:
+    # Below the training processes in the CPU scheduler's eyes: a solve uses cores they leave idle.
+    os.nice(NICENESS)
     from resihp_lightning.solver import solve
 
     requests, replies = sys.stdin.buffer, sys.stdout.buffer

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from resihp_lightning.resilience.harness import run_job  # noqa: E402
+from harness import run_job  # noqa: E402
 
 
 def _problem():

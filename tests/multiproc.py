@@ -35,19 +35,22 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def torchrun_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """The environment torchrun gives rank ``rank`` of a one-machine job (one thread per process)."""
+    return {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "GROUP_RANK": "0",
+        "OMP_NUM_THREADS": "1",
+    }
+
+
 def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, out: str, env: dict, kwargs: dict) -> None:
-    os.environ.update(
-        {
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world_size),
-            "LOCAL_WORLD_SIZE": str(world_size),
-            "GROUP_RANK": "0",
-            "OMP_NUM_THREADS": "1",
-        }
-    )
+    os.environ.update(torchrun_env(rank, world_size, port))
     os.environ.update(env)
     try:
         import torch

@@ -1,6 +1,6 @@
 """Fail-stop recovery end to end: a rank SIGKILLed inside a pipeline step, the survivors finish exactly.
 
-Real gloo processes under ``resilience.harness.run_job`` (a rank that dies is an outcome, not a
+Real gloo processes under ``harness.run_job`` (``tests/harness.py``) (a rank that dies is an outcome, not a
 harness failure; the job is bounded and never hangs). The survivors' losses and final weights must
 equal a one-process run of the same model and data over the whole run: the interrupted step is
 redone once on the survivors, with the same global batch.
@@ -26,7 +26,7 @@ def _job(
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 
-    from resihp_lightning.resilience.harness import last_words
+    from harness import last_words
     from resihp_lightning.strategy.fail_stop import FailStopConfig
     from resihp_lightning.strategy.strategy import ResiHPStrategy
 
@@ -101,7 +101,7 @@ def _check_exact(outcome, survivors, steps) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(200)
 def test_sigkill_inside_a_step_costs_one_step_not_the_job():
-    from resihp_lightning.resilience.harness import run_job
+    from harness import run_job
 
     outcome = run_job(_job, 4, timeout=180, wait_for=[0, 1, 3], victims={2: 2}, steps=STEPS, pipeline_degree=2)
     _check_exact(outcome, [0, 1, 3], STEPS)
@@ -116,7 +116,7 @@ def test_sigkill_inside_a_step_costs_one_step_not_the_job():
 @pytest.mark.timeout(200)
 def test_losing_rank_0_then_another_rank_goes_on_exactly():
     """Rank 0 (whose process hosted the store in a plain Lightning job) dies, then rank 3: 4 -> 3 -> 2."""
-    from resihp_lightning.resilience.harness import run_job
+    from harness import run_job
 
     outcome = run_job(_job, 4, timeout=180, wait_for=[1, 2], victims={0: 1, 3: 3}, steps=STEPS, pipeline_degree=2)
     _check_exact(outcome, [1, 2], STEPS)
@@ -128,7 +128,7 @@ def test_losing_rank_0_then_another_rank_goes_on_exactly():
 @pytest.mark.timeout(200)
 def test_a_frozen_rank_is_evicted_and_the_job_goes_on_exactly():
     """SIGSTOP: the process is alive but silent; it is evicted after the heartbeat timeout."""
-    from resihp_lightning.resilience.harness import run_job
+    from harness import run_job
 
     outcome = run_job(_job, 4, timeout=180, wait_for=[0, 2, 3], victims={1: 2}, steps=STEPS, how="stop", pipeline_degree=2)
     _check_exact(outcome, [0, 2, 3], STEPS)
@@ -141,7 +141,7 @@ def test_a_frozen_rank_is_evicted_and_the_job_goes_on_exactly():
 @pytest.mark.timeout(200)
 def test_a_lost_layer_ends_the_job_with_the_restart_status_and_no_hang():
     """D = 1: the dead rank's layers have no other holder; every survivor exits with fail_stop.exit_code."""
-    from resihp_lightning.resilience.harness import run_job
+    from harness import run_job
     from resihp_lightning.strategy.fail_stop import UNRECOVERABLE_EXIT_CODE
 
     outcome = run_job(_job, 4, timeout=120, wait_for=[0, 1, 3], victims={2: 1}, steps=STEPS, pipeline_degree=4)
@@ -177,7 +177,7 @@ def test_fail_stop_options_are_checked_by_name():
 def test_a_rank_lost_between_steps_interrupts_the_callbacks_collectives_not_the_job():
     """Rank 1 dies after step 2 and before the detector's all-gather: the survivors regroup there, skip the
     rest of that step's collectives, re-synchronise the detector and controller, and go on exactly."""
-    from resihp_lightning.resilience.harness import run_job
+    from harness import run_job
 
     outcome = run_job(_job, 4, timeout=180, wait_for=[0, 2, 3], victims={1: 2}, steps=STEPS, between=True,
                       pipeline_degree=2)

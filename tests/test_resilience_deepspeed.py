@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from resihp_lightning.resilience.harness import last_words, run_job
+from harness import last_words, run_job
 
 pytestmark = pytest.mark.multiprocess
 

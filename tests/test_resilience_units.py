@@ -310,7 +310,7 @@ def test_store_host_ends_when_its_members_are_gone(tmp_path: Path):
 
 @pytest.mark.multiprocess
 def test_a_fixed_port_store_host_is_started_once_shared_and_ends_after_everyone_left(tmp_path: Path):
-    from resihp_lightning.resilience.harness import free_port
+    from harness import free_port
     from resihp_lightning.resilience.store import RendezvousStore, read_address
 
     config = StoreConfig(run_dir=str(tmp_path), run_id="unit", port=free_port(), host="127.0.0.1", linger_s=0.3)

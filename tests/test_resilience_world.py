@@ -1,6 +1,6 @@
 """In-process recovery with real gloo processes: kill, stop or hang a rank; the survivors go on.
 
-Each test runs 4 fresh processes (``resihp_lightning.resilience.harness``: a rank that dies is an
+Each test runs 4 fresh processes (``tests/harness.py``: a rank that dies is an
 outcome, not a harness failure; everything still running at the end is SIGKILLed, so nothing hangs)
 in a loop of collectives under :class:`ElasticWorld`. The victim leaves the ``time.monotonic()`` of
 its failure (one clock for all processes of a machine); the survivors report when their blocked
@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from resihp_lightning.resilience.harness import last_words, run_job
+from harness import last_words, run_job
 
 pytestmark = pytest.mark.multiprocess
 

@@ -9,8 +9,9 @@ The pieces, one job each:
   blocked gloo collective;
 * :mod:`.membership`: how the survivors agree on the next generation's members;
 * :mod:`.world`: :class:`ElasticWorld`, the lifecycle of the job's groups, generation by generation;
-* :mod:`.frameworks`: forgetting DeepSpeed's cached groups after a regroup;
-* :mod:`.harness`: running a local job whose members die on purpose (tests, benchmarks).
+* :mod:`.frameworks`: forgetting DeepSpeed's cached groups after a regroup.
+
+Tests and benchmarks run jobs whose members die on purpose with ``tests/harness.py``.
 
 ``import resihp_lightning.resilience`` does not import torch; the names below load on first use.
 """

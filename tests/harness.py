@@ -1,6 +1,6 @@
 """Runs a local job whose members may die on purpose, and never hangs (tests and benchmarks).
 
-Like ``tests/multiproc.py`` (fresh processes, torchrun-style environment, one thread each, a hard
+Like ``multiproc.py`` beside it (fresh processes, torchrun-style environment, one thread each, a hard
 timeout; forked from a fork server that imported torch once, which saves each rank of each job
 torch's import), except that a rank that dies or stops is an *outcome* to report, not a failure of the
 harness: :func:`run_job` waits for the ranks named in ``wait_for`` (default: all) to return, then
@@ -18,7 +18,6 @@ import multiprocessing
 import os
 import pickle
 import signal
-import socket
 import tempfile
 import time
 import traceback
@@ -27,15 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from multiproc import free_port, torchrun_env
 from resihp_lightning.resilience.procs import ProcessIdentity
 from resihp_lightning.resilience.store import read_address
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def last_words(run_dir: str, rank: int, **values: Any) -> None:
@@ -95,18 +88,7 @@ class JobOutcome:
 def _rank_main(
     fn: Callable[..., Any], rank: int, world_size: int, port: int, run_dir: str, env: dict, kwargs: dict
 ) -> None:
-    os.environ.update(
-        {
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world_size),
-            "LOCAL_WORLD_SIZE": str(world_size),
-            "GROUP_RANK": "0",
-            "OMP_NUM_THREADS": "1",
-        }
-    )
+    os.environ.update(torchrun_env(rank, world_size, port))
     os.environ.update(env)
     import logging
 

@@ -687,6 +687,10 @@ class ResiHPStrategy(ResiHPStrategyMixin, DDPStrategy):
     engine in place; anything else builds a new engine and moves the parameters and optimizer state of
     the layers whose owner changes, point to point (:attr:`last_migration` records time and bytes).
 
+    Fail-stop (``fail_stop=...``): the job's process groups come from a world that can regroup; a
+    rank that dies or hangs costs the step it interrupted, which the survivors redo exactly under a
+    plan for themselves (:mod:`~resihp_lightning.strategy.survivors`, :attr:`last_recovery`).
+
     Args:
         pipeline_degree: P of the initial uniform plan (default 2 when the world size is even and
             above 2, else 1).

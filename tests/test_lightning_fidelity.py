@@ -123,6 +123,16 @@ def _fidelity_rank(rank: int, world: int, ckpt_dir: str) -> dict:
     trainer.fit(Net(), loader)
     out["zero1_clipped"] = recorder.losses
 
+    # gather_weights="rank0": only rank 0's module receives every layer (point to point).
+    trainer = pl.Trainer(strategy=ResiHPStrategy(pipeline_degree=2, micro_batch_size=MBS, gather_weights="rank0"),
+                         max_steps=2, callbacks=[make_recorder()], enable_checkpointing=False, **common)
+    model = Net()
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    trainer.fit(model, loader)
+    out["rank0_state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    out["rank0_initial"] = initial
+    out["local_layers"] = sorted(trainer.strategy.local_layers())
+
     # 3. A loader whose last batch is short is refused before the first step.
     short = DataLoader(TensorDataset(x[:ROWS - 3], y[:ROWS - 3]), batch_size=M * MBS)
     recorder = make_recorder()
@@ -155,6 +165,16 @@ def test_trainer_features_and_the_trained_model_come_back(distributed, tmp_path)
         assert result["bf16"]["trainer"] == result["bf16"]["deepspeed"], rank
         for step, (got, want) in enumerate(zip(result["zero1_clipped"], ref_losses[:3], strict=True)):
             assert abs(got - want) < 1e-6, f"ZeRO-1 rank {rank} step {step}: {got} vs clipped reference {want}"
+        # gather_weights="rank0": rank 0 holds the trained model; elsewhere, layers of other stages keep
+        # their initial values.
+        _, _, two_steps = reference(2, None)
+        for key, want in two_steps.items():
+            layer = int(key.split(".")[1])
+            got = result["rank0_state"][key]
+            if rank == 0 or layer in result["local_layers"]:
+                assert torch.allclose(got, want, atol=1e-6, rtol=0), (rank, key)
+            else:
+                assert torch.equal(got, result["rank0_initial"][key]), (rank, key)
         message, steps_run = result["short"]
         assert "drop_last=True" in message and "45 rows" in message and steps_run == 0
 

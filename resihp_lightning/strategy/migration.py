@@ -31,8 +31,9 @@ def _describe(value: Any) -> tuple[str, Any]:
     return ("value", value)
 
 
-def _tensors(layer: nn.Module) -> dict[str, torch.Tensor]:
-    """What a layer's new owner needs: its parameters and persistent buffers (e.g. running stats)."""
+def layer_tensors(layer: nn.Module) -> dict[str, torch.Tensor]:
+    """A layer's parameters and persistent buffers (e.g. running stats) by name, in a fixed order: what
+    its new owner needs, and what a checkpoint stores of it."""
     out: dict[str, torch.Tensor] = dict(layer.named_parameters())
     out.update(persistent_buffers(layer))
     return out
@@ -73,7 +74,7 @@ def migrate(
     meta: dict[tuple[int, int], list[tuple[str, tuple, dict[str, tuple[str, Any]]]]] = {}
     for t in outgoing:
         entries = []
-        for name, tensor in _tensors(old_layers[t.layer]).items():
+        for name, tensor in layer_tensors(old_layers[t.layer]).items():
             opt_state = {k: _describe(v) for k, v in state.get(tensor, {}).items()}
             entries.append((name, tuple(tensor.shape), opt_state))
         meta[(t.layer, t.dst)] = entries
@@ -86,7 +87,7 @@ def migrate(
     received: dict[int, dict[str, dict[str, Any]]] = {}
     for t in transfers:
         if t.src == rank:
-            params = _tensors(old_layers[t.layer])
+            params = layer_tensors(old_layers[t.layer])
             for name, _, opt_meta in everything[(t.layer, t.dst)]:
                 tensor = params[name].data.contiguous()
                 ops.append(dist.P2POp(dist.isend, tensor, t.dst))
@@ -100,7 +101,7 @@ def migrate(
                         value = state[params[name]][key]
                         sent += value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
         elif t.dst == rank:
-            params = _tensors(new_layers[t.layer])
+            params = layer_tensors(new_layers[t.layer])
             layer_state = received.setdefault(t.layer, {})
             for name, shape, opt_meta in everything[(t.layer, t.dst)]:
                 param = params[name]

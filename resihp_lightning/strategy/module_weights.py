@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from resihp_lightning.placement import owners
 from resihp_lightning.plan import Plan
-from resihp_lightning.strategy.migration import persistent_buffers
+from resihp_lightning.strategy.migration import layer_tensors
 
 #: Key prefix of layers that are not attributes of the LightningModule (DeepSpeed ``LayerSpec``).
 DETACHED_PREFIX = "pipeline_layers"
@@ -71,13 +71,6 @@ class LayerKeys:
             if layer is not None:
                 return f"{layer}." + ".".join(parts[cut:])
         return None
-
-
-def layer_tensors(layer: nn.Module) -> dict[str, Tensor]:
-    """A layer's parameters and persistent buffers by name, in a fixed order."""
-    out: dict[str, Tensor] = dict(layer.named_parameters())
-    out.update(persistent_buffers(layer))
-    return out
 
 
 def wire_dtype(tensor: Tensor, cast: bool) -> torch.dtype:

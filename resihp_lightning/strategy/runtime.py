@@ -42,7 +42,7 @@ from resihp_lightning.placement import Position, Transfer, plan_transfers, posit
 from resihp_lightning.plan import Plan
 from resihp_lightning.strategy import batching, engine as engines
 from resihp_lightning.strategy.layerwise import LayerwiseReducer, install
-from resihp_lightning.strategy.migration import migrate, persistent_buffers
+from resihp_lightning.strategy.migration import layer_tensors, migrate
 from resihp_lightning.strategy.optim import BoundOptimizer, local_parameters
 from resihp_lightning.strategy.optimizer_state import CapturedState, StateCarrier, carrier_for
 from resihp_lightning.strategy.pipeline_module import BoundedPipelineModule
@@ -160,10 +160,8 @@ class PipelineRuntime:
 
     def local_tensors(self) -> dict[str, Tensor]:
         """Parameters and persistent buffers by key: what a checkpoint stores of this process's layers."""
-        tensors: dict[str, Tensor] = dict(self.local_parameters())
-        for index, layer in self.local_layers().items():
-            tensors.update({f"{index}.{name}": b for name, b in persistent_buffers(layer).items()})
-        return tensors
+        layers = self.local_layers()
+        return {f"{index}.{name}": t for index in sorted(layers) for name, t in layer_tensors(layers[index]).items()}
 
     # -------------------------------------------------------------------------- lifecycle
     def start(self, optimizer: Optimizer | None, broadcast: bool = True) -> None:

@@ -31,6 +31,10 @@ _EXPORTS = {
     "FaultInjector": "fault_injector",
     "ReplanController": "controller",
     "FailStopReporter": "recovery_log",
+    "CheckpointConfig": "periodic_checkpoint",
+    "periodic_checkpoint": "periodic_checkpoint",
+    "newest_checkpoint": "periodic_checkpoint",
+    "ElasticRestart": "elastic",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -17,6 +17,8 @@ fail_stop_unrecoverable reason, exit_code
 plan_computed      plan (Plan JSON), predicted_ms, solve_seconds, status
 plan_applied       plan, migration_seconds, bytes_moved
 plan_rejected      reason
+worker_failed      rank, error, at (a process's ``fit`` raised: a lost peer, the launcher's SIGTERM; every rank writes)
+job_restarted      restart_count, checkpoint, checkpoint_step, world_before, world_after, lost, new, read_s, plan_s
 ================== ======================================================================
 
 Only writer ranks write (rank 0 by default) so that a multi-rank job produces one log; a rank
@@ -49,6 +51,8 @@ EVENT_NAMES = (
     "plan_computed",
     "plan_applied",
     "plan_rejected",
+    "worker_failed",
+    "job_restarted",
 )
 EVENTS_FILE = "events.jsonl"
 

@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--max-steps", type=int, default=30)
     parser.add_argument("--every-n-steps", type=int, default=5)
+    parser.add_argument("--keep-last", type=int, default=2)
     parser.add_argument("--sync", action="store_true", help="write checkpoints in the step (default: async)")
     parser.add_argument("--ckpt", default=None, help="resume from this checkpoint instead of the newest")
     parser.add_argument("--plan", default=None, help="an explicit plan (JSON file) instead of the planner's")
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     (run_dir / "pids" / str(os.getppid())).write_text(str(os.getpid()))
     torch.set_num_threads(1)
 
-    config = CheckpointConfig(dirpath=str(run_dir / "checkpoints"), every_n_steps=args.every_n_steps, keep_last=2,
+    config = CheckpointConfig(dirpath=str(run_dir / "checkpoints"), every_n_steps=args.every_n_steps, keep_last=args.keep_last,
                               asynchronous=not args.sync)
     ckpt = args.ckpt or (newest_checkpoint(config.dirpath) if config.resume else None)
     plan = json.loads(Path(args.plan).read_text()) if args.plan else None

@@ -96,6 +96,14 @@ class Replannable(StepStatsSource, LayerHost, Protocol):
     def last_migration(self) -> MigrationRecord | None:
         """The last applied plan change (``None`` before one)."""
 
+    @property
+    def devices_alive(self) -> tuple[int, ...]:
+        """Device ids of the job's live processes (a plan may use them)."""
+
+    @property
+    def supports_idle_devices(self) -> bool:
+        """Whether a plan may leave live devices idle (hot spares, taken back by a later plan)."""
+
     profiler_recording: bool
     """Whether training steps feed :meth:`layer_profile` (the controller pauses it while a device is slow)."""
 

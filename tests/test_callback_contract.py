@@ -16,8 +16,8 @@ from resihp_lightning.callbacks.progress import ResiHPProgressBar, StepRecorder
 from resihp_lightning.errors import ConfigError
 
 REPLANNABLE = ("last_step_stats", "collectives_interrupted", "collective", "local_layers", "current_plan",
-               "micro_batches", "supports_per_replica_bounds", "last_migration", "profiler_recording", "request_plan",
-               "layer_profile")
+               "micro_batches", "supports_per_replica_bounds", "last_migration", "devices_alive", "supports_idle_devices",
+               "profiler_recording", "request_plan", "layer_profile")
 
 
 def _trainer(tmp_path, callbacks, strategy="auto") -> pl.Trainer:

@@ -137,3 +137,21 @@ def test_shared_partition_is_a_planner_option_only():
     assert ReplanController().planner == PlannerConfig()
     with pytest.raises(ConfigError, match=r"unknown option `planner.workers`"):
         ReplanController(planner={"workers": 2})
+
+
+def test_a_device_at_a_tenth_of_the_speed_is_left_idle_when_the_strategy_allows_spares():
+    """With fail-stop recovery on (``strategy.supports_idle_devices``) the problem lets the plan leave a device
+    out; the one at 0.1 then idles instead of holding up every step with even one micro-batch."""
+    from resihp_lightning.solver import solve
+
+    planner = PlannerConfig(solver="exact", pipeline_degrees=(1,))
+    profile = [LayerCost(i, 2.0, 10.0, 0.0) for i in range(8)]
+    spares = build_problem(profile, {3: 0.1}, range(4), 8, CFG, planner, per_replica_bounds=True, allow_exclude=True)
+    without = build_problem(profile, {3: 0.1}, range(4), 8, CFG, planner, per_replica_bounds=True)
+    assert spares.allow_exclude and not without.allow_exclude
+    idle = solve(spares, planner)
+    busy = solve(without, planner)
+    assert sorted(idle.device_ids) == [0, 1, 2] and sorted(busy.device_ids) == [0, 1, 2, 3]
+    assert idle.iteration_ms * 2 < busy.iteration_ms
+    # The planner option still decides when set.
+    assert not build_problem(profile, {}, range(4), 8, CFG, PlannerConfig(allow_exclude=False), allow_exclude=True).allow_exclude

@@ -263,12 +263,14 @@ class ReplanController(Callback):
         """Rank 0: builds the problem for the speeds now and starts solving it in the background."""
         strategy: Replannable = trainer.strategy
         current: Plan = strategy.current_plan
-        ranks = sorted(current.device_ids)
+        # Hot spares: plan over every live process, and let the plan leave slow ones idle.
+        idle = strategy.supports_idle_devices
+        ranks = sorted(strategy.devices_alive) if idle else sorted(current.device_ids)
         micro = strategy.micro_batches or sum(r.micro_batches for r in current.replicas)
         self._problem = None
         try:
             self._problem = build_problem(self._profile, self.detector.speeds, ranks, micro, self.config, self.planner,
-                                          per_replica_bounds=strategy.supports_per_replica_bounds)
+                                          per_replica_bounds=strategy.supports_per_replica_bounds, allow_exclude=idle)
         except ResiHPError as err:
             self._log("plan_rejected", step, reason=f"planner failed: {err}")
             return

@@ -56,9 +56,10 @@ class FailStopReporter(Callback):
         members = list(record.members)
         self.events.log("recovery_started", step, generation=record.generation, members=members, failed=record.failed)
         self.events.log("plan_applied", step, plan=record.plan, migration_seconds=record.restore_s,
-                        bytes_moved=record.bytes_moved, world=len(members))
+                        bytes_moved=record.bytes_moved, world=len(members), spares=list(record.spares))
         self.events.log(
-            "recovery_finished", step, generation=record.generation, members=members, abort_s=record.abort_s,
+            "recovery_finished", step, generation=record.generation, members=members, spares=list(record.spares),
+            abort_s=record.abort_s,
             regroup_s=record.regroup_s, plan_s=record.plan_s, restore_s=record.restore_s, redo_s=record.redo_s,
             total_s=record.total_s, bytes_moved=record.bytes_moved,
         )

@@ -127,6 +127,7 @@ def build_problem(
     planner: PlannerConfig | None = None,
     *,
     per_replica_bounds: bool = False,
+    allow_exclude: bool = False,
 ) -> Problem:
     """The planning problem for the devices as they are now.
 
@@ -138,6 +139,8 @@ def build_problem(
         config: controller options (p2p, all-reduce, memory, speed quantum).
         planner: the planner's model options, written over the problem (pipeline degrees, shared
             partition, ...) where they are not ``None``.
+        allow_exclude: whether the plan may leave devices idle (``strategy.supports_idle_devices``;
+            ``planner.allow_exclude`` overrides it).
         per_replica_bounds: whether the strategy can run replicas with different stage bounds
             (``strategy.supports_per_replica_bounds``); the problem's ``shared_partition`` is its
             negation unless ``planner.shared_partition`` says otherwise.
@@ -157,6 +160,7 @@ def build_problem(
         p2p_ms=config.p2p_ms,
         allreduce_ms=config.allreduce_ms,
         shared_partition=not per_replica_bounds,
+        allow_exclude=allow_exclude,
     )
     return planner.apply_to(problem) if planner is not None else problem
 

@@ -58,6 +58,7 @@ DEFAULT_COMM_FRAMES = (
     f"deepspeed{_SEP}runtime{_SEP}pipe{_SEP}p2p.py",
     f"resihp_lightning{_SEP}resilience{_SEP}world.py",
     f"resihp_lightning{_SEP}resilience{_SEP}membership.py",
+    f"resihp_lightning{_SEP}strategy{_SEP}spares.py",  # a spare waiting for the members' step
 )
 # Entry points that wrap a whole program (torchrun's @record) are not communication.
 _NOT_COMM_FRAMES = (f"torch{_SEP}distributed{_SEP}elastic{_SEP}", f"torch{_SEP}distributed{_SEP}run.py")

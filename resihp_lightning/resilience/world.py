@@ -26,6 +26,14 @@ Each process keeps its *original* rank (``RANK`` at start) as its identity for t
 (it names its device and its heartbeat); its rank in the current generation is its index in the
 sorted member list (:meth:`ElasticWorld.rank_of`, :meth:`ElasticWorld.original_of`).
 
+**Spares.** A generation need not contain every live process of the job: :meth:`ElasticWorld.reshape`
+forms the next generation over a chosen subset (planned, no failure), and the live processes left out
+stay in the job as *spares* (:attr:`ElasticWorld.spares`). A spare has no process group; it keeps
+beating, watches the current generation's abort marker (so it learns of failures), takes part in
+every regroup (the candidates are all live processes of the job, :attr:`ElasticWorld.job_members`),
+and follows every reshape (:meth:`ElasticWorld.reshape` on a process outside the new members only
+records the generation). The death of a spare aborts nothing: it just leaves the job.
+
 Groups created later in a generation (``dist.new_group`` by a DeepSpeed engine, the layer-wise
 reducer, ...) must be tracked so that an abort cuts their connections too. With
 ``track_new_groups`` (default), torch's ``_new_process_group_helper`` (the one function every group
@@ -49,7 +57,7 @@ import datetime
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -253,6 +261,7 @@ class ElasticWorld:
         self.store: RendezvousStore | None = None
         self.detector: FailureDetector | None = None
         self._gen: Generation | None = None
+        self._job: tuple[int, ...] = ()  # the job's processes (members and spares) as of the last regroup
         self._lock = threading.RLock()
         self.history: list[dict[str, Any]] = []  # one record per abort and per generation formed
 
@@ -275,8 +284,30 @@ class ElasticWorld:
 
     @property
     def rank(self) -> int:
-        """This process's rank in the current generation."""
+        """This process's rank in the current generation (ValueError on a spare)."""
         return self.current.rank_of(self.original_rank)
+
+    @property
+    def is_member(self) -> bool:
+        """Whether this process belongs to the current generation (else it is a spare)."""
+        return self.original_rank in self.current.members
+
+    @property
+    def job_members(self) -> tuple[int, ...]:
+        """Original ranks of the job's live processes, members and spares, sorted."""
+        failed = self.failed
+        return tuple(r for r in self._job if r == self.original_rank or r not in failed)
+
+    @property
+    def job_processes(self) -> tuple[int, ...]:
+        """Original ranks of the job's processes as of the last regroup, failed since or not."""
+        return tuple(sorted(set(self._job) | set(self.current.members)))
+
+    @property
+    def spares(self) -> tuple[int, ...]:
+        """Live processes of the job outside the current generation, sorted."""
+        members = set(self.current.members)
+        return tuple(r for r in self.job_members if r not in members)
 
     @property
     def world_size(self) -> int:
@@ -321,8 +352,9 @@ class ElasticWorld:
         ).start()
         if cfg.track_new_groups:
             _install_group_hook(self)
+        self._job = tuple(range(self.initial_world_size))
         try:
-            self._form(0, tuple(range(self.initial_world_size)))
+            self._form(0, self._job)
         except PeerFailure:
             # A member failed while the job started: the survivors regroup as after any failure.
             self.regroup()
@@ -488,6 +520,9 @@ class ElasticWorld:
     def regroup(self) -> Generation:
         """Forms the next generation over the survivors (main thread; call on :class:`PeerFailure`).
 
+        Every live process of the job takes part, spares included: the new generation has them all
+        (a later :meth:`reshape` can leave some out again).
+
         Aborts the current generation if it is not yet. Retries with the generation after if a
         member fails while the new one forms.
 
@@ -514,12 +549,13 @@ class ElasticWorld:
             if self.detector is not None and self.detector.store_lost:
                 raise StoreUnavailable("the rendezvous store is lost; the job cannot regroup")
             try:
+                candidates = tuple(sorted(set(old.members) | set(self._job)))
                 members = agree_members(
                     self.store.control,  # type: ignore[union-attr]
                     generation=number,
                     me=self.original_rank,
-                    candidates=old.members,
-                    failed=lambda: self._failed_now(old.members),
+                    candidates=candidates,
+                    failed=lambda: self._failed_now(candidates),
                     join_timeout_s=cfg.join_timeout_s,
                     timeout_s=remaining,
                 )
@@ -532,12 +568,12 @@ class ElasticWorld:
                 raise StoreUnavailable(f"the rendezvous store failed during the regroup: {err}") from err
             agreed_at = time.monotonic()
             # Those left out count as failed everywhere, also where nobody had named them yet.
-            left_out = [r for r in old.members if r not in members]
+            left_out = [r for r in candidates if r not in members]
             if self.detector is not None:
                 why = f"left out of generation {number}"
                 self.detector.declare(Failure(r, why, members[0], agreed_at) for r in left_out)
             if members[0] == self.original_rank:
-                for rank in sorted(set(old.members) - set(members)):
+                for rank in sorted(set(candidates) - set(members)):
                     self._try(lambda r=rank: self.store.mark_left(r, "evicted"))  # type: ignore[union-attr]
             if len(members) < cfg.min_world_size:
                 self._teardown(old)
@@ -545,6 +581,7 @@ class ElasticWorld:
                     f"generation {number} would have {len(members)} members (< {cfg.min_world_size})"
                 )
             self._teardown(old)
+            self._job = tuple(members)
             try:
                 self._form(number, tuple(members))
             except PeerFailure as failure:
@@ -552,6 +589,42 @@ class ElasticWorld:
                 continue
             self.history[-1].update(agreed_at=agreed_at, regroup_started=started)
             return self.current
+
+    def reshape(self, members: Sequence[int]) -> Generation:
+        """Replaces a healthy generation by one over exactly ``members`` (main thread, planned).
+
+        Every live process of the job calls it with the same ``members`` (they agreed beforehand, e.g.
+        through a record in the store), members of the old or the new generation or neither: members
+        of the new one form it, the others record it and become (or stay) spares. Live processes of
+        the job outside ``members`` stay in the job.
+
+        Raises:
+            PeerFailure: a member failed while the generation formed (regroup, as after any failure).
+            ValueError: ``members`` is empty or names a process outside the job.
+        """
+        wanted = tuple(sorted(set(members)))
+        unknown = sorted(set(wanted) - set(self.job_members))
+        if not wanted or unknown:
+            raise ValueError(f"a generation needs live processes of the job; got {list(members)} (unknown: {unknown})")
+        old = self.current
+        number = old.number + 1
+        if self.is_member:
+            self._teardown(old)
+        if self.original_rank in wanted:
+            self._form(number, wanted)
+        else:
+            self._follow(number, wanted)
+        return self.current
+
+    def _follow(self, number: int, members: tuple[int, ...]) -> None:
+        """Records a generation this process is not a member of (a spare), and watches its abort marker."""
+        assert self.detector is not None
+        gen = Generation(number, members, SocketTracker(), formed=True)
+        with self._lock:
+            self._gen = gen
+        self.detector.watch(self.job_members, number)
+        self.history.append({"event": "followed", "generation": number, "members": list(members), "at": time.monotonic()})
+        log.info("rank %d (spare): generation %d has members %s", self.original_rank, number, list(members))
 
     def _form(self, number: int, members: tuple[int, ...]) -> None:
         import torch
@@ -564,7 +637,8 @@ class ElasticWorld:
         with self._lock:
             self._gen = gen
         # While it forms, no hang verdicts; at start, no silence verdicts on ranks not yet heard of.
-        self.detector.watch(members, number, judge_unseen=number > 0, hold=True)
+        watched = tuple(sorted(set(members) | set(self.job_members)))
+        self.detector.watch(watched, number, judge_unseen=number > 0, hold=True)
         try:
             with gen.sockets.track(include_excluded=True):
                 gen.store_client = self.store.connect()
@@ -591,7 +665,7 @@ class ElasticWorld:
         except Exception as err:  # noqa: BLE001 - init failed some other way: abort it like a failure
             self.abort(f"generation {number} could not form on rank {self.original_rank}: {err}", generation=gen)
             raise self._peer_failure(gen) from err
-        self.detector.watch(members, number)  # fresh clocks for the training loop
+        self.detector.watch(watched, number)  # fresh clocks for the training loop
         self._try(lambda: self._learn_identities(members))
         gen.formed = True
         self.history.append({"event": "formed", "generation": number, "members": list(members), "at": time.monotonic()})

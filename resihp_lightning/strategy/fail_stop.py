@@ -12,6 +12,8 @@ leaves no rank with an updated model, and after it every survivor has stepped.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -123,7 +125,7 @@ class RecoveryRecord:
         step: the training step that was interrupted and redone.
         generation: the new generation's number.
         failed: original rank -> how it failed (``exited``, ``silent``, ``hung``, ``left out``, ...).
-        members: the survivors (original ranks).
+        members: the survivors the plan uses (original ranks).
         plan: the plan the survivors run.
         detected_at: when the first of the failures was detected (by any process).
         aborted_at: when this rank aborted the old generation's collectives.
@@ -131,6 +133,7 @@ class RecoveryRecord:
         plan_s: layer profile gathered and the survivors' plan agreed.
         restore_s: engine rebuilt and the layers new to each survivor received (``bytes_moved``).
         redo_s: the interrupted step run again on the survivors.
+        spares: live processes the plan leaves idle (original ranks).
     """
 
     step: int
@@ -145,6 +148,7 @@ class RecoveryRecord:
     restore_s: float
     bytes_moved: int
     redo_s: float = 0.0
+    spares: tuple[int, ...] = ()
 
     @property
     def abort_s(self) -> float:
@@ -209,25 +213,40 @@ def survivor_plan(
     micro_batches: int,
     per_replica_bounds: bool,
     solver: str,
+    memory_mb: float | None = None,
 ) -> Plan:
-    """The best plan that uses every survivor (speeds taken as equal; the controller refines later).
+    """The best plan for the survivors (speeds taken as equal; the controller refines later).
+
+    The plan may leave survivors idle (``allow_exclude``) when that is faster, e.g. seven survivors
+    whose memory needs two stages run 2 x 3 with one spare instead of a 7 x 1 pipeline.
 
     Raises:
         PlanError / InfeasibleError: no plan fits (too few micro-batches for the survivors, ...).
     """
-    costs = fill_missing_costs(profile)
-    problem = Problem(
-        layers=tuple(Layer(c.compute_ms, c.static_mb, c.activation_mb) for c in costs),
-        devices=tuple(Device(d) for d in members),
-        micro_batches=micro_batches,
-        shared_partition=not per_replica_bounds,
-        allow_exclude=False,
-    )
+    from resihp_lightning.errors import ResiHPError
     from resihp_lightning.solver import solve
 
-    plan = solve(problem, PlannerConfig(solver=solver))
-    if sorted(plan.device_ids) != sorted(members):
-        raise PlanError(f"the survivors' plan uses devices {sorted(plan.device_ids)}, not {sorted(members)}")
+    costs = fill_missing_costs(profile)
+    memory = math.inf if memory_mb is None else float(memory_mb)
+    problem = Problem(
+        layers=tuple(Layer(c.compute_ms, c.static_mb, c.activation_mb) for c in costs),
+        devices=tuple(Device(d, 1.0, memory) for d in members),
+        micro_batches=micro_batches,
+        shared_partition=not per_replica_bounds,
+        allow_exclude=True,
+    )
+    config = PlannerConfig(solver=solver)
+    plan = solve(problem, config)
+    if len(plan.device_ids) < len(members):
+        # Idle survivors only where that is strictly faster: on a tie, every device keeps working.
+        try:
+            everyone = solve(dataclasses.replace(problem, allow_exclude=False), config)
+        except ResiHPError:
+            everyone = None
+        if everyone is not None and everyone.iteration_ms <= plan.iteration_ms * (1 + 1e-9):
+            plan = everyone
+    if not set(plan.device_ids) <= set(members):
+        raise PlanError(f"the survivors' plan uses devices {sorted(plan.device_ids)} outside {sorted(members)}")
     return plan
 
 

@@ -41,16 +41,20 @@ class LossLogRecorder:
         finally:
             del module.log
 
-    def replay(self, module: Any, device: torch.device) -> None:
+    def replay(self, module: Any, device: torch.device) -> dict[str, tuple[float, dict[str, Any]]]:
         """Logs each recorded name's mean over the global batch on every rank (collective).
 
         Every rank must join (only last stages know what was logged); a one-number all-reduce first
         keeps the common case, nothing logged, to that.
+
+        Returns:
+            name -> (the value logged, the caller's options), for a process that did not run the
+            step to log the same (:meth:`log_values`).
         """
         anything = torch.tensor([len(self._sums)], dtype=torch.int64, device=device)
         dist.all_reduce(anything, op=dist.ReduceOp.MAX)
         if not int(anything.item()):
-            return
+            return {}
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, self._sums)
         merged: dict[str, list[Any]] = {}
@@ -59,7 +63,13 @@ class LossLogRecorder:
                 entry = merged.setdefault(name, [0.0, 0, options])
                 entry[0] += total
                 entry[1] += count
-        for name in sorted(merged):
-            total, count, options = merged[name]
-            module.log(name, torch.tensor(total / count, device=device), **options)
+        values = {name: (total / count, options) for name, (total, count, options) in sorted(merged.items())}
+        self.log_values(module, values, device)
         self._sums.clear()
+        return values
+
+    @staticmethod
+    def log_values(module: Any, values: dict[str, tuple[float, dict[str, Any]]], device: torch.device) -> None:
+        """Logs ``values`` (from :meth:`replay`) with their options."""
+        for name, (value, options) in values.items():
+            module.log(name, torch.tensor(value, device=device), **options)

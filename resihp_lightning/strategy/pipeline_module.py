@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -26,10 +26,8 @@ class BoundedPipelineModule(PipelineModule):
         topology: the plan's topology.
         bounds: the P + 1 stage bounds.
         loss_fn: ``loss_fn(outputs, labels)`` run on the last stage.
-        reuse: modules this rank already holds, by global layer index.
-        skip_init: indices of ``LayerSpec`` layers whose values will be overwritten (migrated in): they
-            are built without running ``torch.nn.init`` (a large layer's random init costs more
-            than receiving it).
+        reuse: modules this rank already holds, by global layer index (layers migrated in are built
+            beforehand with :func:`materialize_layer` and passed here).
         **kwargs: passed to ``PipelineModule`` (activation checkpointing options).
     """
 
@@ -40,15 +38,11 @@ class BoundedPipelineModule(PipelineModule):
         bounds: Sequence[int],
         loss_fn: Callable[..., Any],
         reuse: Mapping[int, nn.Module] | None = None,
-        skip_init: Collection[int] = (),
         **kwargs: Any,
     ) -> None:
         # Set before PipelineModule.__init__, which calls _partition_layers.
         object.__setattr__(self, "_resihp_bounds", list(bounds))
         specs = list(layers)
-        for index in skip_init:
-            if isinstance(specs[index], LayerSpec):
-                specs[index] = _NoInitLayerSpec(specs[index])
         for index, module in (reuse or {}).items():
             specs[index] = module
         super().__init__(
@@ -68,6 +62,15 @@ class BoundedPipelineModule(PipelineModule):
     def local_layers(self) -> dict[int, nn.Module]:
         """This rank's layers that are modules, by global index."""
         return {int(name): module for name, module in self.named_children() if name.isdigit()}
+
+
+def materialize_layer(layer: Any, skip_init: bool = False) -> nn.Module:
+    """The module of one pipeline layer: a ``LayerSpec`` built (without ``torch.nn.init`` when
+    ``skip_init``: its values will be overwritten by a migration, and a large layer's random init costs
+    more than receiving it), or the ``nn.Module`` itself."""
+    if isinstance(layer, LayerSpec):
+        return (_NoInitLayerSpec(layer) if skip_init else layer).build()
+    return layer
 
 
 _INIT_FUNCTIONS = (

@@ -20,16 +20,19 @@ def check_plan(
     micro_batches: int | None,
     deepspeed_config: Mapping[str, Any],
     current: Plan | None = None,
+    idle_allowed: bool = False,
 ) -> None:
     """Raises :class:`PlanError` when ``plan`` cannot run on the job.
 
     Args:
         plan: the candidate.
-        devices: the job's live devices (original ranks); every one must hold a stage.
+        devices: the job's live devices (original ranks); every one must hold a stage unless
+            ``idle_allowed``.
         num_layers: L (0 before the model is known: then the plan's own bounds count).
         micro_batches: M, when known; the plan's per-replica counts must add up to it.
         deepspeed_config: the strategy's DeepSpeed entries (some configurations cannot move layers).
         current: the plan in force, if any.
+        idle_allowed: the plan may leave live devices idle (hot spares: fail-stop recovery on).
     """
     if not isinstance(plan, Plan):
         raise PlanError(f"request_plan needs a resihp_lightning.plan.Plan, got {type(plan).__name__}")
@@ -37,10 +40,14 @@ def check_plan(
         raise PlanError("plan has no replicas")
     world = len(devices)
     used = plan.pipeline_degree * plan.data_degree
-    if used != world:
+    outside = sorted(set(plan.device_ids) - set(devices))
+    if idle_allowed and outside:
+        raise PlanError(f"plan uses devices {outside}, which are not live processes of the job {sorted(devices)}")
+    if not idle_allowed and used != world:
         raise PlanError(
             f"plan uses P x D = {plan.pipeline_degree} x {plan.data_degree} = {used} ranks but the job has "
-            f"{world}; every rank must hold a stage"
+            f"{world}; every rank must hold a stage (plans that leave devices idle need fail_stop and the plain "
+            "fp32 optimizer)"
         )
     if not plan.shared_bounds and wraps_optimizer(deepspeed_config):
         raise PlanError(
@@ -53,6 +60,7 @@ def check_plan(
         devices=tuple(Device(i) for i in devices),
         micro_batches=total,
         shared_partition=False,
+        allow_exclude=idle_allowed,
     )
     validate(problem, plan, check_memory=False)
     reason = wrapped_config_reason(deepspeed_config)

@@ -11,12 +11,19 @@ Identity: plans name *devices* (the global rank each process started with). Deep
 other (identity when the group is the job's original world), so the runtime can be built on any
 subset of the job's processes once they form a process group of their own.
 
+Idle: a plan may leave this process's device out (a hot spare, see
+:mod:`~resihp_lightning.strategy.spares`). Its runtime then holds no layers, no pipe and no engine,
+only the plan in force (:meth:`PipelineRuntime.follow`), so that it computes the same transfers as
+the others when a later plan takes it back (:meth:`PipelineRuntime.relocate`).
+
 Lifecycle::
 
     runtime = PipelineRuntime(config, plan, device)     # builds this process's layers
     runtime.start(optimizer)                            # binds the optimizer, builds the engine
     loss, busy_ms = runtime.train_batch(items, loss_scale)
     record = runtime.switch(new_plan)                   # collective; moves only what changes owner
+    captured = runtime.release()                        # the group changes: stop the engine first
+    record = runtime.relocate(plan, captured, ranks, between)   # moves over the union, builds on the new group
     runtime.teardown()
 """
 
@@ -45,7 +52,7 @@ from resihp_lightning.strategy.layerwise import LayerwiseReducer, install
 from resihp_lightning.strategy.migration import layer_tensors, migrate
 from resihp_lightning.strategy.optim import BoundOptimizer, local_parameters
 from resihp_lightning.strategy.optimizer_state import CapturedState, StateCarrier, carrier_for
-from resihp_lightning.strategy.pipeline_module import BoundedPipelineModule
+from resihp_lightning.strategy.pipeline_module import BoundedPipelineModule, materialize_layer
 from resihp_lightning.strategy.profiling import StageProfiler
 from resihp_lightning.strategy.topology import PlanTopology
 from resihp_lightning.telemetry import LayerCost
@@ -106,9 +113,12 @@ class PipelineRuntime:
         self.device = device
         self._ranks = dict(ranks) if ranks is not None else None
         self._plan = plan
-        self._position = position(plan, device)
+        self._position = _position_or_none(plan, device)
+        if self._position is None:
+            raise ValueError(f"device {device} is not in the plan a runtime starts with")
         self._loss_scale = 1.0
-        self._pipe = self._build_pipe(plan, reuse)
+        self._pipe: BoundedPipelineModule | None = self._build_pipe(plan, reuse)
+        self._held: dict[int, nn.Module] = {}  # this process's layers while it has no pipe (mid-move, idle)
         self._engine: Any = None
         self._reducer: LayerwiseReducer | None = None
         self._carrier: StateCarrier = carrier_for(None, config.deepspeed_config)
@@ -123,13 +133,31 @@ class PipelineRuntime:
 
     @property
     def position(self) -> Position:
-        """This process's replica, stage and layers under the plan in force."""
+        """This process's replica, stage and layers under the plan in force (RuntimeError when idle)."""
+        if self._position is None:
+            raise RuntimeError(f"device {self.device} is idle under the plan in force (a spare)")
         return self._position
+
+    @property
+    def idle(self) -> bool:
+        """Whether the plan in force leaves this process's device out (a spare: no layers, no engine)."""
+        return self._position is None
 
     @property
     def pipe(self) -> BoundedPipelineModule:
         """The DeepSpeed pipeline module holding this process's layers."""
+        if self._pipe is None:
+            raise RuntimeError(f"device {self.device} is idle under the plan in force (a spare)")
         return self._pipe
+
+    @property
+    def layer_sizes(self) -> list[int]:
+        """Parameter count of every layer of the model (what balances the senders of a migration)."""
+        return list(self._layer_numel)
+
+    def plan_in_ranks(self) -> Plan:
+        """The plan in force with device ids replaced by ranks of the current default group."""
+        return self._in_ranks(self._plan)
 
     @property
     def engine(self) -> Any:
@@ -151,8 +179,8 @@ class PipelineRuntime:
         return self._profiler
 
     def local_layers(self) -> dict[int, nn.Module]:
-        """This process's layer modules by global layer index."""
-        return self._pipe.local_layers()
+        """This process's layer modules by global layer index (none when idle)."""
+        return self._pipe.local_layers() if self._pipe is not None else dict(self._held)
 
     def local_parameters(self) -> dict[str, nn.Parameter]:
         """This process's parameters by stable key ``"<layer>.<name>"``."""
@@ -196,7 +224,42 @@ class PipelineRuntime:
         self._stop_engine()
         return self._move(plan, captured, start, state_s)
 
-    def recover(self, plan: Plan, ranks: Mapping[int, int]) -> MigrationRecord:
+    def release(self) -> CapturedState:
+        """Stops the engine and keeps the optimizer state of this process's layers, before the job's
+        default group changes under a planned reshape (then :meth:`relocate`). Collective over the
+        engine's groups; an idle runtime has nothing to release."""
+        captured = self._carrier.capture(self._engine, self.local_parameters())
+        if self._engine is not None:
+            self._stop_engine()
+        return captured
+
+    def relocate(
+        self,
+        plan: Plan,
+        captured: CapturedState,
+        ranks: Mapping[int, int],
+        between: Callable[[], Mapping[int, int] | None] | None = None,
+    ) -> MigrationRecord:
+        """Puts ``plan`` in force across a change of the default group (after :meth:`release`).
+
+        The layers move over the current default group, whose members ``ranks`` maps (every holder
+        under the old plan and every device of ``plan`` must be in it); then ``between`` may change
+        the group again (leave out the devices ``plan`` does not use) and returns the new ranks
+        (``None`` on a process that is not in the new group: it is idle under ``plan``), and the
+        engine is built there.
+        """
+        self._ranks = dict(ranks)
+        return self._move(plan, captured, time.perf_counter(), 0.0, between)
+
+    def follow(self, plan: Plan) -> None:
+        """An idle runtime adopts the plan the members put in force (it still holds nothing)."""
+        if not self.idle or _position_or_none(plan, self.device) is not None:
+            raise RuntimeError(f"follow() is for a device that stays idle; device {self.device} is in the plan")
+        self._plan = plan
+
+    def recover(
+        self, plan: Plan, ranks: Mapping[int, int], between: Callable[[], Mapping[int, int] | None] | None = None
+    ) -> MigrationRecord:
         """Puts ``plan`` in force after processes died: the survivors now form a new default group.
 
         The old engine is abandoned without a collective (its groups are broken); the step that was
@@ -207,6 +270,7 @@ class PipelineRuntime:
         Args:
             plan: the plan for the survivors (device ids).
             ranks: device id -> rank in the new default group, for exactly the live devices.
+            between: as for :meth:`relocate` (the plan may leave survivors idle).
 
         Raises:
             PlanError: a layer of ``plan`` has no live holder (it is lost; restart from a checkpoint).
@@ -224,10 +288,17 @@ class PipelineRuntime:
             param.grad = None
         captured = self._carrier.capture(None, self.local_parameters())
         self._ranks = dict(ranks)
-        return self._move(plan, captured, start, 0.0)
+        return self._move(plan, captured, start, 0.0, between)
 
-    def _move(self, plan: Plan, captured: CapturedState, start: float, state_s: float) -> MigrationRecord:
-        """Builds ``plan``'s pipe and engine around kept layers and receives the others (collective)."""
+    def _move(
+        self,
+        plan: Plan,
+        captured: CapturedState,
+        start: float,
+        state_s: float,
+        between: Callable[[], Mapping[int, int] | None] | None = None,
+    ) -> MigrationRecord:
+        """Receives the layers new to this process, then builds ``plan``'s pipe and engine (collective)."""
         old, old_layers = self._plan, self.local_layers()
         alive = set(self._ranks) if self._ranks is not None else None
         transfers = [
@@ -235,26 +306,46 @@ class PipelineRuntime:
             for t in plan_transfers(old, plan, self._layer_numel, alive=alive)
         ]
         recording = self._profiler.record_layers
-        self._plan, self._position = plan, position(plan, self.device)
+        old_position = self._position
+        self._plan, self._position = plan, _position_or_none(plan, self.device)
         me = self._rank(self.device)
         incoming = {t.layer for t in transfers if t.dst == me}
-        reuse = {i: m for i, m in old_layers.items() if i in self._position.layers}
-        self._pipe = self._build_pipe(plan, reuse, skip_init=incoming)
-        new_layers = self.local_layers()
-        self._carrier.prepare_incoming([new_layers[i] for i in incoming if i in new_layers])
+        held = self._position.layers if self._position is not None else range(0)
+        # The layers this process holds under ``plan``: kept objects (their Parameters keep the optimizer
+        # state keyed by them) and fresh ones for what arrives, built without weight init.
+        new_layers = {i: old_layers[i] if i in old_layers else materialize_layer(self.config.layers[i], skip_init=i in incoming)
+                      for i in held}
+        for i in held:
+            new_layers[i].to(self.config.device)
+        self._carrier.prepare_incoming([new_layers[i] for i in incoming])
+        self._pipe, self._held = None, old_layers
         moving = time.perf_counter()
-        sent, received = migrate(transfers, me, old_layers, new_layers, self._carrier.outgoing(captured))
-        transfer_s = time.perf_counter() - moving
+        try:
+            sent, received = migrate(transfers, me, old_layers, new_layers, self._carrier.outgoing(captured))
+            transfer_s = time.perf_counter() - moving
+            total = torch.tensor([float(sent)], dtype=torch.float64, device=self.config.device)
+            dist.all_reduce(total)
+            if between is not None:
+                ranks = between()
+                self._ranks = dict(ranks) if ranks is not None else None
+        except BaseException:
+            # A peer failed mid-move: every process goes back to the old plan, whose holders still have
+            # their layers (senders keep theirs), so that the recovery restores from a consistent state.
+            self._plan, self._position = old, old_position
+            raise
+        self._held = new_layers
         received_by_key = {f"{layer}.{name}": s for layer, per in received.items() for name, s in per.items()}
-        params = self.local_parameters()
-        self._carrier.bind(params, received_by_key)
-        self._build_engine(broadcast=False)
-        state_start = time.perf_counter()
-        self._carrier.restore(self._engine, params, captured, received_by_key)
-        state_s += time.perf_counter() - state_start
+        if self._position is None:  # idle under ``plan``: nothing to build or train
+            self._carrier.bind({}, {})
+        else:
+            self._pipe = self._build_pipe(plan, new_layers)
+            params = self.local_parameters()
+            self._carrier.bind(params, received_by_key)
+            self._build_engine(broadcast=False)
+            state_start = time.perf_counter()
+            self._carrier.restore(self._engine, params, captured, received_by_key)
+            state_s += time.perf_counter() - state_start
         self._profiler.record_layers = recording
-        total = torch.tensor([float(sent)], dtype=torch.float64, device=self.config.device)
-        dist.all_reduce(total)
         seconds = time.perf_counter() - start
         log.info("applied plan %s: %d bytes moved in %.3f s", plan.layout_key(), int(total.item()), seconds)
         return MigrationRecord(
@@ -384,9 +475,7 @@ class PipelineRuntime:
         dtype = self.param_dtype
         return list(items) if dtype == torch.float32 else batching.cast_inputs(items, dtype)
 
-    def _build_pipe(
-        self, plan: Plan, reuse: Mapping[int, nn.Module] | None, skip_init: set[int] | frozenset[int] = frozenset()
-    ) -> BoundedPipelineModule:
+    def _build_pipe(self, plan: Plan, reuse: Mapping[int, nn.Module] | None) -> BoundedPipelineModule:
         kwargs: dict[str, Any] = {}
         interval = (self.config.deepspeed_config.get("pipeline") or {}).get("activation_checkpoint_interval")
         if interval:
@@ -399,7 +488,6 @@ class PipelineRuntime:
                 plan.replicas[position(plan, self.device).replica].bounds,
                 loss_fn=self._scaled_loss,
                 reuse=reuse,
-                skip_init=skip_init,
                 **kwargs,
             )
 
@@ -453,3 +541,11 @@ class PipelineRuntime:
             for i, n in part.items():
                 sizes[i] = n
         return sizes
+
+
+def _position_or_none(plan: Plan, device: int) -> Position | None:
+    """``device``'s position under ``plan``, or ``None`` when the plan leaves it idle."""
+    try:
+        return position(plan, device)
+    except KeyError:
+        return None

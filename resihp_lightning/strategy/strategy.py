@@ -30,7 +30,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from resihp_lightning import _registration
-from resihp_lightning._logging import quiet_agreed_errors, user_warn
+from resihp_lightning._logging import quiet_agreed_errors, user_info, user_warn
 from resihp_lightning.contract import MigrationRecord
 from resihp_lightning.errors import PlanError
 from resihp_lightning.placement import row_offset
@@ -46,6 +46,7 @@ from resihp_lightning.strategy.module_weights import LayerKeys, restore_full_pre
 from resihp_lightning.strategy.options import StrategyOptions
 from resihp_lightning.strategy.plan_rules import check_plan, initial_plan, settle_micro_batches
 from resihp_lightning.strategy.runtime import PipelineRuntime, RuntimeConfig
+from resihp_lightning.strategy.spares import Reshape
 from resihp_lightning.strategy.survivors import SurvivingJob
 from resihp_lightning.strategy.trainer_options import effective_deepspeed_config, refuse_unsupported
 from resihp_lightning.strategy.wrapped_state import wraps_optimizer
@@ -122,6 +123,7 @@ class ResiHPStrategyMixin:
         self._loss_log = LossLogRecorder()
         self._job: SurvivingJob | None = None  # the job's recoverable groups when fail_stop is on
         self._interrupted = False  # a peer was lost after this step's update: skip its other collectives
+        self._step_result: dict[str, Any] | None = None  # this training step's committed result (fail_stop)
 
     @classmethod
     @override
@@ -154,8 +156,18 @@ class ResiHPStrategyMixin:
 
     @property
     def devices_alive(self) -> tuple[int, ...]:
-        """The device ids of the job's live processes."""
-        return self._job.members if self._job is not None else tuple(range(self.world_size))
+        """The device ids of the job's live processes (hot spares included)."""
+        return self._job.job_members if self._job is not None else tuple(range(self.world_size))
+
+    @property
+    def supports_idle_devices(self) -> bool:
+        """Whether a plan may leave live devices idle as hot spares (``fail_stop`` on, plain fp32 optimizer)."""
+        return self.options.fail_stop is not None and self.supports_per_replica_bounds
+
+    @property
+    def is_spare(self) -> bool:
+        """Whether the plan in force leaves this process idle (it mirrors the members' steps)."""
+        return self._job is not None and self._job.is_spare
 
     @property
     def last_recovery(self) -> RecoveryRecord | None:
@@ -174,8 +186,9 @@ class ResiHPStrategyMixin:
 
     @property
     def collectives_interrupted(self) -> bool:
-        """Whether a lost peer interrupted this step after its update; callbacks skip their collectives then."""
-        return self._interrupted
+        """Whether a lost peer interrupted this step after its update, or this process is a spare (it has
+        no process group); callbacks skip their collectives then."""
+        return self._interrupted or self.is_spare
 
     def collective(self, run: Callable[[], Any]) -> tuple[bool, Any]:
         """Runs a callback's collective between steps (see :class:`~resihp_lightning.contract.StepStatsSource`).
@@ -186,13 +199,13 @@ class ResiHPStrategyMixin:
         """
         if self._job is None:
             return True, run()
-        if self._interrupted:
+        if self._interrupted or self._job.is_spare:
             return False, None
         try:
             with self._job.world.guard():
                 return True, run()
         except PeerFailure as failure:
-            self._recover(failure)
+            self._recover(failure, finished=self._step_result)
             self._interrupted = True
             return False, None
 
@@ -260,6 +273,9 @@ class ResiHPStrategyMixin:
     def request_plan(self, plan: Plan) -> None:
         """Asks for ``plan`` to take effect at the next step boundary (call on every rank).
 
+        With ``fail_stop`` on, the plan may leave live devices idle (hot spares) and may take spares
+        back; a spare's own request is ignored (the members decide, and tell the spares).
+
         Raises:
             PlanError: the plan does not fit this job (bounds, P x D vs world size, micro-batch sum,
                 per-replica bounds); nothing changes and training goes on under the current plan.
@@ -270,7 +286,8 @@ class ResiHPStrategyMixin:
     def check_plan(self, plan: Plan) -> None:
         """Raises :class:`PlanError` when ``plan`` cannot run on this job (see ``plan_rules.check_plan``)."""
         current = self._runtime.plan if self._runtime is not None else None
-        check_plan(plan, self.devices_alive, self.num_layers, self._num_micro, self.deepspeed_config, current)
+        check_plan(plan, self.devices_alive, self.num_layers, self._num_micro, self.deepspeed_config, current,
+                   idle_allowed=self.supports_idle_devices)
 
     def layer_profile(self) -> list[LayerCost]:
         """Measured cost of every layer, gathered over ranks (collective: call on every rank).
@@ -358,6 +375,9 @@ class ResiHPStrategyMixin:
         self._keys = LayerKeys(module, self._specs)
         self._tied = self._tied_parameters(module)
         previous = self._runtime
+        if previous is not None and previous.idle:  # set up again on a spare: nothing to build
+            self.setup_precision_plugin()
+            return
         if previous is None:
             plan, reuse, profiler = self._initial_plan(), None, None
         else:
@@ -409,21 +429,23 @@ class ResiHPStrategyMixin:
     @override
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         self._interrupted = False
+        self._step_result = None
         split = batching.split_batch(self.lightning_module, batch)
         self._settle_micro_batches(split.rows)
-        if self._pending is not None:
-            plan, self._pending = self._pending, None
-            try:  # again: the first batch may have fixed M since the request
-                self.check_plan(plan)
-            except PlanError as err:
-                user_warn(f"ResiHPStrategy: dropping the requested plan {plan.layout_key()}: {err}")
-            else:
-                self._last_migration = self._require_runtime().switch(plan)
+        plan = self._take_pending_plan()
         start = time.perf_counter()
         if self._job is None:
+            if plan is not None:
+                self._last_migration = self._require_runtime().switch(plan)
             loss, busy, items, pos = self._run_replica_share(split)
         else:  # a step that lost a peer before its commit point is redone on the survivors, under their plan
-            loss, busy, items, pos = self._job.run_step(lambda: self._run_replica_share(split), self._recover)
+            call = self._job.mirror.next_call()
+            pending = [plan] if plan is not None else []
+            outcome = self._job.run_step(lambda: self._job_step(split, call, pending), self._recover)
+            if isinstance(outcome, dict):  # mirrored from the members (a spare), or committed before a recovery
+                return self._replay_step(outcome, split.rows, call)
+            loss, busy, items, pos = outcome
+            self._step_result = {"loss": float(loss.detach().float()), "logs": {}}
         self._last_step_stats = StepStats(
             step=self.lightning_module.trainer.global_step,
             rank=self.device_id,
@@ -435,19 +457,94 @@ class ResiHPStrategyMixin:
             ),
             step_ms=(time.perf_counter() - start) * 1000.0,
         )
-        self.collective(lambda: self._loss_log.replay(self.lightning_module, self.root_device))
+        _, logs = self.collective(lambda: self._loss_log.replay(self.lightning_module, self.root_device))
+        if self._step_result is not None:
+            self._step_result["logs"] = logs or {}
         loss = loss.detach().float().reshape(())
-        # The loss is already the global batch's on every rank; sync_dist only averages identical
-        # values (exactly), and tells Lightning that epoch-level aggregation is distributed-safe.
-        # After an interruption the value is logged unsynced: the survivors are at different collectives.
-        logged, _ = self.collective(lambda: self.lightning_module.log(
-            "train_loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=split.rows, sync_dist=True
-        ))
-        if not logged:
-            self.lightning_module.log("train_loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=split.rows)
+        self._log_train_loss(loss, split.rows)
         if self._job is not None:
+            self._publish(call, self._step_result)
             self._job.progress(self.lightning_module.trainer.global_step + 1)
         return loss
+
+    def _log_train_loss(self, loss: Tensor, rows: int) -> None:
+        # The loss is already the global batch's on every rank; sync_dist only averages identical values
+        # (exactly), and tells Lightning that epoch-level aggregation is distributed-safe. Its reduce
+        # goes through ``reduce`` (a guarded collective): on a spare or after an interruption it
+        # returns the value unchanged, with the same logging options (Lightning requires that).
+        self.lightning_module.log("train_loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=rows,
+                                  sync_dist=True)
+
+    def _take_pending_plan(self) -> Plan | None:
+        """The requested plan, checked again (the first batch may have fixed M since the request), or None."""
+        if self._pending is None:
+            return None
+        plan, self._pending = self._pending, None
+        try:
+            self.check_plan(plan)
+        except PlanError as err:
+            user_warn(f"ResiHPStrategy: dropping the requested plan {plan.layout_key()}: {err}")
+            return None
+        return plan
+
+    def _job_step(self, split: batching.SplitBatch, call: int, pending: list[Plan]) -> Any:
+        """One attempt at a training step under fail-stop recovery: a member applies a requested plan and
+        runs its share; a spare returns what the members' step returned (a dict), or joins a reshape."""
+        job, runtime = self._job, self._require_runtime()
+        while True:
+            finished = job.take_finished(call)
+            if finished is not None:  # the members committed this step before a recovery took us in
+                return finished
+            if job.is_spare:
+                pending.clear()  # the members' rank 0 announces plan changes; a spare's own request is moot
+                got = job.mirror.wait(call)
+                if isinstance(got, Reshape):
+                    if runtime.plan.layout_key() != got.old.layout_key():
+                        runtime.follow(got.old)
+                    self._reshape(got.plan)
+                    continue
+                if got.plan is not None:
+                    runtime.follow(got.plan)
+                return got.value
+            plan = pending.pop() if pending else None
+            if plan is not None:
+                if set(plan.device_ids) == set(job.members):
+                    self._last_migration = runtime.switch(plan)
+                else:
+                    if job.rank == 0:
+                        job.mirror.announce(call, runtime.plan, plan)
+                    self._reshape(plan)
+                    continue
+            return self._run_replica_share(split)
+
+    def _reshape(self, plan: Plan) -> None:
+        """Every process of the job: puts ``plan`` in force where it uses other devices than the members."""
+        record = self._job.reshape(self._require_runtime(), plan, self._note_ranks)
+        if record is not None:
+            self._last_migration = record
+        user_info(
+            f"ResiHPStrategy: now {self.current_plan.pipeline_degree}x{self.current_plan.data_degree} on devices "
+            f"{sorted(self.current_plan.device_ids)}; idle (hot spares): {list(self._job.spares)}"
+        )
+
+    def _replay_step(self, result: dict[str, Any], rows: int, call: int) -> Tensor:
+        """Logs and returns a step's committed result on a process that did not compute it."""
+        module = self.lightning_module
+        self._last_step_stats = None
+        self._step_result = result
+        self._interrupted = not self.is_spare  # taken in by a recovery after the members' update
+        loss = torch.tensor(result["loss"], device=self.root_device)
+        LossLogRecorder.log_values(module, result.get("logs") or {}, self.root_device)
+        self._log_train_loss(loss, rows)
+        self._publish(call, result)
+        self._job.progress(module.trainer.global_step + 1)
+        return loss
+
+    def _publish(self, call: int, result: Any) -> None:
+        """The members' rank 0 records a call's result for the spares (only while there are spares)."""
+        job = self._job
+        if result is not None and not job.is_spare and job.rank == 0 and job.spares:
+            job.mirror.publish(call, result, self.current_plan)
 
     def _run_replica_share(self, split: batching.SplitBatch) -> tuple[Tensor, list[float], list[batching.MicroBatch], Any]:
         """This replica's m_r micro-batches of the global batch through the pipeline, under the plan in force."""
@@ -475,8 +572,14 @@ class ResiHPStrategyMixin:
     @override
     def predict_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Any:
         runtime = self._require_runtime()
+        call = self._job.mirror.next_call() if self._job is not None else 0
+        if self.is_spare:
+            return batching.to_device(self._job.mirror.wait(call).value, self.root_device)
         _, _, outputs = evaluation.run_share(runtime, self.lightning_module, batch, self.micro_batch_size, compute_loss=False)
-        return evaluation.joined_outputs(runtime.position.replica, outputs, self.root_device)
+        joined = evaluation.joined_outputs(runtime.position.replica, outputs, self.root_device)
+        if self._job is not None:
+            self._publish(call, batching.to_cpu(joined))
+        return joined
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
@@ -496,6 +599,8 @@ class ResiHPStrategyMixin:
         everything else from rank 0's module.
         """
         runtime = self._require_runtime()
+        if self.is_spare:  # outside the members' group; rank 0 (a member) writes the checkpoint
+            return {}
         layers = checkpoint.gather_model_state(runtime.trained_tensors(), sends=runtime.position.replica == 0)
         return checkpoint.module_keyed(self.lightning_module, self._keys, layers) if self.global_rank == 0 else {}
 
@@ -507,7 +612,7 @@ class ResiHPStrategyMixin:
         state = self.lightning_module_state_dict()
         if self.global_rank == 0:
             torch.save(state, path)
-        dist.barrier()
+        self.barrier()
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
@@ -515,6 +620,8 @@ class ResiHPStrategyMixin:
         bound = runtime.optimizer
         if bound is None:
             raise RuntimeError("ResiHPStrategy has no optimizer outside trainer.fit")
+        if self.is_spare:
+            return {}
         # Collective under a DeepSpeed wrapper (each stage's data-parallel group): every rank is here.
         state = runtime.optimizer_checkpoint_state()
         return checkpoint.gather_optimizer_state(bound.groups, bound.group_of, state, sends=runtime.position.replica == 0)
@@ -563,6 +670,9 @@ class ResiHPStrategyMixin:
         runtime = self._require_runtime()
         trained = runtime.trained_tensors()
         restore_full_precision(runtime.local_layers(), trained)
+        if self._job is not None and (self._job.spares or self._job.is_spare):
+            self._sync_with_spares(trained)
+            return
         if self.options.gather_weights == "none":
             pos = runtime.position
             user_warn(
@@ -572,7 +682,24 @@ class ResiHPStrategyMixin:
             )
             return
         receivers = None if self.options.gather_weights == "all" else {0}
-        sync_module_layers(runtime.plan, self.global_rank, self._specs, self._keys, trained, receivers, runtime.casts_model)
+        sync_module_layers(runtime.plan_in_ranks(), self.global_rank, self._specs, self._keys, trained, receivers,
+                           runtime.casts_model)
+
+    def _sync_with_spares(self, trained: dict[str, Tensor]) -> None:
+        """End of fit with hot spares: with ``gather_weights="all"`` the spares join the group for the
+        weight sync (and leave it again); otherwise the members sync among themselves."""
+        runtime, job = self._require_runtime(), self._job
+        everyone = self.options.gather_weights == "all"
+        receivers = None if everyone else {0}
+
+        def sync() -> None:
+            sync_module_layers(runtime.plan_in_ranks(), job.world.rank, self._specs, self._keys, trained, receivers,
+                               runtime.casts_model)
+
+        if everyone:
+            job.reshape(runtime, runtime.plan, self._note_ranks, include=job.job_members, during=sync)
+        elif not job.is_spare and self.options.gather_weights == "rank0":
+            sync()
 
     @override
     def teardown(self) -> None:
@@ -583,14 +710,25 @@ class ResiHPStrategyMixin:
         # SurvivingJob closes its world when the process exits.
 
     # ------------------------------------------------------------------------- fail-stop recovery
-    def _recover(self, failure: Any) -> None:
-        """Regroups the survivors and rebuilds this rank's runtime for their plan (see ``survivors``)."""
+    def _recover(self, failure: Any, finished: dict[str, Any] | None = None) -> None:
+        """Regroups the survivors and rebuilds this rank's runtime for their plan (see ``survivors``).
+
+        Args:
+            failure: what the interrupted call raised.
+            finished: this training step's result when it was already committed here (a failure in a
+                collective after the update), so that spares taken in do not redo it.
+        """
         step = self.lightning_module.trainer.global_step
-        self._last_migration = self._job.recover(failure, self._require_runtime(), self._num_micro, step, self._note_ranks)
+        call = self._job.mirror.calls
+        self._last_migration = self._job.recover(
+            failure, self._require_runtime(), self._num_micro, step, self._note_ranks, finished=(call, finished)
+        )
         self._pending = None
+        record = self._job.last_recovery
+        spares = f"; idle (hot spares): {list(record.spares)}" if record.spares else ""
         user_warn(
-            f"ResiHPStrategy: lost rank(s) {sorted(self._job.last_recovery.failed)} at step {step}; "
-            f"{self.world_size} survivors go on under {self.current_plan.pipeline_degree}x{self.current_plan.data_degree}"
+            f"ResiHPStrategy: lost rank(s) {sorted(record.failed)} at step {step}; {len(record.members)} survivors "
+            f"go on under {self.current_plan.pipeline_degree}x{self.current_plan.data_degree}{spares}"
         )
 
     def _note_ranks(self) -> None:
@@ -649,12 +787,24 @@ class ResiHPStrategyMixin:
         return self.optimizers[0]
 
     def _evaluate(self, batch: Any) -> tuple[Tensor, int]:
-        """The batch's mean loss over rows (``self.log`` in ``pipeline_loss`` works here too) and its rows."""
+        """The batch's mean loss over rows (``self.log`` in ``pipeline_loss`` works here too) and its rows.
+
+        A spare returns (and logs) what the members computed. A failure during evaluation is not
+        recovered: it ends the job (for a restart).
+        """
         module = self.lightning_module
+        call = self._job.mirror.next_call() if self._job is not None else 0
+        if self.is_spare:
+            result = self._job.mirror.wait(call).value
+            LossLogRecorder.log_values(module, result["logs"], self.root_device)
+            return torch.tensor(result["loss"], device=self.root_device), result["rows"]
         with self._loss_log.recording(module):
             split, items, losses = evaluation.run_share(self._require_runtime(), module, batch, self.micro_batch_size, True)
-        self._loss_log.replay(module, self.root_device)
-        return evaluation.mean_loss(items, losses, self.root_device), split.rows
+        logs = self._loss_log.replay(module, self.root_device)
+        loss = evaluation.mean_loss(items, losses, self.root_device)
+        if self._job is not None:
+            self._publish(call, {"loss": float(loss), "rows": split.rows, "logs": logs})
+        return loss, split.rows
 
 
 class ResiHPStrategy(ResiHPStrategyMixin, DDPStrategy):

@@ -7,6 +7,10 @@ the survivors, and let the :class:`~.runtime.PipelineRuntime` restore the layers
 needs. The strategy wraps each training step in :meth:`SurvivingJob.run_step` (a step that lost a
 peer before its commit point is redone) and each collective after the commit point in
 ``ResiHPStrategy.collective`` (skipped after a recovery: the survivors meet again at the next step).
+
+Plans may leave live processes idle (:mod:`~.spares`): :meth:`SurvivingJob.reshape` changes the
+members at a step boundary (taking spares back, leaving devices out), and a recovery regroups every
+live process of the job, spares included, and then leaves out whom the survivors' plan does not use.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from resihp_lightning.resilience.world import ElasticWorld
 from resihp_lightning.strategy.engine import init_deepspeed_comm
 from resihp_lightning.strategy.fail_stop import FailStopConfig, RecoveryClock, RecoveryRecord, StepCommit, survivor_plan
 from resihp_lightning.strategy.runtime import PipelineRuntime
+from resihp_lightning.strategy.spares import CallMirror
 
 log = get_logger(__name__)
 
@@ -57,12 +62,14 @@ class SurvivingJob:
         world_config = config.world_config(backend, collective_timeout_s, node_rank)
         self.world = ElasticWorld(world_config, rank=rank, world_size=world_size).start()
         self.commit = StepCommit(self.world)
+        self.mirror = CallMirror(self.world)
         self.last_recovery: RecoveryRecord | None = None
         #: Called as ``listener(event, fields)`` before the process exits unrecoverably (event logs).
         self.listeners: list[Callable[[str, dict[str, Any]], None]] = []
         #: Called on every survivor inside each recovery, after the runtime is rebuilt (state resync).
         self.recovery_listeners: list[Callable[[], None]] = []
         self._redo_pending = False
+        self._finished: tuple[int, Any] | None = None  # (call, result) committed before the last recovery
         self._closed = False
         atexit.register(self.close)
 
@@ -73,16 +80,36 @@ class SurvivingJob:
 
     @property
     def rank(self) -> int:
-        return self.world.rank
+        """Rank in the current group; a spare's is after the members' (it has no group)."""
+        world = self.world
+        if world.is_member:
+            return world.rank
+        return world.world_size + world.spares.index(world.original_rank)
 
     @property
     def world_size(self) -> int:
-        return self.world.world_size
+        """Live processes of the job, members and spares."""
+        return self.world.world_size + len(self.world.spares)
+
+    @property
+    def is_spare(self) -> bool:
+        """Whether the plan in force leaves this process idle (see :mod:`~.spares`)."""
+        return not self.world.is_member
 
     @property
     def members(self) -> tuple[int, ...]:
-        """Device ids of the live processes, in rank order."""
+        """Device ids of the current group's processes (those the plan in force uses), in rank order."""
         return tuple(self.world.members)
+
+    @property
+    def spares(self) -> tuple[int, ...]:
+        """Device ids of live processes the plan in force leaves idle."""
+        return tuple(self.world.spares)
+
+    @property
+    def job_members(self) -> tuple[int, ...]:
+        """Device ids of every live process of the job, members and spares."""
+        return tuple(self.world.job_members)
 
     def rank_map(self) -> dict[int, int]:
         """Device id -> rank in the current default group."""
@@ -123,6 +150,7 @@ class SurvivingJob:
         micro_batches: int,
         step: int,
         on_regrouped: Callable[[], None],
+        finished: tuple[int, Any] | None = None,
     ) -> MigrationRecord:
         """Regroups the survivors, plans for them and restores the layers each one now needs.
 
@@ -135,36 +163,44 @@ class SurvivingJob:
             micro_batches: M of the job (the survivors' plan deals all of it out).
             step: the interrupted training step.
             on_regrouped: called once the new group exists (the strategy re-points Lightning's ranks).
+            finished: ``(call, result)``: the strategy call that was interrupted, and its result when
+                this process already committed it (a failure in a collective after the update; else
+                ``None``). The survivors take it from a member of the old group (:meth:`take_finished`):
+                a spare taken in must not redo a step the members completed.
         """
         world = self.world
-        before, aborted_at = self.members, world.current.aborted_at
+        before, held_by, aborted_at = world.job_processes, self.members, world.current.aborted_at
         clock = RecoveryClock()
         try:
-            world.regroup()
+            world.regroup()  # every live process of the job, spares included
         except ResilienceError as err:
             self.unrecoverable(step, f"the survivors could not regroup: {err}")
         on_regrouped()
         init_deepspeed_comm(self.backend)
         clock.mark("regroup")
         members = self.members
+        self._agree_old_plan(runtime, held_by, finished)
         lost = lost_layers(runtime.plan, members)
         if lost:
             self.unrecoverable(step, f"layers {lost} had no live holder (every replica holding them failed)")
         plan = self._agree_plan(runtime, members, micro_batches)
         clock.mark("plan")
         try:
-            record = runtime.recover(plan, self.rank_map())
+            record = runtime.recover(plan, self.rank_map(), between=lambda: self._leave_out_idle(plan, on_regrouped))
         except (PlanError, ConfigError) as err:
             self.unrecoverable(step, str(err))
         clock.mark("restore")
-        for listener in self.recovery_listeners:
-            listener()
+        self.mirror.forget_published_plan()
+        if not self.is_spare:
+            for listener in self.recovery_listeners:
+                listener()
         known = {r: f for r, f in world.detector.failed.items() if r in before and r not in members}
         self.last_recovery = RecoveryRecord(
             step=step,
             generation=world.generation,
             failed={r: known[r].reason if r in known else "left out" for r in before if r not in members},
-            members=members,
+            members=self.members,
+            spares=self.spares,
             plan=plan,
             detected_at=min((f.at for f in known.values()), default=aborted_at or clock.started),
             aborted_at=aborted_at or clock.started,
@@ -175,6 +211,87 @@ class SurvivingJob:
         )
         log.warning("recovered from %s at step %d: %d survivors under %s", failure, step, len(members), plan.layout_key())
         return record
+
+    def reshape(
+        self,
+        runtime: PipelineRuntime,
+        plan: Plan,
+        on_regrouped: Callable[[], None],
+        include: tuple[int, ...] = (),
+        during: Callable[[], None] | None = None,
+    ) -> MigrationRecord | None:
+        """Puts ``plan`` in force when it uses other devices than the current members (collective
+        over the whole job: every live process calls it at the same step boundary).
+
+        The members stop their engine; the group grows to everyone who holds or will hold a layer
+        (and ``include``); the layers move; ``during`` runs on that group (e.g. a weight sync); the
+        group shrinks to ``plan``'s devices, whose engine is built. Processes outside ``plan`` end as
+        spares. A member that fails meanwhile surfaces as ``PeerFailure`` (the caller recovers).
+
+        Returns:
+            The migration record, on processes that took part in the transfer (else ``None``).
+        """
+        world = self.world
+        target = tuple(sorted(plan.device_ids))
+        union = tuple(sorted(set(world.members) | set(target) | set(include)))
+        captured = runtime.release()
+        if union != world.members:
+            world.reshape(union)
+            self._regrouped(on_regrouped)
+        record = None
+        if world.is_member:
+
+            def between() -> dict[int, int] | None:
+                if during is not None:
+                    during()
+                return self._leave_out_idle(plan, on_regrouped)
+
+            record = runtime.relocate(plan, captured, self.rank_map(), between)
+        else:
+            if target != world.members:
+                world.reshape(target)
+            runtime.follow(plan)
+        self.mirror.forget_published_plan()
+        if world.is_member:
+            for listener in self.recovery_listeners:
+                listener()
+        return record
+
+    def _leave_out_idle(self, plan: Plan, on_regrouped: Callable[[], None]) -> dict[int, int] | None:
+        """Shrinks the group to ``plan``'s devices when it has others; the new rank map (``None`` on a spare)."""
+        target = tuple(sorted(plan.device_ids))
+        if target != self.members:
+            self.world.reshape(target)
+            self._regrouped(on_regrouped)
+        return self.rank_map() if not self.is_spare else None
+
+    def _regrouped(self, on_regrouped: Callable[[], None]) -> None:
+        if not self.is_spare:
+            init_deepspeed_comm(self.backend)
+        on_regrouped()
+
+    def _agree_old_plan(self, runtime: PipelineRuntime, held_by: tuple[int, ...], finished: tuple[int, Any] | None) -> None:
+        """Every process of the new group takes the plan in force, and whether the interrupted call was
+        already committed, from a surviving member of the old group (a spare's copy of the plan may lag
+        the members' last switch), so that all compute the same transfers and redo the same step."""
+        import torch.distributed as dist
+
+        holders = [d for d in self.members if d in held_by]
+        source = holders[0] if holders else self.members[0]
+        box: list[Any] = [{"plan": runtime.plan.to_dict(), "finished": finished} if self.device_id == source else None]
+        dist.broadcast_object_list(box, src=self.world.rank_of(source))
+        plan = Plan.from_dict(box[0]["plan"])
+        if runtime.idle and plan.layout_key() != runtime.plan.layout_key():
+            runtime.follow(plan)
+        agreed = box[0]["finished"]
+        self._finished = (agreed[0], agreed[1]) if agreed is not None and agreed[1] is not None else None
+
+    def take_finished(self, call: int) -> Any:
+        """The result of ``call`` when the last recovery found it committed by the members (once), else None."""
+        if self._finished is None or self._finished[0] != call:
+            return None
+        result, self._finished = self._finished[1], None
+        return result
 
     def _agree_plan(self, runtime: PipelineRuntime, members: tuple[int, ...], micro_batches: int) -> Plan:
         """Rank 0 of the new group plans from the measured layer costs; every survivor gets its plan."""

@@ -1,0 +1,30 @@
+"""The survivors' plan after a fail-stop: it may leave survivors idle (hot spares), only where that is faster."""
+
+from __future__ import annotations
+
+from resihp_lightning.plan import Device, Layer, Problem
+from resihp_lightning.strategy.fail_stop import survivor_plan
+from resihp_lightning.telemetry import LayerCost
+
+
+def test_seven_survivors_whose_memory_needs_two_stages_run_2x3_with_a_spare_not_a_7_stage_pipeline():
+    # 8 layers of 100 MB; a device holds at most 5 of them, so every plan has P >= 2.
+    profile = [LayerCost(i, 2.0, 100.0, 0.0) for i in range(8)]
+    members = [0, 1, 2, 4, 5, 6, 7]  # rank 3 died
+    plan = survivor_plan(profile, members, micro_batches=12, per_replica_bounds=True, solver="exact", memory_mb=500.0)
+    assert (plan.pipeline_degree, plan.data_degree) == (2, 3), plan
+    assert set(plan.device_ids) < set(members) and len(plan.device_ids) == 6
+    # What the idle device buys: the only plan on all seven is the 7-stage pipeline, and it is slower.
+    layers = tuple(Layer(2.0, 100.0, 0.0) for _ in range(8))
+    everyone = Problem(layers, tuple(Device(d, 1.0, 500.0) for d in members), 12, shared_partition=False)
+    from resihp_lightning.solver import solve
+
+    seven = solve(everyone)
+    assert seven.pipeline_degree == 7 and seven.iteration_ms > plan.iteration_ms * 1.3
+
+
+def test_a_tie_keeps_every_survivor_working():
+    # Three survivors, M = 4: 1 x 3 (2, 1, 1 micro-batches) is as fast as 1 x 2 (2, 2); the plan uses all three.
+    profile = [LayerCost(i, 1.0, 1.0, 0.0) for i in range(8)]
+    plan = survivor_plan(profile, [0, 2, 3], micro_batches=4, per_replica_bounds=True, solver="exact")
+    assert sorted(plan.device_ids) == [0, 2, 3], plan

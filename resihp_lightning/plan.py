@@ -260,6 +260,9 @@ class Plan:
             ``"heuristic"``, or ``"given"`` for a hand-written plan.
         solver: the backend that made the plan.
         solve_seconds: wall time the solver took.
+        gap: the proven relative gap ``(T - bound) / T`` of a solver's plan, where bound is a proven
+            lower bound on the optimum: 0.0 when ``status`` is ``"optimal"``; ``None`` when unknown
+            (a hand-written plan).
     """
 
     replicas: tuple[Replica, ...]
@@ -267,6 +270,7 @@ class Plan:
     status: str = "given"
     solver: str = ""
     solve_seconds: float = 0.0
+    gap: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "replicas", tuple(self.replicas))
@@ -345,6 +349,7 @@ class Plan:
             "status": self.status,
             "solver": self.solver,
             "solve_seconds": self.solve_seconds,
+            "gap": self.gap,
         }
 
     @classmethod
@@ -352,7 +357,7 @@ class Plan:
         """Reads a plan from its JSON form (``pipeline_degree``/``data_degree`` are checked, not trusted)."""
         if not isinstance(data, Mapping):
             raise PlanError(f"a plan must be a JSON object, got {type(data).__name__}")
-        allowed = {"pipeline_degree", "data_degree", "replicas", "iteration_ms", "status", "solver", "solve_seconds"}
+        allowed = {"pipeline_degree", "data_degree", "replicas", "iteration_ms", "status", "solver", "solve_seconds", "gap"}
         unknown = sorted(set(data) - allowed)
         if unknown:
             raise PlanError(f"unknown field '{unknown[0]}' in plan; allowed: {', '.join(sorted(allowed))}")
@@ -369,6 +374,7 @@ class Plan:
             status=data.get("status", "given"),
             solver=data.get("solver", ""),
             solve_seconds=data.get("solve_seconds", 0.0),
+            gap=data.get("gap"),
         )
         for name, actual in (("pipeline_degree", plan.pipeline_degree), ("data_degree", plan.data_degree)):
             if name in data and data[name] != actual:

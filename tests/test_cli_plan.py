@@ -28,7 +28,8 @@ def test_plan_json_has_the_documented_fields(capsys):
     code, out, err = _run(capsys, "plan", str(DESIGN), "--solver", "exact", "--json")
     assert code == 0 and err == ""
     data = json.loads(out)
-    assert set(data) == {"pipeline_degree", "data_degree", "replicas", "iteration_ms", "status", "solver", "solve_seconds"}
+    assert set(data) == {"pipeline_degree", "data_degree", "replicas", "iteration_ms", "status", "solver", "solve_seconds", "gap"}
+    assert data["gap"] == 0.0
     for replica in data["replicas"]:
         assert set(replica) == {"devices", "bounds", "micro_batches"}
     problem = Problem.load(DESIGN)

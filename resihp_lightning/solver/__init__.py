@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
 import time
 
 from resihp_lightning.config import PlannerConfig
@@ -45,22 +46,36 @@ def solve(problem: Problem, config: PlannerConfig | None = None) -> Plan:
     Raises:
         InfeasibleError: no plan fits (one line naming the reason, usually memory).
     """
-    from resihp_lightning.solver.exact import DEFAULT_BUDGET, UNITS_PER_SECOND, solve_exact
+    from resihp_lightning.solver.exact import (
+        DECOMPOSITION_BUDGET,
+        DECOMPOSITION_UNITS_PER_SECOND,
+        DEFAULT_BUDGET,
+        UNITS_PER_SECOND,
+        relative_gap,
+        solve_exact,
+    )
 
     config = config or PlannerConfig()
     problem = config.apply_to(problem)
     start = time.perf_counter()
     # As the chosen backend the exact search may use the time limit (as a deterministic work
     # budget); as a warm start it stays short so that the MILP gets the time.
-    budget = max(DEFAULT_BUDGET, int(config.time_limit_s * UNITS_PER_SECOND)) if config.solver == "exact" else DEFAULT_BUDGET
+    chosen = config.solver == "exact"
+    budget = max(DEFAULT_BUDGET, int(config.time_limit_s * UNITS_PER_SECOND)) if chosen else DEFAULT_BUDGET
+    split_budget = (
+        max(DECOMPOSITION_BUDGET, int(config.time_limit_s * DECOMPOSITION_UNITS_PER_SECOND)) if chosen else DECOMPOSITION_BUDGET
+    )
     try:
-        exact_plan = solve_exact(problem, budget=budget)
+        exact_plan = solve_exact(problem, budget=budget, decomposition_budget=split_budget)
     except InfeasibleError as error:
         if config.solver == "exact" or getattr(error, "proven", True):
             raise
         exact_plan = None  # the heuristic phase found nothing: the MILP decides without a hint
-    if config.solver == "exact":
+    if chosen:
         return exact_plan.with_result(solve_seconds=time.perf_counter() - start)
+    if exact_plan is not None and exact_plan.status == "optimal":
+        # Proven already (normally by the decomposition): the MILP could only prove it again.
+        return exact_plan.with_result(solver=config.solver, solve_seconds=time.perf_counter() - start)
     module_name, function_name = _MILP_BACKENDS[config.solver]
     backend = getattr(importlib.import_module(module_name), function_name)
     # The warm start's time counts against the limit: the MILP gets what is left of it.
@@ -76,8 +91,18 @@ def solve(problem: Problem, config: PlannerConfig | None = None) -> Plan:
         best = milp_plan.with_result(iteration_ms=milp_value)
     else:
         best = exact_plan.with_result(solver=config.solver)
+    # Both searches proved a lower bound on the optimum; the larger one gives the gap.
+    bound = max(_bound(exact_plan), _bound(milp_plan.with_result(iteration_ms=milp_value)))
     return best.with_result(
         status="optimal" if proved else best.status,
+        gap=0.0 if proved else relative_gap(best.iteration_ms, bound),
         solver=config.solver,
         solve_seconds=time.perf_counter() - start,
     )
+
+
+def _bound(plan: Plan) -> float:
+    """The proven lower bound behind a plan's ``gap`` (``-inf`` when it has none)."""
+    if plan.gap is None or plan.iteration_ms is None:
+        return -math.inf
+    return plan.iteration_ms * (1.0 - plan.gap)

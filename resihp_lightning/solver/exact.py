@@ -52,6 +52,7 @@ from resihp_lightning.errors import InfeasibleError
 from resihp_lightning.plan import Plan, Problem, evaluate
 from resihp_lightning.solver.bottleneck import min_max_partition
 from resihp_lightning.solver.bounds import shape_lower_bound
+from resihp_lightning.solver.decomposition import decomposition_search
 from resihp_lightning.solver.enumeration import all_bounds, count_bounds, layouts, used_vectors
 from resihp_lightning.solver.exact_model import Best, Model, build_plan
 from resihp_lightning.solver.heuristic import heuristic_search
@@ -66,6 +67,12 @@ DEFAULT_BUDGET = 12_000
 #: Work units per second of ``time_limit_s`` when ``exact`` is the chosen backend (a deterministic
 #: stand-in for a time limit; see benchmarks/README.md for solve times).
 UNITS_PER_SECOND = 20_000
+#: Work units of the decomposition by shape (:mod:`resihp_lightning.solver.decomposition`) in
+#: :func:`solve_exact` (about 0.5 s); it runs before the layout enumeration and usually finishes
+#: far below this.
+DECOMPOSITION_BUDGET = 100_000
+#: Decomposition units per second of ``time_limit_s`` when ``exact`` is the chosen backend.
+DECOMPOSITION_UNITS_PER_SECOND = 200_000
 
 
 class _BudgetExceeded(Exception):
@@ -404,12 +411,18 @@ def infeasible_reason(problem: Problem) -> str:
     )
 
 
-def solve_exact(problem: Problem, *, budget: int = DEFAULT_BUDGET) -> Plan:
+def solve_exact(problem: Problem, *, budget: int = DEFAULT_BUDGET, decomposition_budget: int = DECOMPOSITION_BUDGET) -> Plan:
     """Plans ``problem`` with the exact combinatorial search (heuristic beyond ``budget``).
 
+    The heuristic phase finds the incumbent, the decomposition by shape
+    (:mod:`resihp_lightning.solver.decomposition`, ``decomposition_budget`` units) tries to prove
+    it optimal or improves it, and the layout enumeration of this module (``budget`` units) runs
+    only when the decomposition left a shape open.
+
     Returns:
-        The plan with ``iteration_ms`` (from :func:`evaluate`), ``status`` ``"optimal"`` when the
-        complete search finished and ``"feasible"`` otherwise, ``solver="exact"`` and ``solve_seconds``.
+        The plan with ``iteration_ms`` (from :func:`evaluate`), ``status`` ``"optimal"`` when a
+        complete search finished and ``"feasible"`` otherwise, ``gap`` (the proven relative gap,
+        0.0 when optimal), ``solver="exact"`` and ``solve_seconds``.
 
     Raises:
         InfeasibleError: no plan satisfies the memory and shape constraints. Its attribute ``proven``
@@ -421,16 +434,28 @@ def solve_exact(problem: Problem, *, budget: int = DEFAULT_BUDGET) -> Plan:
     status = "optimal"
     best = Best()
     heuristic_search(model, best)  # a good incumbent makes the exact phase prune early
-    try:
-        exact_search(model, budget, best)
-    except (_BudgetExceeded, RecursionError):  # too many replicas to enumerate their layouts
-        status = "feasible"
+    outcome = decomposition_search(model, best, decomposition_budget)
+    bound = outcome.bound_ms
+    if not outcome.proven:
+        try:
+            exact_search(model, budget, best)
+            bound = best.value
+        except (_BudgetExceeded, RecursionError):  # too many replicas to enumerate their layouts
+            status = "feasible"
     if math.isinf(best.value):
         error = InfeasibleError(infeasible_reason(problem))
         error.proven = status == "optimal"  # False: only the heuristic phase ran and found nothing
         raise error
     plan = build_plan(model, best.grid, best.bounds, best.counts)
     value = evaluate(problem, plan).iteration_ms
+    gap = 0.0 if status == "optimal" else relative_gap(value, bound)
     return plan.with_result(
-        iteration_ms=value, status=status, solver="exact", solve_seconds=time.perf_counter() - start
+        iteration_ms=value, status=status, gap=gap, solver="exact", solve_seconds=time.perf_counter() - start
     )
+
+
+def relative_gap(value: float, bound: float) -> float:
+    """``(value - bound) / value``, clipped to [0, 1] (1.0 when nothing is known)."""
+    if not value > 0 or not math.isfinite(bound):
+        return 1.0 if value > 0 else 0.0
+    return min(1.0, max(0.0, (value - bound) / value))

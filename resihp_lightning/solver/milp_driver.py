@@ -193,6 +193,6 @@ def solve_by_degree(
         bound_ms = best_ms  # optimal up to the model's rounding (module docstring)
     gap = max(0.0, (best_ms - bound_ms) / best_ms) if best_ms > 0 else 0.0
     status = "optimal" if proven and gap_target == 0 else "feasible"
-    plan = best_plan.with_result(iteration_ms=best_ms, status=status, solver=solver_name, solve_seconds=elapsed)
+    plan = best_plan.with_result(iteration_ms=best_ms, status=status, gap=gap, solver=solver_name, solve_seconds=elapsed)
     return MilpResult(plan, bound_ms, gap, proven, tuple(solved))
 

@@ -7,7 +7,7 @@
   global ranks are dealt anew at each rendezvous;
 * :func:`speeds_by_identity` / :func:`speeds_for_ranks`: speeds measured before a restart carried to the
   ranks of the new world by identity;
-* :func:`restart_count`, :func:`agent_store_warning`.
+* :func:`restart_count`, :func:`process_started_at`, :func:`agent_store_warning`.
 """
 
 from __future__ import annotations
@@ -63,6 +63,19 @@ def speeds_for_ranks(saved: Mapping[str, float], identities: Sequence[str]) -> d
     a device not seen before, or not told apart, is taken as healthy (left out)."""
     counts = Counter(identities)
     return {rank: saved[name] for rank, name in enumerate(identities) if counts[name] == 1 and name in saved}
+
+
+def process_started_at() -> float | None:
+    """When this process was created (Unix seconds, from ``/proc``; ``None`` where there is no ``/proc``)."""
+    try:
+        with open("/proc/self/stat") as handle:
+            fields = handle.read().rsplit(")", 1)[1].split()
+        ticks = int(fields[19])  # field 22 of stat: start time in clock ticks after boot
+        with open("/proc/stat") as handle:
+            boot = next(int(line.split()[1]) for line in handle if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
 
 
 def agent_store_warning() -> str | None:

@@ -18,10 +18,12 @@ the strategy builds its pipeline. It reads that state from the checkpoint, and:
 
 Resume with Lightning's stateful form, ``trainer.ckpt_path = path`` before ``trainer.fit(...)``:
 ``fit(ckpt_path=path)`` makes the path known only after the strategy is set up (a warning says so).
-An explicit ``ResiHPStrategy(plan=...)`` always wins. Events (rank 0 unless noted): ``job_restarted``
-(restart count, checkpoint and its step, world before and after, devices lost and new, seconds
-to read the checkpoint's state and to plan) and ``plan_applied`` (``reason: "restart"``) for the plan
-the job starts under; ``worker_failed`` from every rank whose ``fit`` raised (a lost peer's
+An explicit ``ResiHPStrategy(plan=...)`` always wins. Events (rank 0 unless noted), written once the
+checkpoint is loaded (``on_train_start``): ``job_restarted`` (restart count, checkpoint and its step,
+world before and after, devices lost and new, and the start-up's timeline: ``process_started_at``,
+``setup_at`` (imports, Trainer and process group done), ``read_s`` and ``plan_s``, ``loaded_at`` (the
+strategy built its pipeline and the file is read), ``resumed_at`` (every state restored)) and
+``plan_applied`` (``reason: "restart"``) for the plan the job starts under; ``worker_failed`` from every rank whose ``fit`` raised (a lost peer's
 collective error, torchrun's SIGTERM), so the log keeps the failure that led to a restart.
 """
 
@@ -48,6 +50,7 @@ from resihp_lightning.contract import Replannable, require
 from resihp_lightning.elastic import (
     agent_store_warning,
     device_identity,
+    process_started_at,
     restart_count,
     speeds_by_identity,
     speeds_for_ranks,
@@ -103,6 +106,7 @@ class ElasticRestart(Callback):
             user_warn(warning)
         if stage != "fit" or trainer.ckpt_path is None:
             return
+        setup_at = time.time()
         start = time.perf_counter()
         saved, resihp, step = _read_saved_state(trainer.ckpt_path)
         read_s = time.perf_counter() - start
@@ -132,18 +136,30 @@ class ElasticRestart(Callback):
         self.last_restart = {
             "restart_count": restart_count(), "checkpoint": str(trainer.ckpt_path), "checkpoint_step": step,
             "world_before": None if before is None else len(before), "world_after": world,
-            "lost": lost, "new": new, "read_s": read_s, "plan_s": plan_s,
-            "plan": None if plan is None else plan.to_dict(),
+            "lost": lost, "new": new, "process_started_at": process_started_at(), "setup_at": setup_at,
+            "read_s": read_s, "plan_s": plan_s, "plan": None if plan is None else plan.to_dict(),
         }
-        self._log("job_restarted", step, **{k: v for k, v in self.last_restart.items() if k != "plan"})
         if plan is not None:
-            self._log("plan_applied", step, plan=plan, reason="restart", migration_seconds=0.0, bytes_moved=0)
             user_info(f"restart: {world} processes (before: {'?' if before is None else len(before)}) go on from "
                       f"{trainer.ckpt_path} under {plan.pipeline_degree}x{plan.data_degree}")
 
     @override
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        # Logged once the checkpoint is in: the event carries the whole start-up's timeline.
+        if self.last_restart is None or "resumed_at" in self.last_restart:
+            return
+        self.last_restart["resumed_at"] = time.time()
+        info = self.last_restart
+        self._log("job_restarted", info["checkpoint_step"], **{k: v for k, v in info.items() if k != "plan"})
+        if info["plan"] is not None:
+            self._log("plan_applied", info["checkpoint_step"], plan=info["plan"], reason="restart",
+                      migration_seconds=0.0, bytes_moved=0)
+
+    @override
     def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
-        if self.last_restart is None:
+        if self.last_restart is not None:
+            self.last_restart["loaded_at"] = time.time()  # the file is read; the states are restored next
+        else:
             user_warn("ElasticRestart did not see the checkpoint before the strategy was set up, so the job did not "
                       "plan for its world: set `trainer.ckpt_path = path` before `trainer.fit(...)` instead of passing "
                       "`fit(ckpt_path=path)`")

@@ -18,7 +18,8 @@ plan_computed      plan (Plan JSON), predicted_ms, solve_seconds, status
 plan_applied       plan, migration_seconds, bytes_moved
 plan_rejected      reason
 worker_failed      rank, error, at (a process's ``fit`` raised: a lost peer, the launcher's SIGTERM; every rank writes)
-job_restarted      restart_count, checkpoint, checkpoint_step, world_before, world_after, lost, new, read_s, plan_s
+job_restarted      restart_count, checkpoint, checkpoint_step, world_before, world_after, lost, new, process_started_at,
+                   setup_at, read_s, plan_s, loaded_at, resumed_at (Unix seconds / seconds; at the resume's train start)
 ================== ======================================================================
 
 Only writer ranks write (rank 0 by default) so that a multi-rank job produces one log; a rank

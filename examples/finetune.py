@@ -9,11 +9,17 @@ Everything is configured in YAML and overridable on the command line (jsonargpar
 Top-level sections: ``model`` (a local HF checkpoint dir or a ``scratch`` shape), ``data`` (JSONL,
 folder, text file, or the Python standard library's sources), ``trainer``, ``strategy`` (pipeline
 degree, micro-batches), ``planner`` (the re-planning controller's planner options), ``detector``,
-``controller`` (``replan: false`` turns it off), ``fault`` (one injected fault, or ``null``) and
-``run_dir``. ``--print_config`` prints the full config.
+``controller`` (``replan: false`` turns it off), ``fault`` (one injected fault, or ``null``),
+``checkpoint`` (periodic checkpoints and resuming from the newest, or ``null``) and ``run_dir``.
+``--print_config`` prints the full config.
 
 On one machine the script launches its ``trainer.devices`` processes itself: Lightning's subprocess
-launcher re-runs this script with torchrun-style variables (under ``torchrun`` / SLURM it uses those).
+launcher re-runs this script with torchrun-style variables (under ``torchrun`` / SLURM it uses those;
+under torchrun ``trainer.num_nodes`` and ``trainer.devices`` follow the world it formed, which after an
+elastic restart may be smaller). With ``checkpoint`` set, a checkpoint is written every N steps or
+minutes into ``<run_dir>/checkpoints`` (the last K kept) and a (re)started job resumes from the newest
+one there, planning for the processes it has now (``ElasticRestart``); the examples/*.sh and
+examples/slurm_finetune.sbatch recipes restart it with torchrun.
 Rank 0 writes into the run directory (default ``runs/<name>-<UTC timestamp>/``): ``config.yaml``,
 ``events.jsonl`` (faults, detections, plans), ``steps.jsonl`` (one line per step), and at the end
 ``report.txt`` + ``timeline.png`` (``resihp report RUN_DIR`` redraws them). Bad input — an unknown
@@ -35,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from jsonargparse import ActionConfigFile, ArgumentParser, Namespace  # noqa: E402
 
 from resihp_lightning.callbacks.faults import FaultConfig  # noqa: E402
+from resihp_lightning.callbacks.periodic_checkpoint import CheckpointConfig  # noqa: E402
 from resihp_lightning.callbacks.replan_policy import ControllerConfig  # noqa: E402
 from resihp_lightning.callbacks.straggler import DetectorConfig  # noqa: E402
 from resihp_lightning.strategy.fail_stop import FailStopConfig  # noqa: E402
@@ -95,6 +102,9 @@ class StrategyArgs:
     micro_batches: int = 8
     deepspeed_config: dict[str, Any] = field(default_factory=dict)
     process_group_backend: str | None = None
+    timeout_s: float = 1800.0
+    """collective timeout: a peer that hangs without being detected fails its collectives after this long
+    (keep it below torchrun's rendezvous ``join_timeout``, 600 s by default, for elastic jobs)."""
     fail_stop: FailStopConfig | None = field(default_factory=FailStopConfig)
 
 
@@ -112,6 +122,8 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--replan", type=bool, default=True, help="run the re-planning controller")
     parser.add_argument("--controller", type=ControllerConfig, default=ControllerConfig())
     parser.add_argument("--fault", type=FaultConfig | None, default=None, help="one fault to inject, or null")
+    parser.add_argument("--checkpoint", type=CheckpointConfig | None, default=None,
+                        help="periodic checkpoints (and resuming from the newest), or null")
     return parser
 
 
@@ -211,9 +223,13 @@ def run(raw: Namespace) -> Path:
 
     import lightning.pytorch as pl
     import transformers
-    from torch.utils.data import DataLoader
 
     from resihp_lightning.callbacks.controller import ReplanController
+    from resihp_lightning.callbacks.elastic import ElasticRestart
+    from resihp_lightning.callbacks.periodic_checkpoint import newest_checkpoint, periodic_checkpoint
+    from resihp_lightning.data.resumable import ResumableDataLoader
+    from resihp_lightning.elastic import launcher_shape
+    from resihp_lightning.strategy.checkpoint_io import make_checkpoint_io
     from resihp_lightning.callbacks.detector import StragglerDetector
     from resihp_lightning.callbacks.fault_injector import FaultInjector
     from resihp_lightning.callbacks.progress import ResiHPProgressBar, StepRecorder
@@ -232,11 +248,13 @@ def run(raw: Namespace) -> Path:
         warmup_steps=m.warmup_steps,
     )
     module.check_tokenizer(tokenizer)
-    loader = DataLoader(dataset, batch_size=rows, shuffle=True, collate_fn=collate_packed, drop_last=True)
+    # A DataLoader whose position is saved with each checkpoint (a resumed job skips the rows it trained on).
+    loader = ResumableDataLoader(dataset, batch_size=rows, shuffle=True, collate_fn=collate_packed, drop_last=True)
 
     strategy = ResiHPStrategy(pipeline_degree=s.pipeline_degree, micro_batch_size=s.micro_batch_size,
                               micro_batches=s.micro_batches, deepspeed_config=dict(s.deepspeed_config),
-                              process_group_backend=s.process_group_backend, fail_stop=s.fail_stop)
+                              process_group_backend=s.process_group_backend, timeout=s.timeout_s,
+                              fail_stop=s.fail_stop)
     recorder = StepRecorder(run_dir)
     callbacks: list[Any] = [recorder]
     if cfg.fault is not None:
@@ -246,21 +264,33 @@ def run(raw: Namespace) -> Path:
         callbacks.append(ReplanController(cfg.controller, planner=cfg.planner))
     if s.fail_stop is not None:
         callbacks.append(FailStopReporter(log_dir=str(run_dir)))
+    plugins: list[Any] = []
+    ckpt = None
+    if cfg.checkpoint is not None:
+        ckpt_dir = cfg.checkpoint.dirpath or str(run_dir / "checkpoints")
+        callbacks.append(periodic_checkpoint(cfg.checkpoint, ckpt_dir))
+        callbacks.append(ElasticRestart(planner=cfg.planner, controller=cfg.controller, log_dir=str(run_dir)))
+        plugins.append(make_checkpoint_io(cfg.checkpoint.asynchronous))
+        ckpt = newest_checkpoint(ckpt_dir) if cfg.checkpoint.resume else None
     if cfg.trainer.progress_bar:
         callbacks.append(ResiHPProgressBar(recorder))
     t = cfg.trainer
+    num_nodes, devices = launcher_shape(t.devices, t.num_nodes)  # torchrun: the world of this rendezvous round
     trainer = pl.Trainer(
-        accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=strategy, max_steps=t.max_steps,
-        precision=t.precision, callbacks=callbacks, logger=False, enable_checkpointing=False,
-        enable_progress_bar=t.progress_bar, enable_model_summary=False, num_sanity_val_steps=0,
-        default_root_dir=str(run_dir), log_every_n_steps=1,
+        accelerator=t.accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy, max_steps=t.max_steps,
+        precision=t.precision, callbacks=callbacks, plugins=plugins, logger=False,
+        enable_checkpointing=cfg.checkpoint is not None, enable_progress_bar=t.progress_bar,
+        enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=str(run_dir), log_every_n_steps=1,
     )
     pl.seed_everything(m.seed, workers=True, verbose=False)
     started = time.perf_counter()
+    # Lightning's stateful form (not fit(ckpt_path=...)): ElasticRestart reads the path before the strategy's setup.
+    trainer.ckpt_path = str(ckpt) if ckpt is not None else None
     trainer.fit(module, loader)
     if t.export_hf:
         ckpt = run_dir / "final.ckpt"
         trainer.save_checkpoint(ckpt)
+        trainer.strategy.checkpoint_io.teardown()  # an asynchronous write must be on disk before it is read
         if trainer.global_rank == 0:
             from resihp_lightning.models.lightning_module import export_hf_checkpoint
 

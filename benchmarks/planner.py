@@ -13,6 +13,15 @@ at 0.5x, or 8 devices at 0.3-0.9x; shared and per-replica partitions. For each s
 Usage::
 
     python benchmarks/planner.py [--quick] [--time-limit 10] [--workers 2] [--no-cbc]
+
+``--scale`` runs the other table instead: what :func:`resihp_lightning.solver.solve` (the default
+config: the exact phase with its decomposition by shape, then CP-SAT only when a shape is left open)
+takes when memory binds (96 layers of 700 MB static state on 24 GB devices), at 32, 256 and 1024
+devices, with two slow devices, eight in four speeds (five classes), or detector-like continuous
+speeds (every device near 1.0 with noise, a few slow ones), quantized as the controller does
+(``speed_quantum`` 0.05) or left raw (one class per distinct speed; 32 devices only)::
+
+    python benchmarks/planner.py --scale [--only 256] [--time-limit 10]
 """
 
 from __future__ import annotations
@@ -134,6 +143,78 @@ def run(s: Scenario, config: PlannerConfig, cbc: bool) -> dict[str, str]:
     }
 
 
+@dataclass(frozen=True)
+class ScaleScenario:
+    devices: int
+    speeds: str  # "2x0.5", "8x0.3-0.9", "detector" (quantized) or "detector-raw"
+    shared: bool
+
+
+def detector_speeds(n: int, seed: int) -> list[float]:
+    """Speed estimates as the detector reports them: 1.0 with 1% noise (capped at 1.0), plus one slow
+    device per 128 (at least two) at 0.3-0.9."""
+    import random
+
+    rng = random.Random(seed)
+    speeds = [min(1.0, rng.gauss(1.0, 0.01)) for _ in range(n)]
+    for i in rng.sample(range(n), max(2, n // 128)):
+        speeds[i] = rng.uniform(0.3, 0.9)
+    return speeds
+
+
+def scale_problem(s: ScaleScenario) -> Problem:
+    """The scenario of issue 14: 96 layers, 10 ms, 700 MB static + 50 MB per micro-batch, 24 GB devices
+    (P >= 4; stage 0 of P = 4 cannot take 27 layers), M = 4 N, p2p 0.05 ms, all-reduce 5 ms."""
+    n = s.devices
+    if s.speeds.startswith("detector"):
+        speeds = detector_speeds(n, seed=n)
+        if s.speeds == "detector":
+            from resihp_lightning.callbacks.replan_policy import quantize_speeds
+
+            speeds = [quantize_speeds({0: v}, 0.05)[0] for v in speeds]
+    else:
+        speeds = [1.0] * n
+        slow = SLOW_PATTERNS[s.speeds]
+        for k, speed in enumerate(slow):
+            speeds[(k * max(1, n // len(slow)) + 3) % n] = speed
+    devices = [Device(i, speeds[i], 24_000.0) for i in range(n)]
+    layers = [Layer(10.0, 700.0, 50.0)] * 96
+    return Problem(layers, devices, 4 * n, p2p_ms=0.05, allreduce_ms=5.0, shared_partition=s.shared)
+
+
+def scale_scenarios(only: int | None) -> list[ScaleScenario]:
+    out = []
+    for n in (32, 256, 1024):
+        if only is not None and n != only:
+            continue
+        for speeds in ("2x0.5", "8x0.3-0.9", "detector", "detector-raw"):
+            if speeds == "detector-raw" and n > 32:
+                continue  # a class per distinct speed: the MILP alone, whose model building dominates
+            for shared in (True, False):
+                out.append(ScaleScenario(n, speeds, shared))
+    return out
+
+
+def run_scale(s: ScaleScenario, config: PlannerConfig) -> dict[str, str]:
+    from resihp_lightning.solver import solve
+
+    problem = scale_problem(s)
+    t0 = time.perf_counter()
+    plan = solve(problem, config)
+    seconds = time.perf_counter() - t0
+    return {
+        "N": str(s.devices),
+        "speeds": s.speeds,
+        "partition": "shared" if s.shared else "per-replica",
+        "classes": str(len(device_classes(problem))),
+        "solve s": f"{seconds:.2f}",
+        "status": plan.status,
+        "gap": f"{100 * (plan.gap or 0.0):.2f}%",
+        "P x D": f"{plan.pipeline_degree}x{plan.data_degree}",
+        "T ms": f"{plan.iteration_ms:.1f}",
+    }
+
+
 def markdown(rows: list[dict[str, str]]) -> str:
     head = list(rows[0])
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
@@ -148,10 +229,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2, help="CP-SAT workers (default 2)")
     parser.add_argument("--no-cbc", action="store_true", help="skip the PuLP+CBC backend")
     parser.add_argument("--only", type=int, default=None, help="only scenarios with this many devices")
+    parser.add_argument("--scale", action="store_true", help="binding memory and detector-like speeds at 32-1024 devices")
     args = parser.parse_args(argv)
     config = PlannerConfig(time_limit_s=args.time_limit, num_workers=args.workers)
     print(f"load average before: {os.getloadavg()[0]:.2f} ({os.cpu_count()} CPUs)", file=sys.stderr)
     rows = []
+    if args.scale:
+        for s in scale_scenarios(args.only):
+            rows.append(run_scale(s, config))
+            print(" | ".join(rows[-1].values()), file=sys.stderr, flush=True)
+        print(markdown(rows))
+        print(f"load average after: {os.getloadavg()[0]:.2f}", file=sys.stderr)
+        return 0
     for s in scenarios(args.quick):
         if args.only is not None and s.devices != args.only:
             continue

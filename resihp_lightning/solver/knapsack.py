@@ -24,7 +24,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 #: The knapsack refuses (``TooLarge``) state spaces beyond this many cells (items x states).
-MAX_CELLS = 4_000_000
+MAX_CELLS = 30_000_000
 
 
 class TooLarge(Exception):

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from resihp_lightning._logging import get_logger, user_info, user_warn
+from resihp_lightning._logging import user_info, user_warn
 from resihp_lightning.callbacks.controller import ReplanController
 from resihp_lightning.callbacks.detector import StragglerDetector
 from resihp_lightning.callbacks.events import EventLog
@@ -59,8 +59,6 @@ from resihp_lightning.errors import ConfigError
 from resihp_lightning.plan import Plan
 from resihp_lightning.solver import solve
 from resihp_lightning.telemetry import LayerCost
-
-log = get_logger(__name__)
 
 
 class ElasticRestart(Callback):

@@ -171,3 +171,36 @@ def test_periodic_checkpoints_keep_the_last_k_and_resume_exactly(distributed, tm
     assert resumed[6] == async_steps[6]
     # Time-based: a write whenever 0.25 s have passed (rank 0's clock), with 0.3 s steps: every step.
     assert len(out["timed_files"]) >= 3, out["timed_files"]
+
+
+def _fit_rank(rank: int, world: int, root: str, steps: int, elastic: bool, ckpt: str | None) -> dict:
+    import lightning.pytorch as pl
+
+    import elastic_job as job
+    from resihp_lightning.callbacks.elastic import ElasticRestart
+    from resihp_lightning.callbacks.periodic_checkpoint import periodic_checkpoint
+    from resihp_lightning.strategy.strategy import ResiHPStrategy
+
+    callbacks = [periodic_checkpoint(CheckpointConfig(dirpath=os.path.join(root, "ckpts"), every_n_steps=2))]
+    elastic_cb = ElasticRestart(log_dir=root) if elastic else None
+    trainer = pl.Trainer(accelerator="cpu", devices=world, max_steps=steps, logger=False, enable_progress_bar=False,
+                         strategy=ResiHPStrategy(pipeline_degree=2, micro_batch_size=job.MBS, micro_batches=job.M),
+                         enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=root,
+                         callbacks=callbacks + ([elastic_cb] if elastic_cb else []))
+    trainer.ckpt_path = ckpt
+    pl.seed_everything(0, verbose=False)
+    trainer.fit(job.Stack(), job.ResumableDataLoader(job.Rows(), batch_size=job.M * job.MBS, shuffle=True, drop_last=True))
+    plan = trainer.strategy.current_plan
+    return {"shape": (plan.pipeline_degree, plan.data_degree), "step": trainer.global_step,
+            "restart": None if elastic_cb is None else elastic_cb.last_restart}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_a_checkpoint_without_elastic_state_still_restarts_on_fewer_processes(distributed, tmp_path):
+    # Written by 2 processes (2 x 1) without ElasticRestart; resumed on 1, where pipeline_degree=2 cannot run.
+    distributed(_fit_rank, 2, timeout=120, root=str(tmp_path), steps=2, elastic=False, ckpt=None)
+    ckpt = str(tmp_path / "ckpts" / "step00000002.ckpt")
+    out = distributed(_fit_rank, 1, timeout=120, root=str(tmp_path), steps=3, elastic=True, ckpt=ckpt)[0]
+    assert out["shape"] == (1, 1) and out["step"] == 3
+    assert out["restart"]["world_before"] == 2 and out["restart"]["world_after"] == 1

@@ -111,8 +111,11 @@ class ElasticRestart(Callback):
         identities = _all_gather(device_identity())
         strategy = trainer.strategy
         world = trainer.world_size
+        if saved is None:
+            saved = _without_elastic_state(resihp, world)
         before = saved.get("identities") if saved else None
-        self.world_changed = before is not None and list(before) != list(identities)
+        # Without identities (a checkpoint written without this callback) the world differs by construction.
+        self.world_changed = saved is not None and (before is None or list(before) != list(identities))
         plan, plan_s = None, 0.0
         explicit = strategy.options.plan is not None
         if saved is not None and not explicit:
@@ -133,12 +136,12 @@ class ElasticRestart(Callback):
         new = sorted(set(identities) - set(before or ())) if before is not None else []
         self.last_restart = {
             "restart_count": restart_count(), "checkpoint": str(trainer.ckpt_path), "checkpoint_step": step,
-            "world_before": None if before is None else len(before), "world_after": world,
+            "world_before": None if saved is None else saved.get("world_size"), "world_after": world,
             "lost": lost, "new": new, "process_started_at": process_started_at(), "setup_at": setup_at,
             "read_s": read_s, "plan_s": plan_s, "plan": None if plan is None else plan.to_dict(),
         }
         if plan is not None:
-            user_info(f"restart: {world} processes (before: {'?' if before is None else len(before)}) go on from "
+            user_info(f"restart: {world} processes (before: {self.last_restart['world_before']}) go on from "
                       f"{trainer.ckpt_path} under {plan.pipeline_degree}x{plan.data_degree}")
 
     @override
@@ -211,7 +214,8 @@ class ElasticRestart(Callback):
         """Rank 0: the saved plan when the devices are the same, else the planner's plan for the devices now."""
         micro = strategy.options.micro_batches or saved.get("micro_batches") or resihp.get("micro_batches")
         previous = Plan.from_dict(saved["plan"])
-        same_devices = list(saved["identities"]) == identities and set(previous.device_ids) == set(range(len(identities)))
+        same_devices = saved["identities"] is not None and list(saved["identities"]) == identities and set(
+            previous.device_ids) == set(range(len(identities)))
         if same_devices and sum(r.micro_batches for r in previous.replicas) == micro:
             return previous
         profile = saved.get("profile")
@@ -233,6 +237,21 @@ def _read_saved_state(path: Any) -> tuple[dict[str, Any] | None, dict[str, Any],
     states = checkpoint.get("callbacks") or {}
     saved = next((v for k, v in states.items() if k == "ElasticRestart" or str(k).startswith("ElasticRestart")), None)
     return saved, dict(checkpoint.get("resihp") or {}), checkpoint.get("global_step")
+
+
+def _without_elastic_state(resihp: Mapping[str, Any], world: int) -> dict[str, Any] | None:
+    """For a checkpoint written without ``ElasticRestart``: enough to plan when its plan no longer fits.
+
+    Its plan says which devices there were (not which machines, nor the layers' costs: the planner then
+    takes the layers as equal); with as many devices as before, the strategy's own options apply.
+    """
+    if not resihp.get("plan"):
+        return None
+    saved_plan = Plan.from_dict(resihp["plan"])
+    if len(saved_plan.device_ids) == world and set(saved_plan.device_ids) == set(range(world)):
+        return None
+    return {"world_size": len(saved_plan.device_ids), "identities": None, "plan": resihp["plan"],
+            "micro_batches": resihp.get("micro_batches"), "profile": None, "speeds": {}}
 
 
 def _all_gather(obj: Any) -> list[Any]:

@@ -16,6 +16,9 @@ the strategy builds its pipeline. It reads that state from the checkpoint, and:
   (the ranks were dealt anew; it warms up again) and the controller forgets its chosen plan (it named
   the old ranks), keeping its cost model and layer profile.
 
+A checkpoint written without this callback still has the strategy's plan: when that plan does not fit
+the new world, the layers are taken as equal and every device as healthy.
+
 Resume with Lightning's stateful form, ``trainer.ckpt_path = path`` before ``trainer.fit(...)``:
 ``fit(ckpt_path=path)`` makes the path known only after the strategy is set up (a warning says so).
 An explicit ``ResiHPStrategy(plan=...)`` always wins. Events (rank 0 unless noted), written once the

@@ -19,8 +19,7 @@ from resihp_lightning.errors import ConfigError
 @pytest.mark.parametrize(
     ("options", "named"),
     [
-        ({"every_n_steps": 10, "every_n_minutes": 5.0}, "exactly one of checkpoint.every_n_steps"),
-        ({"every_n_steps": None}, "exactly one of checkpoint.every_n_steps"),
+        ({"every_n_steps": 10, "every_n_minutes": 5.0}, "at most one of checkpoint.every_n_steps"),
         ({"every_n_steps": 0}, "checkpoint.every_n_steps"),
         ({"every_n_steps": None, "every_n_minutes": -1.0}, "checkpoint.every_n_minutes"),
         ({"keep_last": 0}, "checkpoint.keep_last"),
@@ -29,6 +28,12 @@ from resihp_lightning.errors import ConfigError
 def test_bad_checkpoint_options_are_refused_by_name(options, named):
     with pytest.raises(ConfigError, match=named):
         CheckpointConfig(**options)
+
+
+def test_steps_are_the_default_and_minutes_replace_them():
+    assert CheckpointConfig().every_n_steps == 50
+    by_time = CheckpointConfig.from_dict({"every_n_minutes": 15})
+    assert by_time.every_n_steps is None and by_time.every_n_minutes == 15
 
 
 def test_unknown_checkpoint_key_is_refused_by_name():
@@ -133,8 +138,7 @@ def _checkpoint_rank(rank: int, world: int, root: str) -> dict:
         out[f"{mode}_files"] = sorted(os.listdir(config.dirpath))
     resume = CheckpointConfig(dirpath=os.path.join(root, "resumed"), every_n_steps=100)
     out["resumed"] = fit("resumed", resume, steps=7, ckpt=os.path.join(root, "async", "step00000006.ckpt"))
-    timed = CheckpointConfig(dirpath=os.path.join(root, "timed"), every_n_steps=None, every_n_minutes=0.25 / 60,
-                             keep_last=10)
+    timed = CheckpointConfig(dirpath=os.path.join(root, "timed"), every_n_minutes=0.25 / 60, keep_last=10)
     out["timed"] = fit("timed", timed, steps=4, delay_s=0.3)
     out["timed_files"] = sorted(os.listdir(timed.dirpath))
     if rank == 0:

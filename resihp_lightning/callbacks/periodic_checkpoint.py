@@ -26,6 +26,8 @@ from typing import Any
 
 from resihp_lightning.errors import ConfigError, invalid_option
 
+#: Steps between checkpoints when neither ``every_n_steps`` nor ``every_n_minutes`` is set.
+DEFAULT_EVERY_N_STEPS = 50
 #: ``ModelCheckpoint.filename`` of periodic checkpoints (``auto_insert_metric_name=False``).
 FILENAME = "step{step:08d}"
 _NAME = re.compile(r"^step(\d+)\.ckpt$")
@@ -38,9 +40,10 @@ class CheckpointConfig:
     Attributes:
         dirpath: the checkpoint directory (``null``: ``<run_dir>/checkpoints`` in the example).
             Several machines need a directory they all see (rank 0 writes, every rank reads on resume).
-        every_n_steps: write after every N-th training step (``ModelCheckpoint(every_n_train_steps=N)``).
+        every_n_steps: write after every N-th training step (``ModelCheckpoint(every_n_train_steps=N)``);
+            ``null`` with ``every_n_minutes`` also ``null``: every 50 steps.
         every_n_minutes: write when this many minutes passed since the last one instead
-            (``train_time_interval``; rank 0's clock decides, for every rank). Exactly one of the two.
+            (``train_time_interval``; rank 0's clock decides, for every rank). At most one of the two.
         keep_last: how many of the newest checkpoints are kept (older ones are deleted).
         asynchronous: write on a background thread (Lightning's ``AsyncCheckpointIO``): the step pays
             only for gathering the layers and cloning them; ``false`` writes inside the step.
@@ -48,7 +51,7 @@ class CheckpointConfig:
     """
 
     dirpath: str | None = None
-    every_n_steps: int | None = 50
+    every_n_steps: int | None = None
     every_n_minutes: float | None = None
     keep_last: int = 2
     asynchronous: bool = True
@@ -59,11 +62,13 @@ class CheckpointConfig:
             raise invalid_option("checkpoint.every_n_steps", self.every_n_steps, "an integer >= 1 or null")
         if self.every_n_minutes is not None and not (isinstance(self.every_n_minutes, (int, float)) and self.every_n_minutes > 0):
             raise invalid_option("checkpoint.every_n_minutes", self.every_n_minutes, "a number > 0 or null")
-        if (self.every_n_steps is None) == (self.every_n_minutes is None):
+        if self.every_n_steps is not None and self.every_n_minutes is not None:
             raise ConfigError(
-                "set exactly one of checkpoint.every_n_steps and checkpoint.every_n_minutes (got "
+                "set at most one of checkpoint.every_n_steps and checkpoint.every_n_minutes (got "
                 f"{self.every_n_steps!r} and {self.every_n_minutes!r}); set the other to null"
             )
+        if self.every_n_steps is None and self.every_n_minutes is None:
+            self.every_n_steps = DEFAULT_EVERY_N_STEPS
         if not isinstance(self.keep_last, int) or self.keep_last < 1:
             raise invalid_option("checkpoint.keep_last", self.keep_last, "an integer >= 1")
 

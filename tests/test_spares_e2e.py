@@ -59,13 +59,14 @@ def _job(rank: int, world: int, run_dir: str, schedule: dict, victims: dict, ste
             strategy = trainer.strategy
             if victims.get(strategy.device_id) != trainer.global_step:
                 return
-            layer = next(iter(strategy.local_layers().values()))
-
-            def die(module, args):
+            def die(module=None, args=None):
                 last_words(run_dir, rank, died_at=time.monotonic())
                 os.kill(os.getpid(), signal.SIGKILL)
 
-            layer.register_forward_pre_hook(die)
+            layers = strategy.local_layers()
+            if not layers:  # a spare runs no schedule: it dies at the step's start
+                die()
+            next(iter(layers.values())).register_forward_pre_hook(die)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             strategy = trainer.strategy
@@ -137,3 +138,23 @@ def test_a_spare_replaces_a_killed_rank_and_the_job_goes_on_exactly():
     assert record.step == 3 and 1 in record.failed and 3 not in record.failed
     assert 3 in record.plan.device_ids, record.plan  # the spare holds layers again
     assert values[3]["spare_at"] == [2], values[3]["spare_at"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_a_spare_that_dies_costs_the_members_nothing():
+    """Rank 3 idle from step 2 and killed at step 3: no recovery, the members finish exactly."""
+    from harness import run_job
+
+    outcome = run_job(_job, 4, timeout=180, wait_for=[0, 1, 2], schedule={1: LEAVE_OUT}, victims={3: 3}, steps=STEPS)
+    _check_exact(outcome, [0, 1, 2], STEPS)
+    values = outcome.values()
+    # No training step was redone. The members learn of the spare's death from their detectors (about
+    # 0.2 s), or, when the run ends sooner, from the end-of-fit weight sync it would have joined: then
+    # they regroup there, without it, and sync again.
+    for rank in (0, 1, 2):
+        record = values[rank]["recovery"]
+        assert record is None or (record.step == STEPS and set(record.failed) == {3} and record.redo_s == 0.0), record
+    assert values[0]["spares"] == []
+    if values[0]["recovery"] is None:
+        assert values[0]["plan"]["replicas"] == LEAVE_OUT["replicas"]

@@ -99,17 +99,19 @@ class FaultInjector(Callback):
     def _strike_inside_step(self, host: LayerHost, fault: FaultConfig) -> None:
         """Arms a pre-hook on this rank's first layer that kills / freezes the process mid-schedule."""
         layers = host.local_layers()
-        first = layers[min(layers)]
         seen = [0]
         sig = signal.SIGKILL if fault.kind == "kill" else signal.SIGSTOP
 
         def strike(module: Any, args: Any) -> None:
             seen[0] += 1
-            if seen[0] == fault.micro_batch:
+            if seen[0] == fault.micro_batch or module is None:
                 self.events.log("fault_struck", self.step, force=True, kind=fault.kind, rank=self.rank, at=time.monotonic())
                 os.kill(os.getpid(), sig)
 
-        first.register_forward_pre_hook(strike)
+        if not layers:  # an idle rank (a hot spare) runs no schedule: it fails at the step's start
+            strike(None, None)
+            return
+        layers[min(layers)].register_forward_pre_hook(strike)
 
     @override
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:

@@ -603,18 +603,34 @@ class ElasticWorld:
             ValueError: ``members`` is empty or names a process outside the job.
         """
         wanted = tuple(sorted(set(members)))
-        unknown = sorted(set(wanted) - set(self.job_members))
+        unknown = sorted(set(wanted) - set(self.job_processes))
         if not wanted or unknown:
-            raise ValueError(f"a generation needs live processes of the job; got {list(members)} (unknown: {unknown})")
+            raise ValueError(f"a generation needs processes of the job; got {list(members)} (unknown: {unknown})")
         old = self.current
         number = old.number + 1
         if self.is_member:
+            self._quiesce(old)
             self._teardown(old)
         if self.original_rank in wanted:
             self._form(number, wanted)
         else:
             self._follow(number, wanted)
         return self.current
+
+    def _quiesce(self, gen: Generation, poll_s: float = 0.001) -> None:
+        """Waits, through the store, until every member of ``gen`` has stopped using its groups.
+
+        A member that destroyed its groups while a peer was still finishing a collective with it
+        would break that collective (``Connection closed by peer``) and send the peer into a regroup
+        of its own. Raises :class:`PeerFailure` if the generation is aborted meanwhile.
+        """
+        store = self.store.control  # type: ignore[union-attr]
+        key = f"gen{gen.number}/quiesced"
+        count = int(store.add(key, 1))
+        while count < gen.world_size:
+            self.check()
+            time.sleep(poll_s)
+            count = int(store.add(key, 0))
 
     def _follow(self, number: int, members: tuple[int, ...]) -> None:
         """Records a generation this process is not a member of (a spare), and watches its abort marker."""
@@ -640,6 +656,9 @@ class ElasticWorld:
         watched = tuple(sorted(set(members) | set(self.job_members)))
         self.detector.watch(watched, number, judge_unseen=number > 0, hold=True)
         try:
+            dead = sorted(set(members) & set(self.failed))
+            if dead:  # known before this generation existed: no detector verdict will come for them again
+                self.abort(f"generation {number} names failed ranks {dead}", generation=gen)
             with gen.sockets.track(include_excluded=True):
                 gen.store_client = self.store.connect()
             self.check()
@@ -692,6 +711,12 @@ class ElasticWorld:
                 dist.destroy_process_group()
             except Exception as err:  # noqa: BLE001 - a broken group may not destroy cleanly
                 log.debug("destroying generation %d: %s", gen.number, err)
+        # torch names each new group after a per-process counter, which only destroying an initialised
+        # default group resets: a process whose init of this generation was aborted half-way counted
+        # one group more than its peers and would rendezvous the next generation under another name.
+        from torch.distributed import distributed_c10d as c10d
+
+        c10d._world.group_count = 0
         gen.sockets.clear()
         gen.store_client = None
         if self.config.reset_deepspeed:

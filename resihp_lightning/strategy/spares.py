@@ -66,10 +66,13 @@ class Reshape:
     Attributes:
         old: the plan in force before the call (the transfers are computed from it).
         plan: the plan to put in force.
+        include: spares that join the grown group although ``plan`` leaves them idle (the end of
+            ``fit``: they receive the trained weights).
     """
 
     old: Plan
     plan: Plan
+    include: tuple[int, ...] = ()
 
 
 class CallMirror:
@@ -107,9 +110,9 @@ class CallMirror:
         """The next record carries its plan (after the members changed: new spares, a new rank 0)."""
         self._published_plan = None
 
-    def announce(self, call: int, old: Plan, plan: Plan) -> None:
-        """Members' rank 0: before ``call``, the job reshapes from ``old`` to ``plan``."""
-        body = json.dumps({"old": old.to_dict(), "plan": plan.to_dict()})
+    def announce(self, call: int, old: Plan, plan: Plan, include: tuple[int, ...] = ()) -> None:
+        """Members' rank 0: before ``call``, the job reshapes from ``old`` to ``plan`` (see :class:`Reshape`)."""
+        body = json.dumps({"old": old.to_dict(), "plan": plan.to_dict(), "include": list(include)})
         self.world.store.control.set(reshape_key(self.world.current.number, call), body)
 
     def wait(self, call: int) -> Mirrored | Reshape:
@@ -130,5 +133,5 @@ class CallMirror:
             announced = reshape_key(world.current.number, call)
             if store.check([announced]):
                 body = json.loads(store.get(announced))
-                return Reshape(Plan.from_dict(body["old"]), Plan.from_dict(body["plan"]))
+                return Reshape(Plan.from_dict(body["old"]), Plan.from_dict(body["plan"]), tuple(body.get("include", ())))
             time.sleep(self.poll_s)

@@ -667,11 +667,23 @@ class ResiHPStrategyMixin:
     @override
     def on_train_end(self) -> None:
         super().on_train_end()
+        if self._job is None:
+            self._gather_trained_weights()
+            return
+        while True:  # a rank lost during the weight sync: the survivors regroup and sync again
+            try:
+                with self._job.world.guard():
+                    self._gather_trained_weights()
+                return
+            except PeerFailure as failure:
+                self._recover(failure)
+
+    def _gather_trained_weights(self) -> None:
+        """Puts every layer's trained weights into the LightningModule of the ranks ``gather_weights`` names."""
         runtime = self._require_runtime()
         trained = runtime.trained_tensors()
         restore_full_precision(runtime.local_layers(), trained)
-        if self._job is not None and (self._job.spares or self._job.is_spare):
-            self._sync_with_spares(trained)
+        if self._job is not None and self._sync_with_spares(trained):
             return
         if self.options.gather_weights == "none":
             pos = runtime.position
@@ -685,21 +697,39 @@ class ResiHPStrategyMixin:
         sync_module_layers(runtime.plan_in_ranks(), self.global_rank, self._specs, self._keys, trained, receivers,
                            runtime.casts_model)
 
-    def _sync_with_spares(self, trained: dict[str, Tensor]) -> None:
-        """End of fit with hot spares: with ``gather_weights="all"`` the spares join the group for the
-        weight sync (and leave it again); otherwise the members sync among themselves."""
+    def _sync_with_spares(self, trained: dict[str, Tensor]) -> bool:
+        """End of fit under fail-stop recovery: with ``gather_weights="all"`` the spares join the group for
+        the weight sync (and leave it again). Returns whether that happened (else the members sync as usual).
+
+        Who takes part must not depend on each process's own view of who is alive (a spare that just
+        died may still look alive to one member): the members take rank 0's list of spares, and rank 0
+        announces it, so that every live spare learns whether it joins.
+        """
+        import torch.distributed as dist
+
         runtime, job = self._require_runtime(), self._job
-        everyone = self.options.gather_weights == "all"
-        receivers = None if everyone else {0}
+        call = job.mirror.next_call()
+        if job.is_spare:
+            got = job.mirror.wait(call)
+            include = got.include if isinstance(got, Reshape) else ()
+            if job.device_id not in include:
+                return True  # not taken in (gather_weights is not "all"): this module keeps its own values
+        else:
+            mine = list(job.spares) if self.options.gather_weights == "all" else []
+            box: list[Any] = [mine if job.rank == 0 else None]
+            dist.broadcast_object_list(box, src=0)
+            include = tuple(box[0])
+            if job.rank == 0:
+                job.mirror.announce(call, runtime.plan, runtime.plan, include=include)
+            if not include:
+                return False
 
         def sync() -> None:
-            sync_module_layers(runtime.plan_in_ranks(), job.world.rank, self._specs, self._keys, trained, receivers,
+            sync_module_layers(runtime.plan_in_ranks(), job.world.rank, self._specs, self._keys, trained, None,
                                runtime.casts_model)
 
-        if everyone:
-            job.reshape(runtime, runtime.plan, self._note_ranks, include=job.job_members, during=sync)
-        elif not job.is_spare and self.options.gather_weights == "rank0":
-            sync()
+        job.reshape(runtime, runtime.plan, self._note_ranks, include=include, during=sync)
+        return True
 
     @override
     def teardown(self) -> None:

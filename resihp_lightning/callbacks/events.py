@@ -12,10 +12,10 @@ fail_slow_recovered rank, speed
 fault_struck       kind, rank, at (a kill / hang fault fired inside the step; monotonic time)
 fail_stop_detected rank, how (exited, silent = heartbeat, hung = progress, left out), at
 recovery_started   generation, members (the survivors), failed
-recovery_finished  generation, members, abort_s, regroup_s, plan_s, restore_s, redo_s, total_s, bytes_moved
+recovery_finished  generation, members, spares (idle), abort_s, regroup_s, plan_s, restore_s, redo_s, total_s, bytes_moved
 fail_stop_unrecoverable reason, exit_code
 plan_computed      plan (Plan JSON), predicted_ms, solve_seconds, status
-plan_applied       plan, migration_seconds, bytes_moved
+plan_applied       plan, migration_seconds, bytes_moved (after a recovery also world, spares)
 plan_rejected      reason
 worker_failed      rank, error, at (a process's ``fit`` raised: a lost peer, the launcher's SIGTERM; every rank writes)
 job_restarted      restart_count, checkpoint, checkpoint_step, world_before, world_after, lost, new, process_started_at,

@@ -92,17 +92,27 @@ class StepRecorder(Callback):
     def last(self) -> dict[str, Any] | None:
         return self.records[-1] if self.records else None
 
+    def _keep_steps_before(self, step: int) -> None:
+        """Keeps the file's records of steps before ``step`` (a run resumed from a checkpoint at ``step``
+        keeps its history; steps it will redo, and everything of a fresh run, are dropped)."""
+        assert self.path is not None
+        kept = []
+        if step > 0 and self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines() if (_step_of(line) or 0) < step and line.strip()]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
     @override
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         require(trainer.strategy, Replannable, "StepRecorder")
         self.rank = trainer.global_rank
         if self.path is not None and self.rank == 0:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text("")
 
     @override
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         strategy: Replannable = trainer.strategy
+        if self.path is not None and self.rank == 0:
+            self._keep_steps_before(int(trainer.global_step))
         self._last_end = time.perf_counter()
         self._last_migration = strategy.last_migration
 
@@ -135,6 +145,13 @@ class StepRecorder(Callback):
         if self.path is not None and self.rank == 0:
             with open(self.path, "a", encoding="utf-8") as handle:
                 handle.write(json.dumps(record) + "\n")
+
+
+def _step_of(line: str) -> int | None:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def _tokens(batch: Any) -> int | None:

@@ -1,0 +1,198 @@
+"""The cluster as a policy sees it: planner devices from GPU states, cached solves, plan prices and moves.
+
+A planner device is a TP group of ``tp`` consecutive GPUs (the project has no tensor parallelism, so
+a group is one device of the planning model). Without ``tp_drop`` a group runs at its slowest GPU's
+speed and is lost with any of its GPUs; with ``tp_drop`` (ResiHP's first rule) it may drop members:
+``k`` of its GPUs run at ``k / tp`` times the k-th fastest one's speed with ``k / tp`` of the memory.
+
+A network slowdown f on a node is folded into its devices' speed: their stage's point-to-point
+transfers take f times longer, priced at the reference stage size (the layers' compute over
+``reference_stages``); the data-parallel all-reduce runs at the slowest live node's links.
+Speeds are quantized to ``speed_quantum`` as the project's controller does, so that planner devices
+fall into few classes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from resihp_lightning.config import PlannerConfig
+from resihp_lightning.errors import InfeasibleError
+from resihp_lightning.evaluation.costs import CostModel
+from resihp_lightning.evaluation.profiles import GB, MB, ModelProfile
+from resihp_lightning.evaluation.traces import GpuState, Trace
+from resihp_lightning.plan import Device, Evaluation, Plan, Problem, Replica, evaluate
+
+
+@dataclass(frozen=True)
+class View:
+    """What a policy knows and can do about devices.
+
+    Attributes:
+        speed_aware: sees fail-slow speeds (``False``: every live device is 1.0 to it).
+        tp_drop: may drop a bad GPU from its TP group.
+    """
+
+    speed_aware: bool = True
+    tp_drop: bool = False
+
+
+class Cluster:
+    """One trace, one model profile: devices, solves (cached), plan prices and migration costs.
+
+    Args:
+        trace: the trace (its GPU count must be a multiple of ``profile.workload.tp``).
+        profile: the model on one planner device.
+        costs: reaction costs.
+        planner: the solver's options (default: the exact search, 1 s work budget: deterministic).
+        speed_quantum: speeds are rounded to multiples of this.
+    """
+
+    def __init__(self, trace: Trace, profile: ModelProfile, costs: CostModel | None = None,
+                 planner: PlannerConfig | None = None, speed_quantum: float = 0.05) -> None:
+        tp = profile.workload.tp
+        if trace.gpus % tp:
+            raise InfeasibleError(f"the trace's {trace.gpus} GPUs do not split into TP groups of {tp}")
+        self.trace, self.profile = trace, profile
+        self.costs = costs or CostModel()
+        self.planner = planner or PlannerConfig(solver="exact", time_limit_s=1.0)
+        self.quantum = speed_quantum
+        self.tp = tp
+        self.num_devices = trace.gpus // tp
+        self.micro_batches = profile.micro_batches(self.num_devices)
+        self.tokens_per_iteration = self.micro_batches * profile.tokens_per_micro_batch
+        compute = sum(layer.compute_ms for layer in profile.layers)
+        self._stage_ms = compute / profile.reference_stages
+        self._layer_mb = [layer.static_mb for layer in profile.layers]
+        self._solves: dict[tuple, Plan | None] = {}
+        self.solve_count = 0
+
+    # --------------------------------------------------------------------------------- devices
+    def devices(self, state: GpuState, view: View, exclude: frozenset[int] = frozenset()) -> tuple[Device, ...]:
+        """The live planner devices under ``view``, minus ``exclude``, ascending ids."""
+        cap = self.profile.device_memory_mb
+        out = []
+        for d in range(self.num_devices):
+            if d in exclude:
+                continue
+            gpus = range(d * self.tp, (d + 1) * self.tp)
+            live = sorted((state.speed[g] if view.speed_aware else 1.0 for g in gpus if state.alive[g]), reverse=True)
+            if view.tp_drop and self.tp > 1:
+                if not live:
+                    continue
+                k = max(range(1, len(live) + 1), key=lambda k: (k * live[k - 1], k))
+                speed, memory = k / self.tp * live[k - 1], cap * k / self.tp
+            else:
+                if len(live) < self.tp:
+                    continue
+                speed, memory = live[-1], cap
+            if view.speed_aware:
+                f = state.comm[state.node_of(d * self.tp)]
+                speed *= self._stage_ms / (self._stage_ms + (f - 1.0) * self.profile.p2p_ms)
+                speed = max(self.quantum, round(speed / self.quantum) * self.quantum)
+            out.append(Device(d, round(speed, 6), memory))
+        return tuple(out)
+
+    def alive(self, state: GpuState, device: int) -> bool:
+        """All of the device's GPUs are alive."""
+        return all(state.alive[g] for g in range(device * self.tp, (device + 1) * self.tp))
+
+    def allreduce_ms(self, state: GpuState, view: View | None = None) -> float:
+        """The all-reduce at the slowest network link among nodes with a live GPU (physics, not view)."""
+        per_node = state.gpus_per_node
+        factor = max((f for n, f in enumerate(state.comm) if any(state.alive[n * per_node:(n + 1) * per_node])), default=1.0)
+        return self.profile.allreduce_ms * factor
+
+    def problem(self, devices: tuple[Device, ...], state: GpuState, view: View, *, shared: bool = True,
+                pipeline_degrees: tuple[int, ...] | None = None) -> Problem:
+        return Problem(self.profile.layers, devices, self.micro_batches, p2p_ms=self.profile.p2p_ms,
+                       allreduce_ms=self.allreduce_ms(state, view), pipeline_degrees=pipeline_degrees,
+                       shared_partition=shared, allow_exclude=True)
+
+    # ---------------------------------------------------------------------------------- solves
+    def solve(self, devices: tuple[Device, ...], state: GpuState, view: View, *, shared: bool = True,
+              pipeline_degrees: tuple[int, ...] | None = None) -> Plan | None:
+        """The planner's best plan on ``devices`` (``None`` when nothing fits), cached per device state.
+
+        Devices of equal (speed, memory) are interchangeable for the planner, so the cache is keyed
+        by the sorted multiset of classes and the plan is relabelled onto the actual ids.
+        """
+        from resihp_lightning.solver import solve
+
+        if not devices:
+            return None
+        order = sorted(devices, key=lambda d: (-d.speed, -d.memory_mb, d.id))
+        allreduce = self.allreduce_ms(state, view)
+        key = (tuple((d.speed, d.memory_mb) for d in order), shared, pipeline_degrees, allreduce)
+        if key not in self._solves:
+            canonical = tuple(replace(d, id=i) for i, d in enumerate(order))
+            problem = self.problem(canonical, state, view, shared=shared, pipeline_degrees=pipeline_degrees)
+            problem = replace(problem, allreduce_ms=allreduce)
+            self.solve_count += 1
+            try:
+                self._solves[key] = solve(problem, self.planner)
+            except InfeasibleError:
+                self._solves[key] = None
+        plan = self._solves[key]
+        if plan is None:
+            return None
+        ids = [d.id for d in order]
+        return Plan(tuple(Replica(tuple(ids[i] for i in r.devices), r.bounds, r.micro_batches) for r in plan.replicas),
+                    status=plan.status, solver=plan.solver, gap=plan.gap)
+
+    # ---------------------------------------------------------------------------------- prices
+    def evaluate(self, plan: Plan, state: GpuState, view: View) -> Evaluation | None:
+        """``plan`` priced at the real speeds (``None`` when one of its devices is lost)."""
+        view = View(speed_aware=True, tp_drop=view.tp_drop)
+        index = {d.id: d for d in self.devices(state, view)}
+        try:
+            devices = tuple(index[d] for d in plan.device_ids)
+        except KeyError:
+            return None
+        return evaluate(self.problem(devices, state, view, shared=False), plan, check=False)
+
+    def iteration_ms(self, plan: Plan, state: GpuState, view: View) -> float:
+        """T of ``plan`` on the cluster now at the real speeds (``inf`` when one of its devices is lost)."""
+        evaluation = self.evaluate(plan, state, view)
+        return math.inf if evaluation is None else evaluation.iteration_ms
+
+    @property
+    def model_mb(self) -> float:
+        """Static state of the whole model, MB."""
+        return sum(self._layer_mb)
+
+    def moved_mb(self, old: Plan | None, new: Plan) -> tuple[float, float]:
+        """(total MB, most MB any one device receives) to turn ``old`` into ``new``."""
+        held: dict[int, range] = {}
+        if old is not None:
+            for r in old.replicas:
+                for j, d in enumerate(r.devices):
+                    held[d] = range(r.bounds[j], r.bounds[j + 1])
+        total, worst = 0.0, 0.0
+        for r in new.replicas:
+            for j, d in enumerate(r.devices):
+                have = held.get(d, range(0))
+                mb = sum(self._layer_mb[layer] for layer in range(r.bounds[j], r.bounds[j + 1]) if layer not in have)
+                total += mb
+                worst = max(worst, mb)
+        return total, worst
+
+    def transfer_s(self, megabytes: float) -> float:
+        """Seconds to receive ``megabytes`` on one device (its ``tp`` network links)."""
+        hw = self.profile.hardware
+        return megabytes * MB / (hw.network_gbps * GB * hw.link_efficiency * self.tp)
+
+    def migration_s(self, old: Plan | None, new: Plan) -> float:
+        """Pause to switch plans: engine rebuild plus the busiest receiver's bytes over its links."""
+        shared = new.shared_bounds and (old is None or old.shared_bounds)
+        rebuild = self.costs.rebuild_shared_s if shared else self.costs.rebuild_per_replica_s
+        return rebuild + self.transfer_s(self.moved_mb(old, new)[1])
+
+    def restart_s(self, plan: Plan) -> float:
+        """Restart cost of a job that will run ``plan`` (its biggest stage's state is read per GPU)."""
+        _, worst = self.moved_mb(None, plan)
+        return self.costs.restart(self.trace.gpus, worst / self.tp * MB / GB)
+
+    def planning_s(self, plan: Plan | None) -> float:
+        return self.costs.planning(self.num_devices, plan is not None and plan.status == "optimal")

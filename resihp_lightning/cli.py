@@ -1,4 +1,4 @@
-"""The ``resihp`` command line: ``resihp plan``, ``resihp simulate``, ``resihp report``.
+"""The ``resihp`` command line: ``resihp plan``, ``resihp simulate``, ``resihp report``, ``resihp trace``.
 
 Sub-commands import their heavy dependencies lazily so that ``resihp --help`` answers at once.
 Errors the user can fix exit with status 2 and one line on stderr, never a traceback.
@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan(commands)
     _add_simulate(commands)
     _add_report(commands)
+    _add_trace(commands)
     return parser
 
 
@@ -68,6 +69,77 @@ def _add_report(commands: argparse._SubParsersAction) -> None:
     report.add_argument("run_dir", metavar="RUN_DIR", help="the run directory")
     report.add_argument("--png", metavar="PATH", default=None, help="where to write the PNG (default RUN_DIR/timeline.png)")
     report.set_defaults(handler=_run_report)
+
+
+def _add_trace(commands: argparse._SubParsersAction) -> None:
+    trace = commands.add_parser(
+        "trace",
+        help="replay a failure trace under resilience policies (docs/evaluation.md)",
+        description="Replays a cluster's failure trace (JSON or YAML, docs/evaluation.md) under resilience policies "
+        "and prints each one's effective tokens/s; or draws a trace from published statistics.",
+    )
+    actions = trace.add_subparsers(dest="trace_command", metavar="ACTION", required=True)
+    run = actions.add_parser("run", help="replay a trace file", description="Replays TRACE under each policy.")
+    run.add_argument("trace", metavar="TRACE", help="the trace file (.json, .yaml or .yml)")
+    run.add_argument("--model", default="llama2-7b", metavar="NAME",
+                     help="llama2-7b, llama2-13b, llama2-70b, qwen2.5-7b or qwen2.5-72b (default: llama2-7b)")
+    run.add_argument("--seq-len", type=int, default=16384, metavar="TOKENS", help="tokens per micro-batch (default: 16384)")
+    run.add_argument("--tp", type=int, default=1, metavar="N", help="GPUs per TP group, one planner device (default: 1)")
+    run.add_argument("--micro-batches-per-device", type=int, default=4, metavar="N", help="M / devices (default: 4)")
+    run.add_argument("--utilisation", type=float, default=0.43, metavar="U", help="fraction of A100 bf16 peak (default: 0.43)")
+    run.add_argument("--policies", default=None, metavar="A,B", help="comma-separated policies (default: all)")
+    run.add_argument("--json", action="store_true", help="print the results as JSON")
+    run.set_defaults(handler=_run_trace)
+    gen = actions.add_parser("generate", help="draw a trace from published statistics",
+                             description="Writes a seeded trace of SCENARIO (docs/evaluation.md, 'Traces').")
+    gen.add_argument("scenario", metavar="SCENARIO", help="fail-slow, fail-stop, comm-slow or mixed")
+    gen.add_argument("--gpus", type=int, default=256, metavar="N", help="GPUs (default: 256)")
+    gen.add_argument("--hours", type=float, default=8.0, metavar="H", help="trace length (default: 8)")
+    gen.add_argument("--seed", type=int, default=0, metavar="N", help="random seed (default: 0)")
+    gen.add_argument("-o", "--output", required=True, metavar="FILE", help="where to write the trace (JSON)")
+    gen.set_defaults(handler=_run_trace_generate)
+
+
+def _run_trace(args: argparse.Namespace) -> int:
+    import json
+
+    from resihp_lightning.errors import invalid_option
+    from resihp_lightning.evaluation import HardwareSpec, Trace, WorkloadSpec, build_profile
+    from resihp_lightning.evaluation.policies import POLICY_NAMES
+    from resihp_lightning.evaluation.run import healthy_tokens_per_s, run_trace
+
+    trace = Trace.load(args.trace)
+    names = POLICY_NAMES if args.policies is None else tuple(p.strip() for p in args.policies.split(",") if p.strip())
+    for name in names:
+        if name not in POLICY_NAMES:
+            raise invalid_option("--policies", name, POLICY_NAMES)
+    workload = WorkloadSpec(seq_len=args.seq_len, tp=args.tp, micro_batches_per_device=args.micro_batches_per_device)
+    profile = build_profile(args.model, workload, HardwareSpec(utilisation=args.utilisation))
+    results = run_trace(trace, profile, names)
+    healthy = healthy_tokens_per_s(trace, profile)
+    if args.json:
+        print(json.dumps({"trace": trace.name, "gpus": trace.gpus, "duration_s": trace.duration_s,
+                          "healthy_tokens_per_s": healthy, "policies": {
+                              n: {"tokens_per_s": r.tokens_per_s, "tokens": r.tokens, "lost_tokens": r.lost_tokens,
+                                  "paused_s": r.paused_s, "phases": r.counts} for n, r in results.items()}}, indent=2))
+        return 0
+    print(f"{trace.name or args.trace}: {trace.gpus} GPUs, {trace.duration_s / 3600:.2f} h, {len(trace.events)} events; "
+          f"{profile.model.name} at {args.seq_len} tokens, TP {args.tp}; healthy {healthy:,.0f} tokens/s")
+    header = f"{'policy':<18} {'tokens/s':>12} {'of healthy':>10} {'paused s':>9} {'lost Mtok':>10}"
+    print(header)
+    print("-" * len(header))
+    for name, r in results.items():
+        print(f"{name:<18} {r.tokens_per_s:>12,.0f} {r.tokens_per_s / healthy:>10.3f} {r.paused_s:>9.0f} {r.lost_tokens / 1e6:>10.1f}")
+    return 0
+
+
+def _run_trace_generate(args: argparse.Namespace) -> int:
+    from resihp_lightning.evaluation import TraceConfig, generate
+
+    trace = generate(args.scenario, TraceConfig(gpus=args.gpus, hours=args.hours), seed=args.seed)
+    trace.save(args.output)
+    print(f"wrote {args.output}: {len(trace.events)} events over {args.hours:g} h on {args.gpus} GPUs")
+    return 0
 
 
 def _run_report(args: argparse.Namespace) -> int:

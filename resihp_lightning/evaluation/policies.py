@@ -105,7 +105,8 @@ class CheckpointRestart(_Base):
         slow = frozenset(d.id for d in cluster.devices(state, AWARE) if d.speed < 1.0)
         if not math.isfinite(ms):
             return self._restart(cluster, state, slow)
-        if ms > self.alarm * self.healthy_ms:
+        # The alarm compares with the same plan at full speed (the job's own normal step time).
+        if slow and ms > self.alarm * in_force.iteration_ms(cluster, healthy_state(cluster)):
             detect = Phase(cluster.costs.slow_detect_iters * ms / 1000.0, in_force, label="detect")
             return self._restart(cluster, state, slow, before=[detect])
         return _keep(in_force)
@@ -122,8 +123,8 @@ class Oobleck(_Base):
         devices = cluster.devices(state, BLIND, exclude)
         target = cluster.solve(devices, state, BLIND)
         lost = not math.isfinite(in_force.iteration_ms(cluster, state))
-        if target is None:
-            return self._restart(cluster, state, exclude) if lost else _keep(in_force)
+        if target is None:  # no template fits the whole nodes left: restart on the live GPUs instead of stopping
+            return self._restart(cluster, state) if lost else _keep(in_force)
         if target.layout_key() == in_force.plan.layout_key() or (not lost and len(target.device_ids) <= len(in_force.plan.device_ids)):
             return _keep(in_force)
         layout = PlanLayout(target, self.view)

@@ -78,13 +78,59 @@ def test_slowdown_scales_forward_and_backward_and_keeps_gradients():
     assert "forward" not in vars(model[0])
 
 
-def test_module_without_differentiable_input_gets_the_forward_part_only():
+def test_module_without_differentiable_input_is_slowed_backward_too():
+    """An embedding-like first layer (input ids need no gradient): its backward ends at its parameters."""
     layer = FakeLayer()
     base = [_busy_ms(layer, 1000, requires_grad=False) for _ in range(3)]
     Slowdown(lambda: 2.0, cuda_sync=False).wrap(layer)
     runs = [_busy_ms(layer, 1000, requires_grad=False) for _ in range(3)]
     assert min(r[0] for r in runs) / min(b[0] for b in base) == pytest.approx(2.0, rel=0.25)
-    assert min(r[1] for r in runs) / min(b[1] for b in base) == pytest.approx(1.0, rel=0.25)
+    assert min(r[1] for r in runs) / min(b[1] for b in base) == pytest.approx(2.0, rel=0.25)
+
+
+def test_loss_and_optimizer_step_are_slowed_too():
+    """A throttled device runs everything slower: the loss (forward and backward) and the optimizer step."""
+
+    def loss_fn(out, target):
+        return _Sleep.apply(((out - target) ** 2).mean(), 0.004, 0.008)
+
+    factor = {"value": 1.0}
+    slow = Slowdown(lambda: factor["value"], cuda_sync=False)
+    slowed_loss = slow.wrap_function(loss_fn)
+    slow.slow_optimizer_steps()
+    weight = nn.Parameter(torch.ones(4))
+
+    class SleepyOptimizer(torch.optim.SGD):
+        def step(self, closure=None):
+            time.sleep(0.01)
+            return super().step(closure)
+
+    opt = SleepyOptimizer([weight], lr=0.0)
+
+    def timed():
+        x = weight * torch.ones(4)
+        t0 = time.perf_counter()
+        loss = slowed_loss(x, torch.zeros(4))
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        t3 = time.perf_counter()
+        return t1 - t0, t2 - t1, t3 - t2
+
+    try:
+        base = [timed() for _ in range(3)]
+        factor["value"] = 3.0
+        slowed = [timed() for _ in range(3)]
+    finally:
+        slow.unwrap_all()
+    for part in range(3):  # forward, backward, optimizer step: min over repeats (load only adds time)
+        ratio = min(s[part] for s in slowed) / min(b[part] for b in base)
+        assert ratio == pytest.approx(3.0, rel=0.25), (part, base, slowed)
+    factor["value"] = 3.0
+    start = time.perf_counter()
+    opt.step()  # the hooks are gone
+    assert time.perf_counter() - start < 0.025
 
 
 def test_detector_finds_the_injected_slowdown_on_a_real_module():

@@ -2,12 +2,15 @@
 
 Per fault (:class:`~resihp_lightning.callbacks.faults.FaultConfig`), on the rank it names:
 
-* ``slow``: from ``start_step`` to ``end_step`` the rank's own layers run at ``1/factor`` speed
-  (:class:`~resihp_lightning.callbacks.faults.Slowdown`: the waits sit inside each layer's forward
-  and backward, in proportion to the measured compute). The layers are the strategy's
-  ``local_layers()`` (:class:`~resihp_lightning.contract.LayerHost`, checked at ``setup`` on a rank
-  that has a ``slow`` fault; other faults need nothing from the strategy), re-wrapped after every
-  re-plan, since a rebuild may hand the rank other modules.
+* ``slow``: from ``start_step`` to ``end_step`` all of the rank's compute runs at ``1/factor`` speed,
+  as on a throttled device (:class:`~resihp_lightning.callbacks.faults.Slowdown`: the waits sit
+  inside each piece of work, in proportion to its measured duration): its layers' forward and
+  backward, the loss (``pipeline_loss``, forward and backward) and the optimizer step. The layers
+  are the strategy's ``local_layers()`` (:class:`~resihp_lightning.contract.LayerHost`, checked at
+  ``setup`` on a rank that has a ``slow`` fault; other faults need nothing from the strategy),
+  re-wrapped after every re-plan, since a rebuild may hand the rank other modules.
+* ``slow_link``: the rank's links are slow: each of its pipeline sends and gradient all-reduces
+  waits ``delay_ms`` while active (its compute is untouched).
 * ``delay_p2p``: every pipeline send waits ``delay_ms`` while active.
 * ``kill`` / ``hang``: inside step ``start_step``, at the forward of the rank's ``micro_batch``-th
   micro-batch (a pre-hook on its first layer), the process sends itself SIGKILL (as ``kill -9``
@@ -35,7 +38,7 @@ from typing_extensions import override
 
 from resihp_lightning._logging import get_logger
 from resihp_lightning.callbacks.events import EventLog
-from resihp_lightning.callbacks.faults import STOP_KINDS, DelayedCall, FaultConfig, Slowdown, delay_p2p_sends
+from resihp_lightning.callbacks.faults import STOP_KINDS, DelayedCall, FaultConfig, Slowdown, delay_p2p_sends, slow_links
 from resihp_lightning.contract import LayerHost, require
 
 log = get_logger(__name__)
@@ -67,7 +70,8 @@ class FaultInjector(Callback):
         self._mine: list[FaultConfig] = []
         self._announced: set[int] = set()
         self._slowdown: Slowdown | None = None
-        self._delay: DelayedCall | None = None
+        self._delays: list[DelayedCall] = []
+        self._module: Any = None  # the LightningModule whose pipeline_loss is slowed
 
     # --------------------------------------------------------------------------- helpers
     def current_factor(self) -> float:
@@ -78,7 +82,13 @@ class FaultInjector(Callback):
         return factor
 
     def current_delay_s(self) -> float:
-        return sum(f.delay_ms for f in self._mine if f.kind == "delay_p2p" and f.active(self.step)) / 1000.0
+        return self._delay_s("delay_p2p")
+
+    def current_link_delay_s(self) -> float:
+        return self._delay_s("slow_link")
+
+    def _delay_s(self, kind: str) -> float:
+        return sum(f.delay_ms for f in self._mine if f.kind == kind and f.active(self.step)) / 1000.0
 
     # ------------------------------------------------------------------------- callbacks
     @override
@@ -91,10 +101,16 @@ class FaultInjector(Callback):
         if self.events is None:
             log_dir = self.log_dir or trainer.log_dir or trainer.default_root_dir
             self.events = EventLog(Path(log_dir), rank=self.rank)
-        if slow:
+        if slow and self._slowdown is None:
             self._slowdown = Slowdown(self.current_factor)
-        if any(f.kind == "delay_p2p" for f in self._mine):
-            self._delay = delay_p2p_sends(self.current_delay_s)
+            self._slowdown.slow_optimizer_steps()
+            if callable(getattr(pl_module, "pipeline_loss", None)):
+                self._module = pl_module
+                pl_module.pipeline_loss = self._slowdown.wrap_function(pl_module.pipeline_loss)
+        if any(f.kind == "delay_p2p" for f in self._mine) and not self._delays:
+            self._delays.append(delay_p2p_sends(self.current_delay_s))
+        if any(f.kind == "slow_link" for f in self._mine):
+            self._delays.extend(slow_links(self.current_link_delay_s))
 
     def _strike_inside_step(self, host: LayerHost, fault: FaultConfig) -> None:
         """Arms a pre-hook on this rank's first layer that kills / freezes the process mid-schedule."""
@@ -117,9 +133,13 @@ class FaultInjector(Callback):
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if self._slowdown is not None:
             self._slowdown.unwrap_all()
-        if self._delay is not None:
-            self._delay.restore()
-            self._delay = None
+            self._slowdown = None
+        if self._module is not None:
+            vars(self._module).pop("pipeline_loss", None)
+            self._module = None
+        for delay in reversed(self._delays):
+            delay.restore()
+        self._delays = []
 
     @override
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:

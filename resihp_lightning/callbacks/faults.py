@@ -1,30 +1,40 @@
 """Fault descriptions and the plain-PyTorch machinery that injects them (no Lightning needed).
 
-* :class:`FaultConfig`: one fault, YAML-friendly (``kind``: ``slow``, ``delay_p2p``, ``kill`` or ``hang``).
-* :class:`Slowdown`: makes wrapped modules behave like a device at ``1/factor`` speed. Inside the
-  module's own ``forward`` it times the real forward and then sleeps ``(factor - 1)`` times that;
-  in the backward pass, identity autograd nodes on the module's outputs and inputs time the module's
-  backward and sleep ``(factor - 1)`` times it before the gradient leaves the module. The waits are
-  therefore *inside* the layer's forward and backward, where any timer around the stage's forward or
-  backward work (the strategy's busy-time profiler, hooks) sees them exactly as it would see a GPU
-  running at ``1/factor`` speed. On CUDA the timing synchronises the device first so that it
-  measures kernels, not launches. A module without a differentiable input (an embedding fed token
-  ids) only gets the forward part, since nothing marks the end of its backward; its backward is
-  usually negligible.
+* :class:`FaultConfig`: one fault, YAML-friendly (``kind``: ``slow``, ``slow_link``, ``delay_p2p``,
+  ``kill`` or ``hang``).
+* :class:`Slowdown`: makes a rank behave like a device at ``1/factor`` speed. A throttled device runs
+  *everything* slower, so every piece of compute the rank runs is slowed, each by ``(factor - 1)``
+  times its own measured duration, waited inside it:
+
+  - each wrapped module's forward (the rank's layers) and, through identity autograd nodes on the
+    module's outputs and inputs, its backward, before the gradient leaves the module;
+  - a module without a differentiable input (an embedding fed token ids): its backward ends when
+    the last of its parameters has had its gradient accumulated (``register_post_accumulate_grad_hook``);
+  - wrapped functions (the loss: :meth:`Slowdown.wrap_function`), forward and backward alike;
+  - the optimizer step (:meth:`Slowdown.slow_optimizer_steps`: torch's global optimizer step hooks,
+    so DeepSpeed's and Lightning's wrappers need no change).
+
+  The waits are therefore *inside* the forward, backward and optimizer work, where any timer around
+  them (the strategy's busy-time profiler, hooks, the step time) sees them as it would see a GPU at
+  ``1/factor`` speed. On CUDA the timing synchronises the device first so that it measures kernels,
+  not launches. What is left unslowed is the pipeline engine's own bookkeeping around each
+  instruction (input clones, buffer handling), a small share of the measured busy time.
 * :class:`DelayedCall`: patches a function in a module namespace to wait before each call;
-  :func:`delay_p2p_sends` uses it on DeepSpeed's pipeline ``p2p.send``.
+  :func:`delay_p2p_sends` uses it on DeepSpeed's pipeline ``p2p.send`` and :func:`slow_links` on the
+  sends and the gradient all-reduces of one rank (a slow network link).
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from resihp_lightning.errors import ConfigError, invalid_option
 
-FAULT_KINDS = ("slow", "delay_p2p", "kill", "hang")
+FAULT_KINDS = ("slow", "slow_link", "delay_p2p", "kill", "hang")
 #: Faults that end (``kill``: SIGKILL, like ``kill -9``) or freeze (``hang``: SIGSTOP) the process.
 STOP_KINDS = ("kill", "hang")
 
@@ -34,15 +44,17 @@ class FaultConfig:
     """One injected fault.
 
     Attributes:
-        kind: ``"slow"`` (compute at 1/factor speed), ``"delay_p2p"`` (wait ``delay_ms`` before
-            each pipeline send), ``"kill"`` (the process gets SIGKILL, as from ``kill -9``) or
+        kind: ``"slow"`` (all of the rank's compute at 1/factor speed: forward, backward, loss,
+            optimizer step), ``"slow_link"`` (the rank's links: wait ``delay_ms`` before each of its
+            pipeline sends and each of its gradient all-reduces), ``"delay_p2p"`` (wait ``delay_ms``
+            before each pipeline send only), ``"kill"`` (the process gets SIGKILL, as from ``kill -9``) or
             ``"hang"`` (SIGSTOP: alive but frozen). ``kill`` and ``hang`` strike inside step
             ``start_step``, at the forward of the rank's ``micro_batch``-th micro-batch.
         rank: the rank that suffers it (its global rank when the job started).
         factor: slowdown factor for ``slow`` (> 1; 2.0 = half speed).
         start_step: first step (trainer global step) of the fault; the step of death for ``kill``.
         end_step: first step without the fault again (``None``: to the end of training).
-        delay_ms: wait per send for ``delay_p2p`` (> 0).
+        delay_ms: wait per send (and per all-reduce for ``slow_link``) for ``delay_p2p`` / ``slow_link`` (> 0).
         micro_batch: for ``kill`` / ``hang``: which of the rank's micro-batches of the step (1 = first).
     """
 
@@ -67,7 +79,7 @@ class FaultConfig:
             raise invalid_option("fault.end_step", self.end_step, f"null or an integer > start_step ({self.start_step})")
         if self.kind == "slow" and not (isinstance(self.factor, (int, float)) and self.factor > 1):
             raise invalid_option("fault.factor", self.factor, "a number > 1 (2.0 = half speed)")
-        if self.kind == "delay_p2p" and not (isinstance(self.delay_ms, (int, float)) and self.delay_ms > 0):
+        if self.kind in ("delay_p2p", "slow_link") and not (isinstance(self.delay_ms, (int, float)) and self.delay_ms > 0):
             raise invalid_option("fault.delay_ms", self.delay_ms, "milliseconds > 0")
 
     def active(self, step: int) -> bool:
@@ -92,12 +104,14 @@ class FaultConfig:
 
 
 class _Timing:
-    """Shared between one forward call's backward markers."""
+    """One slowed call: shared between its backward markers (and its parameters' hooks)."""
 
-    __slots__ = ("factor", "start", "done", "sync")
+    __slots__ = ("factor", "start", "done", "sync", "pending")
 
-    def __init__(self, factor: float, sync: bool) -> None:
+    def __init__(self, factor: float, sync: bool, pending: int = 0) -> None:
         self.factor, self.start, self.done, self.sync = factor, None, False, sync
+        #: parameters whose gradient is still to be accumulated (a call without a differentiable input)
+        self.pending = pending
 
 
 def _sync(enabled: bool) -> None:
@@ -107,7 +121,7 @@ def _sync(enabled: bool) -> None:
         torch.cuda.synchronize()
 
 
-def _markers():
+def _markers(finish: Callable[[_Timing], None]):
     import torch
 
     class BackwardStart(torch.autograd.Function):
@@ -132,19 +146,17 @@ def _markers():
 
         @staticmethod
         def backward(ctx, grad):  # noqa: ANN001
-            timing = ctx.timing
-            if timing.start is not None and not timing.done:
-                timing.done = True
-                _sync(timing.sync)
-                elapsed = time.perf_counter() - timing.start
-                time.sleep((timing.factor - 1.0) * elapsed)
+            finish(ctx.timing)
             return grad, None
 
     return BackwardStart, BackwardEnd
 
 
 class Slowdown:
-    """Makes wrapped modules run like a device at ``1 / factor_fn()`` speed (see module docstring).
+    """Makes a rank run like a device at ``1 / factor_fn()`` speed (see the module docstring).
+
+    Wrap the rank's modules (:meth:`wrap`), its loss (:meth:`wrap_function`) and its optimizer steps
+    (:meth:`slow_optimizer_steps`); :meth:`unwrap_all` undoes all of it.
 
     Args:
         factor_fn: returns the current slowdown factor; 1.0 (or less) means no slowdown.
@@ -156,41 +168,106 @@ class Slowdown:
 
         self.factor_fn = factor_fn
         self.cuda_sync = torch.cuda.is_available() if cuda_sync is None else cuda_sync
-        self._start_fn, self._end_fn = _markers()
+        self._start_fn, self._end_fn = _markers(self._finish)
         self._wrapped: dict[int, tuple[Any, Callable[..., Any]]] = {}
-        self.injected_s = 0.0  # forward waits so far (backward waits are not counted here)
+        self._handles: list[Any] = []
+        self._optimizer_handles: list[Any] = []
+        self.injected_s = 0.0  # every wait so far: forward, backward and optimizer step
 
     @property
     def wrapped(self) -> list[Any]:
         return [module for module, _ in self._wrapped.values()]
 
     def wrap(self, module: Any) -> None:
-        """Wraps ``module.forward`` (idempotent)."""
+        """Wraps ``module.forward`` (idempotent); its backward is slowed too (see the module docstring)."""
         if id(module) in self._wrapped:
             return
         original = module.forward
         self._wrapped[id(module)] = (module, original)
-        module.forward = self._make_forward(original)
+        params = [p for p in module.parameters() if p.requires_grad]
+        queue: deque[_Timing] = deque(maxlen=256)  # calls whose backward ends at their parameters
+        for param in params:
+            self._handles.append(param.register_post_accumulate_grad_hook(self._param_hook(queue)))
+        module.forward = self._make_forward(original, queue, len(params))
+
+    def wrap_function(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """Returns ``fn`` slowed like a module's forward (e.g. the loss): its forward and, when its
+        inputs need gradients, its backward."""
+        return self._make_forward(fn, None, 0)
+
+    def slow_optimizer_steps(self) -> None:
+        """Slows every ``torch.optim.Optimizer.step`` in this process (idempotent; undone by :meth:`unwrap_all`)."""
+        if self._optimizer_handles:
+            return
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        open_steps: list[tuple[float, float]] = []
+
+        def pre(optimizer: Any, args: Any, kwargs: Any) -> None:
+            factor = float(self.factor_fn())
+            if factor > 1.0:
+                _sync(self.cuda_sync)
+                open_steps.append((factor, time.perf_counter()))
+
+        def post(optimizer: Any, args: Any, kwargs: Any) -> None:
+            if open_steps:
+                factor, begin = open_steps.pop()
+                _sync(self.cuda_sync)
+                self._wait((factor - 1.0) * (time.perf_counter() - begin))
+
+        self._optimizer_handles = [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
 
     def unwrap_all(self) -> None:
-        """Restores every wrapped module's original ``forward``."""
+        """Restores every wrapped module's original ``forward`` and removes every hook."""
         for module, _ in self._wrapped.values():
             if "forward" in vars(module):
                 del module.forward
         self._wrapped.clear()
+        for handle in self._handles + self._optimizer_handles:
+            handle.remove()
+        self._handles, self._optimizer_handles = [], []
 
-    def _make_forward(self, original: Callable[..., Any]) -> Callable[..., Any]:
+    # ------------------------------------------------------------------------------ internals
+    def _wait(self, seconds: float) -> None:
+        if seconds > 0:
+            time.sleep(seconds)
+            self.injected_s += seconds
+
+    def _finish(self, timing: _Timing) -> None:
+        """The backward of one slowed call has ended: wait ``factor - 1`` times its duration."""
+        if timing.start is not None and not timing.done:
+            timing.done = True
+            _sync(timing.sync)
+            self._wait((timing.factor - 1.0) * (time.perf_counter() - timing.start))
+
+    def _param_hook(self, queue: deque[_Timing]) -> Callable[[Any], None]:
+        def hook(param: Any) -> None:
+            while queue and queue[0].done:
+                queue.popleft()
+            for timing in queue:  # the oldest call whose backward has started (1F1B runs them in order)
+                if timing.start is not None and not timing.done:
+                    timing.pending -= 1
+                    if timing.pending <= 0:
+                        self._finish(timing)
+                    return
+
+        return hook
+
+    def _make_forward(self, original: Callable[..., Any], queue: deque[_Timing] | None, params: int) -> Callable[..., Any]:
         import torch
 
         start_fn, end_fn = self._start_fn, self._end_fn
 
-        def mark(value: Any, fn: Any, timing: _Timing) -> Any:
+        def mark(value: Any, fn: Any, timing: _Timing, hits: list[int]) -> Any:
             if isinstance(value, torch.Tensor):
-                return fn.apply(value, timing) if value.requires_grad and value.is_floating_point() else value
+                if value.requires_grad and value.is_floating_point():
+                    hits[0] += 1
+                    return fn.apply(value, timing)
+                return value
             if isinstance(value, tuple):
-                return tuple(mark(v, fn, timing) for v in value)
+                return tuple(mark(v, fn, timing, hits) for v in value)
             if isinstance(value, list):
-                return [mark(v, fn, timing) for v in value]
+                return [mark(v, fn, timing, hits) for v in value]
             return value
 
         def forward(*args: Any, **kwargs: Any) -> Any:
@@ -200,15 +277,17 @@ class Slowdown:
             timing = _Timing(factor, self.cuda_sync)
             grad = torch.is_grad_enabled()
             if grad:
-                args = mark(args, end_fn, timing)
+                hits = [0]
+                args = mark(args, end_fn, timing, hits)
+                if not hits[0] and queue is not None and params:
+                    timing.pending = params  # no differentiable input: the backward ends at the parameters
+                    queue.append(timing)
             _sync(self.cuda_sync)
             begin = time.perf_counter()
             out = original(*args, **kwargs)
             _sync(self.cuda_sync)
-            wait = (factor - 1.0) * (time.perf_counter() - begin)
-            time.sleep(wait)
-            self.injected_s += wait
-            return mark(out, start_fn, timing) if grad else out
+            self._wait((factor - 1.0) * (time.perf_counter() - begin))
+            return mark(out, start_fn, timing, [0]) if grad else out
 
         return forward
 
@@ -248,3 +327,12 @@ def delay_p2p_sends(delay_s_fn: Callable[[], float]) -> DelayedCall:
     from deepspeed.runtime.pipe import p2p
 
     return DelayedCall(p2p, "send", delay_s_fn)
+
+
+def slow_links(delay_s_fn: Callable[[], float]) -> list[DelayedCall]:
+    """Delays this rank's pipeline sends and its gradient all-reduces (``torch.distributed.all_reduce``,
+    which the layer-wise reducer looks up per call): a slow network link on the rank, seen by every
+    peer that exchanges with it. Compute is untouched."""
+    import torch.distributed as dist
+
+    return [delay_p2p_sends(delay_s_fn), DelayedCall(dist, "all_reduce", delay_s_fn)]

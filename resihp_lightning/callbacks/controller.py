@@ -52,6 +52,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from resihp_lightning._logging import get_logger, user_info
+from resihp_lightning.callbacks.collectives import broadcast_from_zero
 from resihp_lightning.callbacks.background_planner import BackgroundPlanner
 from resihp_lightning.callbacks.detector import StragglerDetector
 from resihp_lightning.callbacks.events import EventLog
@@ -177,7 +178,7 @@ class ReplanController(Callback):
         if not self._inflight:
             return
         verdict = self._collect_on_rank0(trainer, step, wait) if self.rank == 0 else None
-        done, message = strategy.collective(lambda: _broadcast(verdict))
+        done, message = strategy.collective(lambda: broadcast_from_zero(verdict))
         if not done or message == _PENDING:
             return
         self._inflight = False
@@ -348,13 +349,3 @@ class ReplanController(Callback):
 
 #: What rank 0 broadcasts while the background solve is still running.
 _PENDING = "pending"
-
-
-def _broadcast(obj: Any) -> Any:
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]

@@ -31,6 +31,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from resihp_lightning._logging import get_logger, user_info
+from resihp_lightning.callbacks.collectives import all_gather_objects
 from resihp_lightning.callbacks.events import EventLog
 from resihp_lightning.callbacks.straggler import (
     DetectorConfig,
@@ -123,7 +124,7 @@ class StragglerDetector(Callback):
     def report(self, trainer: Any, step: int) -> None:
         """Gathers every rank's pending summaries and folds them into the core (collective)."""
         strategy: StepStatsSource = trainer.strategy
-        done, gathered = strategy.collective(lambda: _all_gather(self._pending))
+        done, gathered = strategy.collective(lambda: all_gather_objects(self._pending))
         if not done:
             return  # a peer was lost: the survivors regrouped and _resync made their state agree
         self._pending = []
@@ -160,7 +161,7 @@ class StragglerDetector(Callback):
     def state_dict(self) -> dict[str, Any]:
         """The detector's state, the same on every rank (collective while a process group is up)."""
         mine = {"tracker": self.tracker.state_dict(), "pending": [s.to_dict() for s in self._pending]}
-        ranks = dict(_all_gather((self.rank, mine)))
+        ranks = dict(all_gather_objects((self.rank, mine)))
         return {
             "core": self.core.state_dict(),
             "ranks": ranks,
@@ -209,13 +210,3 @@ class StragglerDetector(Callback):
         if count and self.core.raw_speeds:
             worst = sorted(self.core.raw_speeds.items(), key=lambda kv: kv[1])[:count]
             user_info("straggler: lowest speeds " + ", ".join(f"rank {r}: {s:.2f}" for r, s in worst))
-
-
-def _all_gather(obj: Any) -> list[Any]:
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out

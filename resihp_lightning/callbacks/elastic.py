@@ -39,11 +39,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from resihp_lightning._logging import user_info, user_warn
+from resihp_lightning.callbacks.collectives import all_gather_objects, broadcast_from_zero
 from resihp_lightning.callbacks.controller import ReplanController
 from resihp_lightning.callbacks.detector import StragglerDetector
 from resihp_lightning.callbacks.events import EventLog
@@ -111,7 +111,7 @@ class ElasticRestart(Callback):
         start = time.perf_counter()
         saved, resihp, step = _read_saved_state(trainer.ckpt_path)
         read_s = time.perf_counter() - start
-        identities = _all_gather(device_identity())
+        identities = all_gather_objects(device_identity())
         strategy = trainer.strategy
         world = trainer.world_size
         if saved is None:
@@ -129,7 +129,7 @@ class ElasticRestart(Callback):
                     answer = (self._restart_plan(saved, resihp, identities, strategy).to_dict(), None)
                 except Exception as err:  # noqa: BLE001 - every rank must hear of it, not wait for a plan
                     answer = (None, f"{type(err).__name__}: {err}")
-            plan_dict, error = _broadcast(answer)
+            plan_dict, error = broadcast_from_zero(answer)
             if error is not None:
                 raise ConfigError(f"ElasticRestart could not plan for the {world} processes of this restart: {error}")
             plan = Plan.from_dict(plan_dict)
@@ -192,7 +192,7 @@ class ElasticRestart(Callback):
         """World, device identities, layer costs, identity-keyed speeds and plan (collective: every rank)."""
         trainer = self._trainer
         strategy = trainer.strategy
-        _, identities = strategy.collective(lambda: _all_gather(device_identity()))
+        _, identities = strategy.collective(lambda: all_gather_objects(device_identity()))
         identities = identities or [device_identity()]
         done, profile = strategy.collective(strategy.layer_profile)
         speeds: dict[int, float] = {}
@@ -255,19 +255,3 @@ def _without_elastic_state(resihp: Mapping[str, Any], world: int) -> dict[str, A
         return None
     return {"world_size": len(saved_plan.device_ids), "identities": None, "plan": resihp["plan"],
             "micro_batches": resihp.get("micro_batches"), "profile": None, "speeds": {}}
-
-
-def _all_gather(obj: Any) -> list[Any]:
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def _broadcast(obj: Any) -> Any:
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]

@@ -1,0 +1,33 @@
+"""The callbacks' two object collectives; a single process (no process group) answers for itself."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _distributed() -> Any:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    return dist
+
+
+def all_gather_objects(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order (collective)."""
+    dist = _distributed()
+    if dist is None:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_from_zero(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank (collective)."""
+    dist = _distributed()
+    if dist is None:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

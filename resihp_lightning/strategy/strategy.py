@@ -705,8 +705,6 @@ class ResiHPStrategyMixin:
         died may still look alive to one member): the members take rank 0's list of spares, and rank 0
         announces it, so that every live spare learns whether it joins.
         """
-        import torch.distributed as dist
-
         runtime, job = self._require_runtime(), self._job
         call = job.mirror.next_call()
         if job.is_spare:

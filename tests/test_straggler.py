@@ -165,3 +165,79 @@ def test_a_device_slow_before_its_model_is_fitted_is_found_through_its_cohort():
     assert core.speeds[10] == pytest.approx(0.4, rel=0.1)
     assert core.speeds[5] == pytest.approx(0.5, rel=0.1)
     assert [e for e in events if e["event"] == "fail_slow_recovered"] == []
+
+
+# ------------------------------------------------------------- speeds relative to the fleet, healing
+def _step_stats(step, rank, layers, times, rng):
+    from resihp_lightning.telemetry import MicroBatchStats
+
+    mbs = []
+    for scale in times:
+        tokens = int(rng.integers(2000, 4096))
+        mbs.append(MicroBatchStats((0.01 * tokens + 5.0) * scale * float(rng.lognormal(0.0, 0.03)), tokens, tokens * 300))
+    return StepStats(step, rank, rank % 2, rank // 2, layers, tuple(mbs), 1000.0)
+
+
+def _contended_trace(steps, fault, *, relief=0.75, replan_at=None, seed=0):
+    """Four ranks, 2 stages x 2 replicas. While ``fault`` = (rank, factor, start, end) is on, every rank's
+    compute runs ``relief`` times as long as while healthy (on shared cores the slowed rank's waits leave
+    its cores to the others), and the slowed rank's also ``factor`` times. ``replan_at``: from that step
+    on every rank holds other layers (every model is refitted)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    rank_slow, factor, start, end = fault
+    trace = []
+    for t in range(steps):
+        active = start <= t < (end if end is not None else steps)
+        moved = replan_at is not None and t >= replan_at
+        step = []
+        for rank in range(4):
+            layers = ((0, 4) if rank // 2 == 0 else (4, 8)) if not moved else ((0, 3) if rank // 2 == 0 else (3, 8))
+            scale = (relief if active else 1.0) * (factor if active and rank == rank_slow else 1.0)
+            step.append(_step_stats(t, rank, layers, [scale] * 4, rng))
+        trace.append(step)
+    return trace
+
+
+@pytest.mark.parametrize("factor", [1.5, 2.0, 3.0])
+def test_speed_estimate_removes_what_every_rank_sees_at_once(factor):
+    """The slowed rank's own raw speed reads 1/(factor * 0.75) (everything got faster when it began
+    to wait); relative to the other ranks in the same steps it reads 1/factor."""
+    cfg = DetectorConfig(window=6, significance=2.0, gpu_individual_perf_threshold=0.75,
+                         gpu_relative_perf_threshold=0.75, recovery_threshold=0.85)
+    core, events = run_on_trace(_contended_trace(40, (1, factor, 18, None)), cfg)
+    found = _detections(events)
+    assert [e["rank"] for e in found] == [1]
+    assert found[0]["speed"] == pytest.approx(1 / factor, rel=0.10)
+    assert core.speeds[1] == pytest.approx(1 / factor, rel=0.10)
+    assert core.raw_speeds[1] == pytest.approx(1 / (factor * 0.75), rel=0.10)
+
+
+def test_peers_not_the_rank_itself_make_its_cohort_median():
+    """With cohorts of two (2 x 2), a 1.5x fault departs by 0.67 from its peer: found, not diluted."""
+    cfg = DetectorConfig(window=6, significance=2.0, gpu_individual_perf_threshold=0.75,
+                         gpu_relative_perf_threshold=0.75, recovery_threshold=0.85)
+    _, events = run_on_trace(_contended_trace(40, (3, 1.5, 18, None), relief=1.0), cfg)
+    assert [e["rank"] for e in _detections(events)] == [3]
+
+
+@pytest.mark.parametrize("replan_at", [None, 20])
+def test_a_healed_device_is_reported_recovered_within_the_detection_latency(replan_at):
+    """3x on rank 2 from step 10 to 26 (issue 17). With ``replan_at`` every rank refits its model
+    during the fault, the others while they run faster than before it; after the healing every rank
+    reads about 0.75 of its own model, the healed one included, and only the fleet comparison
+    shows that it is as fast as the others again."""
+    cfg = DetectorConfig(window=6, significance=2.0, gpu_individual_perf_threshold=0.75,
+                         gpu_relative_perf_threshold=0.75, recovery_threshold=0.85)
+    trace = _contended_trace(44, (2, 3.0, 10, 26), replan_at=replan_at)
+    core, events = run_on_trace(trace, cfg)
+    detected = _detections(events, 2)
+    recovered = [e for e in events if e["event"] == "fail_slow_recovered"]
+    assert detected and [e["rank"] for e in recovered] == [2], events
+    latency = detected[0]["step"] - 10
+    ready = 26 if replan_at is None else replan_at + cfg.warmup_steps + cfg.fit_steps  # first step with a model
+    assert recovered[0]["step"] - max(26, ready) <= latency, (events, latency)
+    assert recovered[0]["speed"] >= 0.95
+    assert core.speeds[2] == 1.0 and core.flagged == []
+    assert all(e["event"] != "fail_slow_detected" or e["step"] < 26 for e in events), events

@@ -9,25 +9,30 @@ Two halves, so that only a few numbers per rank travel between processes:
 * :class:`StragglerCore` sees every rank's summary (after an all-gather, so every rank holds the same
   state and takes the same decisions) and keeps, per rank, a speed estimate, a flag and the events.
 
-A rank's step speed is ``raw = anchor * ratio``; ``anchor`` is the speed the device had when its
+A rank's raw step speed is ``raw = anchor * ratio``; ``anchor`` is the speed the device had when its
 current model was fitted (1.0 at the start; the last estimate when a re-plan gave the rank new layers
-and its model was refitted on the device as it then was). A rank is *slow this step* when
+and its model was refitted on the device as it then was). Its *speed* in a step is that raw speed
+divided by the median raw speed of the other unflagged ranks in the same step
+(:meth:`StragglerCore._relative_to_fleet` says why: it removes what changes for every rank at once,
+e.g. the CPU a waiting rank leaves to the others on shared cores). A rank is *slow this step* when
 
-1. it departs from its own history: ``raw < gpu_individual_perf_threshold`` and the drop exceeds
-   ``significance`` times the model's residual scale for that many micro-batches, and
+1. it departs from its own history and the fleet: ``speed < gpu_individual_perf_threshold`` and the
+   drop exceeds ``significance`` times the model's residual scale for that many micro-batches, and
 2. it departs from its stage cohort (the data-parallel peers holding the same layers):
-   ``raw / median(cohort raw) < gpu_relative_perf_threshold``. A slowdown shared by the whole cohort
-   (a job-wide event) is therefore not a straggler. Without a cohort (D = 1, or per-replica
-   partitions) condition 1 alone decides, its significance test guarding against noise.
+   ``speed / median(peers' speeds) < gpu_relative_perf_threshold``. A slowdown shared by the whole
+   cohort is therefore not a straggler. Without a cohort (D = 1, or per-replica partitions)
+   condition 1 alone decides, its significance test guarding against noise.
 
 With ``window`` > 1 both tests apply to the median of the rank's last ``window`` step speeds, and
 the noise term shrinks accordingly (for noisy clocks, e.g. oversubscribed CPUs).
-``patience`` consecutive slow steps flag the rank; its reported speed is the median of its last
-``max(patience, window)`` step speeds (so 0.5 for a device at half speed); with ``window`` > 1 a step
-counts as slow only once the rank has ``window`` step speeds. ``patience`` consecutive steps with
-``raw >= recovery_threshold`` clear the flag (healing). A flagged rank whose estimate stays more
-than ``speed_change_threshold`` (relative) away from its reported speed for ``patience`` steps is
-reported again with the new speed.
+``patience`` consecutive slow steps flag the rank; its reported speed is the median of its speeds
+over those slow steps (so 0.5 for a device at half speed); with ``window`` > 1 a step counts as slow
+only once the rank has ``window`` step speeds. A flagged rank heals after ``patience`` consecutive
+steps whose median speed *since the first of them* (at most ``window`` steps) is
+``>= recovery_threshold``: the slow steps still in the window do not hold the healed device back,
+so healing is reported as fast as the fault was. A flagged rank whose estimate (the median of the
+last ``max(patience, window)`` speeds) stays more than ``speed_change_threshold`` (relative) away from
+its reported speed for ``patience`` steps is reported again with the new speed.
 
 When a rank's model is (re)fitted, the anchor comes from its cohort if it has one: every member's
 model is evaluated at the cohort's typical micro-batch, and a rank predicted slower than the cohort
@@ -86,7 +91,8 @@ class DetectorConfig:
         window: steps pooled (median) into each step's decision; 1 decides on the step alone. Raise it
             where timing noise is large (oversubscribed CPUs): the noise of the pooled speed shrinks
             by sqrt(window), at the cost of up to ``window - 1`` steps of extra latency.
-        recovery_threshold: speed at or above which a flagged rank counts as healthy again.
+        recovery_threshold: speed (relative to the other ranks, median over the steps since the
+            healing began) at or above which a flagged rank counts as healthy again.
         significance: a drop must exceed this many standard errors of the step's speed.
         speed_change_threshold: re-report a flagged rank when its estimate stays this fraction away
             from the reported speed for ``patience`` steps.
@@ -315,7 +321,6 @@ class StragglerCore:
         summaries = [s for s in summaries if s is not None]
         raws: dict[int, float] = {}
         noise: dict[int, float] = {}
-        pooled_raw: dict[int, float] = {}
         layers_of: dict[int, tuple[int, int]] = {}
         step = max((s.step for s in summaries), default=self.last_step)
         self.last_step = step
@@ -332,46 +337,48 @@ class StragglerCore:
                 else:
                     state.anchor = state.speed if state.flagged else 1.0
                 state.fit_id = summary.fit_id
-            raw = state.anchor * summary.ratio
-            raws[summary.rank] = raw
-            pooled_n = min(cfg.window, len(state.history) + 1)
-            noise[summary.rank] = (
-                state.anchor * summary.rel_scale * _MEDIAN_SE / math.sqrt(max(summary.micro_batches, 1) * pooled_n)
-            )
+            raws[summary.rank] = state.anchor * summary.ratio
+            noise[summary.rank] = state.anchor * summary.rel_scale * _MEDIAN_SE / math.sqrt(max(summary.micro_batches, 1))
             layers_of[summary.rank] = summary.layers
-            if cfg.window > 1:
-                recent = list(state.history)[-(cfg.window - 1):] + [raw]
-                pooled_raw[summary.rank] = statistics.median(recent)
-            else:
-                pooled_raw[summary.rank] = raw
-        cohort_median = self._cohort_medians(pooled_raw, layers_of)
+        relative = self._relative_to_fleet(raws)
+        pooled_rel: dict[int, float] = {}
+        for rank, rel in relative.items():
+            recent = list(self._states[rank].history)[-(cfg.window - 1):] + [rel] if cfg.window > 1 else [rel]
+            pooled_rel[rank] = statistics.median(recent)
+        cohort_median = self._cohort_medians(pooled_rel, layers_of)
         events: list[dict[str, Any]] = []
         for rank, raw in raws.items():
             state = self._states[rank]
             state.last_raw = raw
             state.best_raw = max(state.best_raw, raw)
-            state.history.append(raw)
-            pooled = pooled_raw[rank]
-            own = pooled < cfg.gpu_individual_perf_threshold and (1.0 - pooled) > cfg.significance * noise[rank]
+            pooled_n = min(cfg.window, len(state.history) + 1)
+            state.history.append(relative[rank])
+            pooled = pooled_rel[rank]
+            own = pooled < cfg.gpu_individual_perf_threshold and (1.0 - pooled) > cfg.significance * noise[rank] / math.sqrt(pooled_n)
             med = cohort_median.get(rank)
             cohort = med is None or pooled / med < cfg.gpu_relative_perf_threshold
             # With window > 1, decide only on a full window: right after the first fit a median of
             # one or two noisy steps would otherwise count towards patience (a false alarm seen on
             # oversubscribed CPUs).
             slow = own and cohort and len(state.history) >= cfg.window
-            healthy = pooled >= cfg.recovery_threshold
             state.slow_streak = state.slow_streak + 1 if slow else 0
-            state.healthy_streak = state.healthy_streak + 1 if healthy else 0
-            estimate = statistics.median(state.history)  # the last max(patience, window) steps
+            # Healing is judged on the steps since it began (at most ``window``), not on a window that
+            # still holds the slow steps: a healed device is reported within ``patience`` steps.
+            since = list(state.history)[-min(cfg.window, state.healthy_streak + 1):]
+            healed = statistics.median(since) >= cfg.recovery_threshold
+            state.healthy_streak = state.healthy_streak + 1 if healed else 0
             if not state.flagged:
                 if state.slow_streak >= cfg.patience:
+                    # The steps of the streak are all slow ones (the pooled test lags the fault).
+                    estimate = statistics.median(list(state.history)[-state.slow_streak:])
                     state.flagged, state.speed = True, estimate
                     events.append(self._event("fail_slow_detected", step, rank, estimate))
             elif state.healthy_streak >= cfg.patience:
                 state.flagged, state.speed = False, 1.0
                 state.slow_streak = 0
-                events.append(self._event("fail_slow_recovered", step, rank, estimate))
+                events.append(self._event("fail_slow_recovered", step, rank, statistics.median(since)))
             else:
+                estimate = statistics.median(state.history)  # the last max(patience, window) steps
                 moved = estimate < cfg.recovery_threshold and abs(estimate - state.speed) > cfg.speed_change_threshold * state.speed
                 state.change_streak = state.change_streak + 1 if moved else 0
                 if state.change_streak >= cfg.patience:
@@ -381,6 +388,29 @@ class StragglerCore:
             self.version += 1
         self._update_scores(raws)
         return events
+
+    def _relative_to_fleet(self, raws: Mapping[int, float]) -> dict[int, float]:
+        """Each rank's step speed divided by the median step speed of the other unflagged ranks.
+
+        This is where the speed estimate is built. A rank's raw speed compares its busy time with
+        its own model, fitted while the job was healthy, so it also moves with everything that
+        changes for *every* rank at once: on shared CPU cores, a slowed rank that waits leaves its
+        cores to the others, whose compute then runs faster (healthy ranks read 1.2-1.4 in the demo
+        while one rank runs at half speed), and the slowed rank's own compute gets the cores more
+        easily too, so its raw speed reads high (0.62-0.72 for a 2x fault). Such job-wide effects
+        (contention, clocks, data) shift every rank alike, and dividing by the healthy fleet's speed
+        in the same step removes them; what is left is how much slower the rank is than the devices
+        the planner would move its work to, which is what the planner's speeds mean. Without other
+        ranks (or when every other rank is flagged) the reference is 1.0.
+        """
+        flagged = {rank for rank, state in self._states.items() if state.flagged}
+        out: dict[int, float] = {}
+        for rank, raw in raws.items():
+            others = [v for r, v in raws.items() if r != rank and r not in flagged] or [
+                v for r, v in raws.items() if r != rank]
+            reference = statistics.median(others) if others else 1.0
+            out[rank] = raw / max(reference, 1e-9)
+        return out
 
     def _cohort_anchor(self, summary: RankSummary, summaries: Sequence[RankSummary]) -> float | None:
         """The rank's speed relative to its cohort, from the members' workload models.
@@ -399,16 +429,17 @@ class StragglerCore:
         relative = reference / preds[summary.rank]
         return relative if relative < self.config.gpu_relative_perf_threshold else 1.0
 
-    def _cohort_medians(self, raws: dict[int, float], layers_of: dict[int, tuple[int, int]]) -> dict[int, float]:
+    def _cohort_medians(self, speeds: dict[int, float], layers_of: dict[int, tuple[int, int]]) -> dict[int, float]:
+        """Per rank: the median speed of its cohort's *other* members (its peers). With a cohort of two,
+        a median that included the rank itself would halve any departure."""
         groups: dict[tuple[int, int], list[int]] = {}
         for rank, layers in layers_of.items():
             groups.setdefault(layers, []).append(rank)
         medians: dict[int, float] = {}
         for ranks in groups.values():
             if len(ranks) >= self.config.min_cohort:
-                med = statistics.median([raws[r] for r in ranks])
                 for r in ranks:
-                    medians[r] = med
+                    medians[r] = statistics.median([speeds[o] for o in ranks if o != r])
         return medians
 
     def _update_scores(self, raws: dict[int, float]) -> None:

@@ -3,17 +3,24 @@
 A run directory holds ``events.jsonl`` (:mod:`resihp_lightning.callbacks.events`) and ``steps.jsonl``
 (:class:`resihp_lightning.callbacks.progress.StepRecorder`: one line per step with ``step``,
 ``wall_ms``, ``tokens``, ``P``, ``D``, ``micro``, ``migrated``, ...). :func:`summarize` splits the
-steps into phases around the first injected slowdown and the first re-plan applied after it:
+steps into phases that follow the events of the first injected slowdown: the device's condition
+(healthy before the fault, slowed while it is on, healed after its ``end_step``) crossed with the
+plans applied since the fault began (a step that migrated is left out of every phase; its cost is
+reported as the migration time):
 
 * healthy: from step ``skip`` (start-up steps 0..skip-1 left out) to the fault;
-* slowed: from the fault to the re-plan (or to the end when there is none);
-* after: the steps after the re-plan's step (the migration step itself is left out; its cost is
-  reported as the migration time).
+* slowed, before re-plan / slowed, after re-plan;
+* healed (no re-plan during the fault), or healed, before plan-back / healed, after plan-back (the
+  first plan applied after the healing).
 
 Throughput of a phase = its tokens / its wall time (everything the job spent, callbacks included).
-The ideal is healthy x S/N, S being the sum of device speeds under the fault (N - 1 + 1/factor
-for one slowed device): what a perfect re-plan would reach. Detection latency counts steps from the
-fault's first step to the first ``fail_slow_detected`` of that rank.
+The ideal is S/N x the best healthy throughput measured in the run, S being the sum of device speeds
+under the fault (N - 1 + 1/factor for one slowed device): what a perfect re-plan would reach. The
+best healthy throughput is the faster of the healthy phase (the starting plan) and the healed phase
+after the plan-back (the planner's plan for healthy devices), so a re-plan that also removes a
+bubble of the starting plan is not credited beyond what the planner's healthy plan reaches. Detection
+latency counts steps from the fault's first step to the first ``fail_slow_detected`` of that rank;
+recovery latency from the fault's ``end_step`` to the first ``fail_slow_recovered`` after it.
 
 Importing this module is cheap; matplotlib is loaded (Agg backend) only to draw.
 """
@@ -73,6 +80,12 @@ class Summary:
     plans: list[tuple[int, str]] = field(default_factory=list)
     recovery: dict[str, Any] | None = None
     detected_after_s: float | None = None
+    phases: list[Phase] = field(default_factory=list)
+    best_healthy: Phase | None = None
+    healed_step: int | None = None
+    recovered_step: int | None = None
+    recovered_speed: float | None = None
+    start_plan: dict[str, Any] | None = None
 
     @property
     def stop_fault(self) -> bool:
@@ -84,6 +97,12 @@ class Summary:
         if self.fault is None or self.detected_step is None:
             return None
         return self.detected_step - int(self.fault["start_step"])
+
+    @property
+    def recovery_latency(self) -> int | None:
+        if self.healed_step is None or self.recovered_step is None:
+            return None
+        return self.recovered_step - self.healed_step
 
 
 @dataclass
@@ -153,9 +172,12 @@ def summarize(run: Run, skip: int = 3) -> Summary:
     if not faults and stops:
         return _summarize_fail_stop(run, steps, world, stops[0], skip)
     fault = faults[0] if faults else None
-    summary = Summary(len(steps), world, Phase("healthy"), Phase("slowed, before re-plan"), Phase("after re-plan"))
+    summary = Summary(len(steps), world, Phase("healthy"), Phase("slowed, before re-plan"), Phase("slowed, after re-plan"))
     fault_step = int(fault["start_step"]) if fault is not None else None
+    end_step = fault.get("end_step") if fault is not None else None
     summary.fault = fault
+    starts = [e for e in run.events if e["event"] == "initial_plan"]
+    summary.start_plan = starts[0] if starts else None
     if fault is not None:
         detections = [e for e in run.events if e["event"] == "fail_slow_detected" and e.get("rank") == fault["rank"]
                       and e["step"] is not None and e["step"] >= fault_step]
@@ -168,23 +190,42 @@ def summarize(run: Run, skip: int = 3) -> Summary:
             summary.applied_plan = _event_plan_label(first.get("plan") or {})
             summary.migration_s = first.get("migration_seconds")
             summary.bytes_moved = first.get("bytes_moved")
+        if end_step is not None:
+            summary.healed_step = int(end_step)
+            recovered = [e for e in run.events if e["event"] == "fail_slow_recovered" and e.get("rank") == fault["rank"]
+                         and e["step"] is not None and e["step"] >= int(end_step)]
+            if recovered:
+                summary.recovered_step, summary.recovered_speed = recovered[0]["step"], recovered[0].get("speed")
     migrated = [r["step"] for r in steps if r.get("migrated")]
     if fault_step is not None:
-        after_fault = [s for s in migrated if s > fault_step]
-        summary.applied_step = after_fault[0] if after_fault else None
+        during = [s for s in migrated if s > fault_step and (end_step is None or s < int(end_step))]
+        summary.applied_step = during[0] if during else None
+    healed = Phase("healed" if summary.applied_step is None else "healed, before plan-back")
+    back = Phase("healed, after plan-back")
+    plan_back = None
+    if end_step is not None:
+        later = [s for s in migrated if s >= int(end_step)]
+        plan_back = later[0] if later else None
+
     def phase_of(record: dict[str, Any]) -> Phase | None:
         step = record["step"]
         if record.get("migrated"):
             return None
         if fault_step is None or step < fault_step:
             return summary.healthy
-        return summary.slowed if summary.applied_step is None or step < summary.applied_step else summary.after
+        if end_step is None or step < int(end_step):
+            return summary.slowed if summary.applied_step is None or step < summary.applied_step else summary.after
+        return back if plan_back is not None and step > plan_back else healed
 
     _fill_phases(summary, steps, skip, phase_of)
-    healthy = summary.healthy.tokens_per_s
-    if healthy is not None:
+    summary.phases = [p for p in (summary.healthy, summary.slowed, summary.after, healed, back)
+                      if p.steps or p is summary.healthy or (p is summary.slowed and fault is not None)]
+    candidates = [p for p in (summary.healthy, back) if p.tokens_per_s is not None]
+    summary.best_healthy = max(candidates, key=lambda p: p.tokens_per_s) if candidates else None
+    if summary.best_healthy is not None:
+        best = summary.best_healthy.tokens_per_s
         factor = float(fault.get("factor", 1.0)) if fault is not None else 1.0
-        summary.ideal_tokens_per_s = healthy * (world - 1 + 1.0 / factor) / world if fault is not None else healthy
+        summary.ideal_tokens_per_s = best * (world - 1 + 1.0 / factor) / world if fault is not None else best
     return summary
 
 
@@ -223,6 +264,7 @@ def _summarize_fail_stop(run: Run, steps: list[dict[str, Any]], world: int, faul
         summary.migration_s = summary.recovery.get("restore_s")
     _fill_phases(summary, steps, skip, lambda record: summary.healthy if record["step"] < fault_step
                  else summary.slowed if record["step"] == fault_step else summary.after)
+    summary.phases = [summary.healthy, summary.slowed, summary.after]
     healthy = summary.healthy.tokens_per_s
     if healthy is not None:
         survivors = len(summary.recovery["members"]) if summary.recovery is not None else world - 1
@@ -256,7 +298,7 @@ def format_table(summary: Summary) -> str:
     """The report as plain text (a Markdown table plus the loop's milestones)."""
     healthy = summary.healthy.tokens_per_s
     rows = []
-    for phase in (summary.healthy, summary.slowed, summary.after):
+    for phase in summary.phases or [summary.healthy, summary.slowed, summary.after]:
         rate = phase.tokens_per_s
         share = f"{rate / healthy * 100:.0f}%" if rate is not None and healthy else "-"
         rows.append((phase.name, phase.span, _fmt(rate), share))
@@ -266,7 +308,7 @@ def format_table(summary: Summary) -> str:
         rows.append((f"ideal ({survivors}/{summary.world_size} of healthy)", "-", _fmt(ideal),
                      f"{ideal / healthy * 100:.0f}%" if ideal and healthy else "-"))
     elif summary.fault is not None:
-        ideal_note = f"ideal (S/N of healthy, S = {summary.world_size - 1} + 1/{summary.fault.get('factor', 1):g})"
+        ideal_note = f"ideal (S/N of best healthy, S = {summary.world_size - 1} + 1/{summary.fault.get('factor', 1):g})"
         rows.append((ideal_note, "-", _fmt(ideal), f"{ideal / healthy * 100:.0f}%" if ideal and healthy else "-"))
     width = max(len(r[0]) for r in rows)
     lines = [f"| {'phase':<{width}} | steps   | tokens/s | of healthy |", f"|{'-' * (width + 2)}|---------|----------|------------|"]
@@ -283,6 +325,18 @@ def format_table(summary: Summary) -> str:
         else:
             speed = f", speed estimate {summary.detected_speed:.2f}" if summary.detected_speed is not None else ""
             lines.append(f"detection: step {summary.detected_step}, latency {summary.detection_latency} steps{speed}")
+        if summary.healed_step is not None:
+            if summary.recovered_step is None:
+                lines.append(f"healing: step {summary.healed_step}, never reported recovered")
+            else:
+                speed = f", reading {summary.recovered_speed:.2f}" if summary.recovered_speed is not None else ""
+                lines.append(f"healing: step {summary.healed_step}, reported recovered at step {summary.recovered_step} "
+                             f"(latency {summary.recovery_latency} steps{speed})")
+        best = summary.best_healthy
+        if best is not None and best.tokens_per_s is not None:
+            origin = ("the planner's healthy plan" if best.name != "healthy" or summary.start_plan is not None
+                      else "the starting plan")
+            lines.append(f"best healthy: {best.tokens_per_s:.0f} tokens/s ({best.name}, steps {best.span}, {origin})")
         if summary.migration_s is None:
             lines.append("re-plan: none applied")
         else:
@@ -307,7 +361,8 @@ def plot(run: Run, summary: Summary, out: str | os.PathLike[str]) -> Path:
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 6.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
     top.plot(xs, wall, marker="o", markersize=3, linewidth=1.2, color="tab:blue", label="step wall time")
     bottom.plot(xs, rate, marker="o", markersize=3, linewidth=1.2, color="tab:purple", label="tokens/s (per step)")
-    for phase, color in ((summary.healthy, "tab:green"), (summary.slowed, "tab:red"), (summary.after, "tab:blue")):
+    colors = ("tab:green", "tab:red", "tab:blue", "tab:olive", "tab:cyan")
+    for phase, color in zip(summary.phases or [summary.healthy, summary.slowed, summary.after], colors):
         value = phase.tokens_per_s
         if value is not None:
             bottom.hlines(value, phase.steps[0], phase.steps[-1], colors=color, linewidth=2.5,
@@ -324,6 +379,10 @@ def plot(run: Run, summary: Summary, out: str | os.PathLike[str]) -> Path:
                       f"fault: {summary.fault.get('factor', '?')}x on rank {summary.fault.get('rank')}"))
     if summary.detected_step is not None and not summary.stop_fault:
         marks.append((summary.detected_step, "tab:orange", "-.", f"detected (+{summary.detection_latency} steps)"))
+    if summary.healed_step is not None:
+        marks.append((summary.healed_step, "tab:red", ":", "device healed"))
+    if summary.recovered_step is not None:
+        marks.append((summary.recovered_step, "tab:orange", ":", f"recovered (+{summary.recovery_latency} steps)"))
     for step, label in summary.plans[1:]:
         marks.append((step, "tab:green", "-", f"plan {label}"))
     top_y = max(wall) if wall else 1.0

@@ -67,11 +67,45 @@ def test_report_command_prints_the_table_and_writes_the_png(tmp_path: Path, caps
     rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
     assert rows["healthy"].split("|")[3].strip() == f"{TOKENS / 0.5:.0f}"
     assert rows["slowed, before re-plan"].split("|")[3].strip() == f"{TOKENS / 1.0:.0f}"
-    assert rows["after re-plan"].split("|")[3].strip() == f"{TOKENS / 0.6:.0f}"
+    assert rows["slowed, after re-plan"].split("|")[3].strip() == f"{TOKENS / 0.6:.0f}"
     assert "latency 3 steps" in out and "migration 2.50 s" in out and "3.0 MiB moved" in out
     png = run / "timeline.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
     assert (run / "report.txt").read_text().strip() == out.split("timeline:")[0].strip()
+
+
+def test_phases_follow_the_fault_its_healing_and_the_plan_back(tmp_path: Path) -> None:
+    """3x on rank 2 from step 10 to 20 (issue 17): slowed 10-14, re-plan at 15, slowed after it 16-19,
+    healed under the fault's plan 20-23, plan-back at 24, healed after it 25-29. The healed phase
+    after the plan-back runs the planner's healthy plan faster than the starting plan (no bubble),
+    so the ideal is S/N of that, not of the starting plan."""
+    run_dir = tmp_path / "healed"
+    run_dir.mkdir()
+    walls = {**{s: 500.0 for s in range(10)}, **{s: 1000.0 for s in range(10, 15)}, 15: 3000.0,
+             **{s: 700.0 for s in range(16, 20)}, **{s: 450.0 for s in range(20, 24)}, 24: 2000.0,
+             **{s: 400.0 for s in range(25, 30)}}
+    steps = [{"step": s, "time": 1000.0 + s, "wall_ms": w, "tokens": TOKENS, "P": 2 if s < 15 else 1,
+              "D": 2 if s < 15 else 4, "micro": [4, 4] if s < 15 else [3, 3, 1, 1] if s < 24 else [2, 2, 2, 2],
+              "migrated": s in (15, 24)} for s, w in sorted(walls.items())]
+    (run_dir / "steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    events = [
+        {"time": 1010.0, "step": 10, "event": "fault_injected", "kind": "slow", "rank": 2, "factor": 3.0,
+         "start_step": 10, "end_step": 20},
+        {"time": 1013.0, "step": 13, "event": "fail_slow_detected", "rank": 2, "speed": 0.35},
+        {"time": 1023.0, "step": 23, "event": "fail_slow_recovered", "rank": 2, "speed": 0.99},
+    ]
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    summary = summarize(load_run(run_dir))
+    spans = {p.name: p.span for p in summary.phases}
+    assert spans == {"healthy": "3-9", "slowed, before re-plan": "10-14", "slowed, after re-plan": "16-19",
+                     "healed, before plan-back": "20-23", "healed, after plan-back": "25-29"}
+    assert summary.best_healthy.name == "healed, after plan-back"
+    assert summary.ideal_tokens_per_s == pytest.approx(TOKENS / 0.4 * (3 + 1 / 3) / 4)
+    assert (summary.healed_step, summary.recovered_step, summary.recovery_latency) == (20, 23, 3)
+    assert main(["report", str(run_dir)]) == 0
+    text = (run_dir / "report.txt").read_text()
+    assert "healing: step 20, reported recovered at step 23 (latency 3 steps, reading 0.99)" in text
+    assert "ideal (S/N of best healthy, S = 3 + 1/3)" in text and "healed, after plan-back" in text
 
 
 def test_report_of_a_run_without_fault(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

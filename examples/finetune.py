@@ -32,11 +32,13 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # healthy_plan.py
 
 from jsonargparse import ActionConfigFile, ArgumentParser, Namespace  # noqa: E402
 
@@ -106,6 +108,10 @@ class StrategyArgs:
     """collective timeout: a peer that hangs without being detected fails its collectives after this long
     (keep it below torchrun's rendezvous ``join_timeout``, 600 s by default, for elastic jobs)."""
     fail_stop: FailStopConfig | None = field(default_factory=FailStopConfig)
+    start: str = "uniform"
+    """the starting plan: ``uniform`` (``pipeline_degree`` x the rest) or ``planned`` (the planner's own plan
+    for healthy devices, from the layers timed on one micro-batch before training; see examples/healthy_plan.py).
+    A job resumed from a checkpoint starts as the checkpoint says."""
 
 
 def build_parser() -> ArgumentParser:
@@ -183,6 +189,10 @@ def check_inputs(cfg: Namespace) -> None:
     source = cfg.data.source
     if source is not None and not Path(source).exists():
         raise ConfigError(f"data.source {source!r} does not exist")
+    from healthy_plan import START_CHOICES
+
+    if cfg.strategy.start not in START_CHOICES:
+        raise invalid_option("strategy.start", cfg.strategy.start, START_CHOICES)
     if cfg.trainer.devices < 1 or cfg.trainer.max_steps < 1:
         raise invalid_option("trainer.devices / trainer.max_steps", (cfg.trainer.devices, cfg.trainer.max_steps), ">= 1")
 
@@ -197,8 +207,14 @@ def _set_threads(cfg: Namespace) -> None:
     torch.set_num_threads(threads)
 
 
-def run(raw: Namespace) -> Path:
-    """Runs the job described by the parsed config ``raw`` (every rank); returns the run directory."""
+def run(raw: Namespace, extra_callbacks: Sequence[Any] = ()) -> Path:
+    """Runs the job described by the parsed config ``raw`` (every rank); returns the run directory.
+
+    Args:
+        raw: the parsed config.
+        extra_callbacks: callbacks added after the job's own (benchmarks record with them; under
+            Lightning's launcher every rank re-runs the calling script, which must pass the same).
+    """
     cfg = _instantiate(raw)
     check_inputs(cfg)
     run_dir = resolve_run_dir(cfg)
@@ -251,7 +267,15 @@ def run(raw: Namespace) -> Path:
     # A DataLoader whose position is saved with each checkpoint (a resumed job skips the rows it trained on).
     loader = ResumableDataLoader(dataset, batch_size=rows, shuffle=True, collate_fn=collate_packed, drop_last=True)
 
-    strategy = ResiHPStrategy(pipeline_degree=s.pipeline_degree, micro_batch_size=s.micro_batch_size,
+    ckpt = None
+    if cfg.checkpoint is not None:
+        ckpt_dir = cfg.checkpoint.dirpath or str(run_dir / "checkpoints")
+        ckpt = newest_checkpoint(ckpt_dir) if cfg.checkpoint.resume else None
+    start_plan = None
+    if s.start == "planned" and ckpt is None:
+        start_plan = _planned_start(cfg, module, dataset, run_dir)
+    strategy = ResiHPStrategy(pipeline_degree=None if start_plan else s.pipeline_degree, plan=start_plan,
+                              micro_batch_size=s.micro_batch_size,
                               micro_batches=s.micro_batches, deepspeed_config=dict(s.deepspeed_config),
                               process_group_backend=s.process_group_backend, timeout=s.timeout_s,
                               fail_stop=s.fail_stop)
@@ -265,13 +289,11 @@ def run(raw: Namespace) -> Path:
     if s.fail_stop is not None:
         callbacks.append(FailStopReporter(log_dir=str(run_dir)))
     plugins: list[Any] = []
-    ckpt = None
     if cfg.checkpoint is not None:
-        ckpt_dir = cfg.checkpoint.dirpath or str(run_dir / "checkpoints")
         callbacks.append(periodic_checkpoint(cfg.checkpoint, ckpt_dir))
         callbacks.append(ElasticRestart(planner=cfg.planner, controller=cfg.controller, log_dir=str(run_dir)))
         plugins.append(make_checkpoint_io(cfg.checkpoint.asynchronous))
-        ckpt = newest_checkpoint(ckpt_dir) if cfg.checkpoint.resume else None
+    callbacks.extend(extra_callbacks)
     if cfg.trainer.progress_bar:
         callbacks.append(ResiHPProgressBar(recorder))
     t = cfg.trainer
@@ -302,6 +324,26 @@ def run(raw: Namespace) -> Path:
         print(f"\ntrained {trainer.global_step} steps in {time.perf_counter() - started:.0f} s on "
               f"{trainer.world_size} processes\n{text}\nrun directory: {run_dir}\ntimeline: {png}")
     return run_dir
+
+
+def _planned_start(cfg: Namespace, module: Any, dataset: Any, run_dir: Path) -> dict[str, Any]:
+    """The planner's plan for healthy devices (``strategy.start: planned``), the same on every rank."""
+    from torch.utils.data import DataLoader
+
+    from healthy_plan import initial_plan, plan_for_healthy_devices, profile_layers
+    from resihp_lightning.data import collate_packed
+
+    s = cfg.strategy
+    world = cfg.trainer.devices * cfg.trainer.num_nodes
+
+    def compute() -> tuple[Any, dict[str, Any]]:
+        batch = next(iter(DataLoader(dataset, batch_size=s.micro_batches * s.micro_batch_size, collate_fn=collate_packed)))
+        costs = profile_layers(module, batch, s.micro_batch_size)
+        plan = plan_for_healthy_devices(costs, world, s.micro_batches, cfg.controller, cfg.planner)
+        return plan, {"layer_ms": [round(c.compute_ms, 3) for c in costs], "predicted_ms": plan.iteration_ms}
+
+    writer = os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("RANK", "0") == "0"
+    return initial_plan(run_dir, compute, is_writer=writer)["plan"]
 
 
 def _instantiate(raw: Namespace) -> Namespace:

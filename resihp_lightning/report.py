@@ -39,6 +39,7 @@ EVENTS_FILE = "events.jsonl"
 #: Fault kinds that end or freeze a rank (fail-stop).
 STOP_KINDS = ("kill", "hang")
 TABLE_FILE = "report.txt"
+START_PLAN_FILE = "initial_plan.json"
 PNG_FILE = "timeline.png"
 
 
@@ -176,8 +177,7 @@ def summarize(run: Run, skip: int = 3) -> Summary:
     fault_step = int(fault["start_step"]) if fault is not None else None
     end_step = fault.get("end_step") if fault is not None else None
     summary.fault = fault
-    starts = [e for e in run.events if e["event"] == "initial_plan"]
-    summary.start_plan = starts[0] if starts else None
+    summary.start_plan = _start_plan(run.path)
     if fault is not None:
         detections = [e for e in run.events if e["event"] == "fail_slow_detected" and e.get("rank") == fault["rank"]
                       and e["step"] is not None and e["step"] >= fault_step]
@@ -227,6 +227,20 @@ def summarize(run: Run, skip: int = 3) -> Summary:
         factor = float(fault.get("factor", 1.0)) if fault is not None else 1.0
         summary.ideal_tokens_per_s = best * (world - 1 + 1.0 / factor) / world if fault is not None else best
     return summary
+
+
+def _start_plan(run_dir: Path) -> dict[str, Any] | None:
+    """The planner's healthy plan the job started from (``initial_plan.json``, written by examples/finetune.py
+    with ``strategy.start: planned``), or ``None``."""
+    import json
+
+    path = run_dir / START_PLAN_FILE
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
 
 
 def _fill_phases(summary: Summary, steps: list[dict[str, Any]], skip: int, phase_of: Any) -> None:

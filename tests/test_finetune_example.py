@@ -129,3 +129,8 @@ def test_shared_partition_under_controller_names_its_new_place(tmp_path: Path, c
         line = _in_process_error([*args, "--run_dir", str(tmp_path / "r")], capsys, monkeypatch)
         assert "`controller.shared_partition` was removed; use `planner.shared_partition`" in line
     assert not (tmp_path / "r").exists()
+
+
+def test_unknown_start_plan_is_named_with_the_choices(tmp_path: Path, capsys, monkeypatch) -> None:
+    line = _in_process_error(["--strategy.start", "best", "--run_dir", str(tmp_path / "r")], capsys, monkeypatch)
+    assert "strategy.start" in line and "best" in line and "planned" in line

@@ -241,3 +241,23 @@ def test_a_healed_device_is_reported_recovered_within_the_detection_latency(repl
     assert recovered[0]["speed"] >= 0.95
     assert core.speeds[2] == 1.0 and core.flagged == []
     assert all(e["event"] != "fail_slow_detected" or e["step"] < 26 for e in events), events
+
+
+def test_the_reported_speed_is_refined_over_the_slow_episode():
+    """Per-step speeds that jump between two levels (seen on shared CPUs): the first report comes from
+    the few steps of the flagging streak; the episode's median then replaces it, and single noisy
+    windows do not make it jump."""
+    from resihp_lightning.callbacks.straggler import RankSummary
+
+    cfg = DetectorConfig(window=6, significance=2.0, gpu_individual_perf_threshold=0.75,
+                         gpu_relative_perf_threshold=0.75, recovery_threshold=0.85)
+    core = StragglerCore(cfg)
+    levels = [0.45, 0.25, 0.45, 0.45, 0.25, 0.25]  # median 0.35 over any whole number of cycles
+    reported = []
+    for step in range(60):
+        slow = levels[step % len(levels)] if step >= 10 else 1.0
+        summaries = [RankSummary(step, r, r % 2, r // 2, (0, 4) if r < 2 else (4, 8), slow if r == 1 else 1.0, 4, 1,
+                                 0.03, 100.0, 1000.0) for r in range(4)]
+        reported += [(e["step"], e["speed"]) for e in core.update(summaries) if e["event"] == "fail_slow_detected"]
+    assert reported and reported[-1][1] == pytest.approx(0.35, rel=0.10), reported
+    assert len(reported) <= 3, reported

@@ -32,7 +32,8 @@ steps whose median speed *since the first of them* (at most ``window`` steps) is
 ``>= recovery_threshold``: the slow steps still in the window do not hold the healed device back,
 so healing is reported as fast as the fault was. A flagged rank whose estimate (the median of the
 last ``max(patience, window)`` speeds) stays more than ``speed_change_threshold`` (relative) away from
-its reported speed for ``patience`` steps is reported again with the new speed.
+its reported speed for ``patience`` steps is reported again with the new speed; the median of the
+rank's speeds over its slow episode refines the reported speed the same way (:meth:`StragglerCore._follow`).
 
 When a rank's model is (re)fitted, the anchor comes from its cohort if it has one: every member's
 model is evaluated at the cohort's typical micro-batch, and a rank predicted slower than the cohort
@@ -60,6 +61,8 @@ from resihp_lightning.callbacks.workload_model import OnlineWorkloadFit
 from resihp_lightning.errors import invalid_option
 from resihp_lightning.telemetry import StepStats
 
+#: Steps of a slow episode whose median refines a flagged rank's reported speed.
+EPISODE_STEPS = 32
 #: Asymptotic standard error of a median relative to a mean: sqrt(pi / 2).
 _MEDIAN_SE = math.sqrt(math.pi / 2)
 
@@ -242,17 +245,22 @@ class _RankState:
     slow_streak: int = 0
     healthy_streak: int = 0
     change_streak: int = 0
+    refine_streak: int = 0
     history: deque = field(default_factory=deque)
+    #: the speeds of the current slow episode (since the streak that flagged it or the last change)
+    episode: deque = field(default_factory=lambda: deque(maxlen=EPISODE_STEPS))
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "history"}
+        out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("history", "episode")}
         out["history"] = [float(v) for v in self.history]
+        out["episode"] = [float(v) for v in self.episode]
         return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], history_len: int) -> _RankState:
-        values = {k: v for k, v in data.items() if k != "history"}
-        return cls(**values, history=deque(data["history"], maxlen=history_len))
+        values = {k: v for k, v in data.items() if k not in ("history", "episode")}
+        return cls(**values, history=deque(data["history"], maxlen=history_len),
+                   episode=deque(data.get("episode", ()), maxlen=EPISODE_STEPS))
 
 
 class StragglerCore:
@@ -370,24 +378,54 @@ class StragglerCore:
             if not state.flagged:
                 if state.slow_streak >= cfg.patience:
                     # The steps of the streak are all slow ones (the pooled test lags the fault).
-                    estimate = statistics.median(list(state.history)[-state.slow_streak:])
+                    state.episode = deque(list(state.history)[-state.slow_streak:], maxlen=EPISODE_STEPS)
+                    estimate = statistics.median(state.episode)
                     state.flagged, state.speed = True, estimate
+                    state.change_streak = state.refine_streak = 0
                     events.append(self._event("fail_slow_detected", step, rank, estimate))
             elif state.healthy_streak >= cfg.patience:
                 state.flagged, state.speed = False, 1.0
                 state.slow_streak = 0
                 events.append(self._event("fail_slow_recovered", step, rank, statistics.median(since)))
             else:
-                estimate = statistics.median(state.history)  # the last max(patience, window) steps
-                moved = estimate < cfg.recovery_threshold and abs(estimate - state.speed) > cfg.speed_change_threshold * state.speed
-                state.change_streak = state.change_streak + 1 if moved else 0
-                if state.change_streak >= cfg.patience:
-                    state.speed, state.change_streak = estimate, 0
-                    events.append(self._event("fail_slow_detected", step, rank, state.speed))
+                event = self._follow(state, cfg)
+                if event is not None:
+                    events.append(self._event("fail_slow_detected", step, rank, event))
         if events:
             self.version += 1
         self._update_scores(raws)
         return events
+
+    @staticmethod
+    def _follow(state: _RankState, cfg: DetectorConfig) -> float | None:
+        """A flagged, not healed rank: returns a new speed to report, or ``None``.
+
+        Two estimates: ``recent``, the median of the last ``max(patience, window)`` speeds, and
+        ``settled``, the median of the episode (its speeds since it was flagged or last changed, at
+        most :data:`EPISODE_STEPS`). One step's speed is noisy (on shared CPUs +-40%), so the first
+        report, from the few steps of the flagging streak, is refined by the episode: when
+        ``settled`` stays more than ``speed_change_threshold`` away from the reported speed for
+        ``patience`` steps, it is reported. A real change of the device's speed moves ``recent``
+        away from both the reported speed and ``settled``; after ``patience`` such steps ``recent``
+        is reported and the episode starts again from the recent steps.
+        """
+        threshold = cfg.speed_change_threshold
+        state.episode.append(state.history[-1])
+        recent = statistics.median(state.history)
+        settled = statistics.median(state.episode)
+        changed = (recent < cfg.recovery_threshold and abs(recent - state.speed) > threshold * state.speed
+                   and abs(recent - settled) > threshold * settled)
+        state.change_streak = state.change_streak + 1 if changed else 0
+        if state.change_streak >= cfg.patience:
+            state.episode = deque(state.history, maxlen=EPISODE_STEPS)
+            state.speed, state.change_streak, state.refine_streak = recent, 0, 0
+            return recent
+        refine = len(state.episode) >= 2 * len(state.history) and abs(settled - state.speed) > threshold * state.speed
+        state.refine_streak = state.refine_streak + 1 if refine else 0
+        if state.refine_streak >= cfg.patience:
+            state.speed, state.refine_streak = settled, 0
+            return settled
+        return None
 
     def _relative_to_fleet(self, raws: Mapping[int, float]) -> dict[int, float]:
         """Each rank's step speed divided by the median step speed of the other unflagged ranks.

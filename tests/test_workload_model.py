@@ -88,3 +88,21 @@ def test_online_fit_validates_options():
         OnlineWorkloadFit(warmup_steps=-1)
     with pytest.raises(ConfigError, match="fit_steps"):
         OnlineWorkloadFit(fit_steps=0)
+
+
+def test_batch_prediction_prices_long_documents_above_the_average():
+    from resihp_lightning.callbacks.workload_model import WorkloadModel, predict_batch_ms
+
+    model = WorkloadModel(alpha=0.01, beta=1e-5, gamma=2.0, rel_scale=0.0, samples=10)
+    reference = (1024.0, 200_000.0)  # the profiled average micro-batch: 12.24 + 2 = 14.24 ms of model time
+    stages = [[10.0, 20.0]]  # one replica, two stages, at the average micro-batch
+    average = [[reference] * 4]
+    # The average batch: 1F1B with equal micro-batches is sum + (m - 1) * max.
+    assert predict_batch_ms(stages, average, model, reference) == pytest.approx(30.0 + 3 * 20.0)
+    long_docs = [[(1024.0, 1024.0**2)] * 4]  # one document per row: 10.24 + 10.49 + 2 = 22.73 ms
+    scale = (10.24 + 1024.0**2 * 1e-5 + 2.0) / (10.24 + 2.0 + 2.0)
+    assert predict_batch_ms(stages, long_docs, model, reference) == pytest.approx((30.0 + 3 * 20.0) * scale)
+    # Two replicas: the slower one and one all-reduce decide; p2p on every stage but the last.
+    two = predict_batch_ms([[10.0, 20.0], [10.0, 20.0]], [average[0], long_docs[0][:2]], model, reference,
+                           p2p_ms=1.0, allreduce_ms=5.0)
+    assert two == pytest.approx(max(31.0 + 3 * 20.0, 50.0 * scale + 1.0) + 5.0)

@@ -444,8 +444,7 @@ class StragglerCore:
         flagged = {rank for rank, state in self._states.items() if state.flagged}
         out: dict[int, float] = {}
         for rank, raw in raws.items():
-            others = [v for r, v in raws.items() if r != rank and r not in flagged] or [
-                v for r, v in raws.items() if r != rank]
+            others = [v for r, v in raws.items() if r != rank and r not in flagged]
             reference = statistics.median(others) if others else 1.0
             out[rank] = raw / max(reference, 1e-9)
         return out

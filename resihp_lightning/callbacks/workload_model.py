@@ -212,3 +212,47 @@ class OnlineWorkloadFit:
         self._buffer = []
         self.fits += 1
         return True
+
+
+def predict_batch_ms(
+    stage_ms: Sequence[Sequence[float]],
+    workloads: Sequence[Sequence[tuple[float, float]]],
+    model: WorkloadModel,
+    reference: tuple[float, float],
+    *,
+    p2p_ms: float = 0.0,
+    allreduce_ms: float = 0.0,
+) -> float:
+    """Iteration time of one batch under a plan, from its micro-batches' packed sequence lengths.
+
+    The planning model (:func:`resihp_lightning.plan.evaluate`) prices every micro-batch at the
+    per-layer averages it was profiled at. A batch of long documents costs more than that (attention
+    grows with the sum of squared document lengths), one of short documents less. Here each
+    micro-batch's stage times are the averages scaled by its workload relative to the profiled
+    average, ``model(tokens, sum_len_sq) / model(*reference)``, and each replica's 1F1B time uses
+    the micro-batches it really runs: the first fills and drains the pipeline (the sum over its
+    stages), each later one adds its slowest stage.
+
+    Args:
+        stage_ms: per replica, the average forward + backward ms of each stage (at the devices'
+            speeds), e.g. ``plan.evaluate(...).stage_ms`` without ``p2p_ms``.
+        workloads: per replica, the ``(tokens, sum_len_sq)`` of each micro-batch it runs, in order.
+        model: a workload model of the whole model (or any fixed share of it): only its ratios are used.
+        reference: the ``(tokens, sum_len_sq)`` of the average micro-batch ``stage_ms`` was measured at.
+        p2p_ms: transfer per micro-batch between adjacent stages (as in the planning model).
+        allreduce_ms: gradient synchronisation per iteration when there is more than one replica.
+
+    Raises:
+        ConfigError: ``stage_ms`` and ``workloads`` name different numbers of replicas.
+    """
+    if len(stage_ms) != len(workloads):
+        raise invalid_option("workloads", len(workloads), f"one list per replica ({len(stage_ms)})")
+    base = float(model.predict(*reference))
+    times = []
+    for stages, items in zip(stage_ms, workloads):
+        if not items:
+            continue
+        scales = [float(model.predict(tokens, sq)) / base for tokens, sq in items]
+        per = [[t * s + (p2p_ms if j < len(stages) - 1 else 0.0) for j, t in enumerate(stages)] for s in scales]
+        times.append(sum(per[0]) + sum(max(row) for row in per[1:]))
+    return max(times, default=0.0) + (allreduce_ms if len(stage_ms) > 1 else 0.0)

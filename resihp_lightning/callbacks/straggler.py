@@ -405,15 +405,18 @@ class StragglerCore:
         most :data:`EPISODE_STEPS`). One step's speed is noisy (on shared CPUs +-40%), so the first
         report, from the few steps of the flagging streak, is refined by the episode: when
         ``settled`` stays more than ``speed_change_threshold`` away from the reported speed for
-        ``patience`` steps, it is reported. A real change of the device's speed moves ``recent``
-        away from both the reported speed and ``settled``; after ``patience`` such steps ``recent``
-        is reported and the episode starts again from the recent steps.
+        ``patience`` steps, it is reported. A real change of the device's speed moves every recent
+        speed to one side of the reported speed and ``recent`` away from both the reported speed and
+        ``settled``; after ``patience`` such steps ``recent`` is reported and the episode starts
+        again from the recent steps (a few noisy steps on both sides, the usual excursion on shared
+        CPUs, are no change).
         """
         threshold = cfg.speed_change_threshold
         state.episode.append(state.history[-1])
         recent = statistics.median(state.history)
         settled = statistics.median(state.episode)
-        changed = (recent < cfg.recovery_threshold and abs(recent - state.speed) > threshold * state.speed
+        one_side = all(v < state.speed for v in state.history) or all(v > state.speed for v in state.history)
+        changed = (one_side and recent < cfg.recovery_threshold and abs(recent - state.speed) > threshold * state.speed
                    and abs(recent - settled) > threshold * settled)
         state.change_streak = state.change_streak + 1 if changed else 0
         if state.change_streak >= cfg.patience:

@@ -32,7 +32,10 @@ TAKE_BACK = _plan([([3, 1], [0, 3, DEPTH], 2), ([0, 2], [0, 5, DEPTH], 2)])
 DATA_PARALLEL_3 = _plan([([0], [0, DEPTH], 2), ([1], [0, DEPTH], 1), ([2], [0, DEPTH], 1)])
 
 
-def _job(rank: int, world: int, run_dir: str, schedule: dict, victims: dict, steps: int, validate: bool = False) -> dict:
+def _job(
+    rank: int, world: int, run_dir: str, schedule: dict, victims: dict, steps: int, validate: bool = False,
+    after_fit: bool = False,
+) -> dict:
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -84,11 +87,17 @@ def _job(rank: int, world: int, run_dir: str, schedule: dict, victims: dict, ste
     trainer = pl.Trainer(
         accelerator="cpu", devices=world, strategy=strategy, max_steps=steps, logger=False,
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, callbacks=[recorder],
-        val_check_interval=2 if validate else None, limit_val_batches=1.0 if validate else 0,
+        val_check_interval=2 if validate else None, limit_val_batches=1.0 if validate or after_fit else 0,
     )
     model = build_class()()
     trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=M * MBS), make_val_loader() if validate else None)
+    later = {}
+    if after_fit:  # set up again, a spare included: it mirrors validate and predict too
+        later["spare"] = strategy.is_spare
+        later["val"] = trainer.validate(model, make_val_loader(), verbose=False)[0]["val_loss"]
+        later["pred"] = torch.cat(trainer.predict(model, DataLoader(TensorDataset(x[:10], y[:10]), batch_size=5)))
     return {
+        "after_fit": later,
         "losses": recorder.losses,
         "logged": recorder.logged,
         "spare_at": recorder.spare_at,
@@ -158,3 +167,20 @@ def test_a_spare_that_dies_costs_the_members_nothing():
     assert values[0]["spares"] == []
     if values[0]["recovery"] is None:
         assert values[0]["plan"]["replicas"] == LEAVE_OUT["replicas"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_a_spare_at_the_end_of_fit_gets_the_trained_weights_and_mirrors_validate_and_predict():
+    """Rank 3 idle from step 2 to the end: it joins the end-of-fit weight sync, and a later
+    ``trainer.validate`` / ``trainer.predict`` (set up again) gives it the members' results."""
+    from harness import run_job
+
+    outcome = run_job(_job, 4, timeout=180, wait_for=[0, 1, 2, 3], schedule={1: LEAVE_OUT}, victims={}, steps=STEPS,
+                      after_fit=True)
+    _check_exact(outcome, [0, 1, 2, 3], STEPS)  # the spare's module holds the trained weights too
+    values = outcome.values()
+    assert [values[r]["after_fit"]["spare"] for r in range(4)] == [False, False, False, True]
+    for rank in (1, 2, 3):
+        assert values[rank]["after_fit"]["val"] == pytest.approx(values[0]["after_fit"]["val"], abs=1e-7)
+        assert torch.equal(values[rank]["after_fit"]["pred"], values[0]["after_fit"]["pred"])

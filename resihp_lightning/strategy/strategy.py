@@ -345,7 +345,8 @@ class ResiHPStrategyMixin:
         super().setup_environment()
         # DeepSpeed's PipelineModule reads LOCAL_RANK from the environment.
         os.environ.setdefault("LOCAL_RANK", str(self.local_rank))
-        init_deepspeed_comm(self._get_process_group_backend())
+        if not self.is_spare:  # a spare (set up again after fit) has no process group
+            init_deepspeed_comm(self._get_process_group_backend())
         quiet_agreed_errors(self.global_rank)
 
     @override

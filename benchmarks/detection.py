@@ -19,11 +19,20 @@ fault's start to the alarm), speed-estimate error, healing, and the detector's p
 2 stages x 2 replicas, an MLP of 8 layers): ``FaultInjector`` slows rank 1 by 2x from step 16,
 ``StragglerDetector`` + ``ReplanController`` detect, plan and apply; the same job without the
 controller is the baseline. It prints the events and the median step time per phase.
+
+``--demo`` runs the README's fine-tuning example (``examples/configs/demo_cpu.yaml``, 4 processes,
+2 x 2, re-planning off) once per factor of ``--factors`` (default 1.5, 2, 3) with rank 1 slowed from
+step 14, and reports the speed estimate against 1/factor: at the first detection, and the settled
+estimate (the median of the slowed rank's relative speed from its detection to the end). Rank 0's
+per-step relative speeds go to ``<run_dir>/speeds.jsonl``. ``--heal`` runs the issue-17 healing case
+instead (3x on rank 2 from step 10 to 26, re-planning on) and reports when the healed device read
+>= 0.95 and was reported recovered.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -311,13 +320,137 @@ def closed_loop(steps: int) -> None:
               f"after the re-plan {median(cut + 2, steps) if cut else '-'}")
 
 
+# ------------------------------------------------------------------------------- the demo job
+DEMO_CONFIG = ROOT / "examples" / "configs" / "demo_cpu.yaml"
+
+
+def _speed_trace(path: Path):
+    """A callback (rank 0) appending each step's per-rank speeds, as the detector holds them, to ``path``."""
+    import json
+
+    import lightning.pytorch as pl
+
+    from resihp_lightning.callbacks.detector import StragglerDetector
+
+    class SpeedTrace(pl.Callback):
+        def on_train_batch_end(self, trainer, *args) -> None:
+            if trainer.global_rank != 0:
+                return
+            detector = next(cb for cb in trainer.callbacks if isinstance(cb, StragglerDetector))
+            core = detector.core
+            record = {"step": trainer.global_step - 1, "raw": core.raw_speeds,
+                      "relative": {r: st.history[-1] for r, st in core._states.items() if st.history},
+                      "speeds": core.speeds, "flagged": core.flagged,
+                      "plan": [r.micro_batches for r in trainer.strategy.current_plan.replicas]}
+            with open(path, "a", encoding="utf-8") as out:
+                out.write(json.dumps(record) + "\n")
+
+    return SpeedTrace()
+
+
+def demo_job(argv: list[str]) -> None:
+    """One run of the example (every rank runs this: Lightning's launcher re-runs the script)."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import finetune
+
+    cfg = finetune.build_parser().parse_args(argv)
+    run_dir = finetune.resolve_run_dir(cfg)
+    finetune.run(cfg, extra_callbacks=[_speed_trace(run_dir / "speeds.jsonl")])
+
+
+def _launch(run_dir: Path, extra: list[str]) -> tuple[list[dict], list[dict], float]:
+    import json
+    import os
+    import subprocess
+
+    from resihp_lightning.callbacks.events import read_events
+
+    argv = [sys.executable, str(Path(__file__).resolve()), "--demo-job", "--config", str(DEMO_CONFIG),
+            "--run_dir", str(run_dir), "--checkpoint", "null", "--trainer.progress_bar", "false", *extra]
+    started = time.perf_counter()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("RESIHP_RUN_DIR", None)
+    subprocess.run(argv, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=900)
+    wall = time.perf_counter() - started
+    lines = (run_dir / "speeds.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines], read_events(run_dir), wall
+
+
+def _load() -> str:
+    return " ".join(f"{v:.1f}" for v in os.getloadavg()) if hasattr(os, "getloadavg") else "?"
+
+
+def demo_estimates(factors: list[float], steps: int, out_dir: Path) -> None:
+    import tempfile
+
+    rank, start = 1, 14
+    print(f"| factor | truth 1/factor | detected at step (latency) | estimate at detection | error | settled estimate "
+          f"(median from detection) | error | reported at the end | error | load before / after | wall s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for factor in factors:
+        run_dir = Path(tempfile.mkdtemp(prefix=f"demo-{factor:g}x-", dir=out_dir))
+        before = _load()
+        trace, events, wall = _launch(run_dir, ["--replan", "false", "--trainer.max_steps", str(steps),
+                                                "--fault.factor", str(factor), "--fault.rank", str(rank),
+                                                "--fault.start_step", str(start)])
+        truth = 1.0 / factor
+        found = [e for e in events if e["event"] == "fail_slow_detected" and e["rank"] == rank]
+        if not found:
+            print(f"| {factor:g}x | {truth:.3f} | none | - | - | - | - | - | - | {before} / {_load()} | {wall:.0f} |")
+            continue
+        first = found[0]
+        settled = statistics.median(r["relative"][str(rank)] for r in trace
+                                    if r["step"] >= first["step"] and str(rank) in r["relative"])
+        final = trace[-1]["speeds"][str(rank)]
+        print(f"| {factor:g}x | {truth:.3f} | {first['step']} ({first['step'] - start}) | {first['speed']:.3f} | "
+              f"{(first['speed'] - truth) / truth * 100:+.1f}% | {settled:.3f} | {(settled - truth) / truth * 100:+.1f}% | "
+              f"{final:.3f} | {(final - truth) / truth * 100:+.1f}% | {before} / {_load()} | {wall:.0f} |", flush=True)
+
+
+def demo_heal(steps: int, out_dir: Path) -> None:
+    import tempfile
+
+    rank, start, end = 2, 10, 26
+    run_dir = Path(tempfile.mkdtemp(prefix="demo-heal-", dir=out_dir))
+    before = _load()
+    trace, events, wall = _launch(run_dir, ["--trainer.max_steps", str(steps), "--fault.factor", "3",
+                                            "--fault.rank", str(rank), "--fault.start_step", str(start),
+                                            "--fault.end_step", str(end)])
+    print(f"3x on rank {rank}, steps {start}-{end - 1}, re-planning on; load {before} / {_load()}; {wall:.0f} s; run {run_dir}")
+    for event in events:
+        if event["event"] in ("fail_slow_detected", "fail_slow_recovered", "plan_applied"):
+            plan = event.get("plan")
+            extra = f" micro-batches {[r['micro_batches'] for r in plan['replicas']]}" if plan else ""
+            print(f"  step {event['step']}: {event['event']} rank {event.get('rank', '-')} speed {event.get('speed', '-')}{extra}")
+    for record in trace:
+        if record["step"] >= end - 2:
+            rel = record["relative"].get(str(rank))
+            print(f"  step {record['step']}: rank {rank} relative speed {rel if rel is None else round(rel, 3)}, "
+                  f"reported {record['speeds'].get(str(rank))}, plan micro-batches {record['plan']}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scenarios", type=int, default=300)
     parser.add_argument("--steps", type=int, default=70)
     parser.add_argument("--seed", type=int, default=2026)
     parser.add_argument("--closed-loop", action="store_true", help="run the 4-process loop instead")
+    parser.add_argument("--demo", action="store_true", help="speed estimates on the fine-tuning example")
+    parser.add_argument("--heal", action="store_true", help="with --demo: the healing case")
+    parser.add_argument("--factors", type=str, default="1.5,2,3")
+    parser.add_argument("--out", type=str, default=str(ROOT / "runs"))
+    if len(sys.argv) > 1 and sys.argv[1] == "--demo-job":
+        demo_job(sys.argv[2:])
+        return
     args = parser.parse_args()
+    if args.demo:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        if args.heal:
+            demo_heal(args.steps if args.steps != 70 else 44, out)
+        else:
+            demo_estimates([float(f) for f in args.factors.split(",")], args.steps if args.steps != 70 else 34, out)
+        return
     if args.closed_loop:
         closed_loop(args.steps if args.steps != 70 else 40)
         return

@@ -26,7 +26,11 @@ the 1F1B schedule with the micro-batches each replica really runs. The second ta
 per-step error of both predictions (the same calibration) on the example's packed rows of Python
 sources, whose document lengths are skewed (a row is one long file or many short ones).
 
-Run: ``python benchmarks/prediction.py [--rounds 2] [--steps 10]`` (about 40 s per run).
+``--skewed`` trains on length-skewed data instead: the same Python sources cut into documents that
+are either long (about 1000 tokens, one per row) or short (25 tokens, about 40 per row), so that a
+row's attention work varies about fortyfold while its token count does not.
+
+Run: ``python benchmarks/prediction.py [--rounds 2] [--steps 10] [--skewed]`` (about 40 s per run).
 """
 
 from __future__ import annotations
@@ -98,7 +102,28 @@ def job(argv: list[str]) -> None:
     finetune.run(cfg, extra_callbacks=[_profile_callback(run_dir / "profile.json", cfg.trainer.max_steps)])
 
 
-def run_plan(plan: dict, steps: int, out: Path) -> dict:
+def skewed_corpus(path: Path, seed: int = 0) -> Path:
+    """Writes a JSONL of long (1000-character) and short (25-character) documents cut from the Python
+    standard library's sources (byte tokenizer: characters are tokens), long and short at random."""
+    import random
+    import sysconfig
+
+    rng = random.Random(seed)
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:300]
+    with open(path, "w", encoding="utf-8") as out:
+        for file in files:
+            text = file.read_text(encoding="utf-8", errors="replace")
+            if len(text) < 1000:
+                continue
+            if rng.random() < 0.5:
+                out.write(json.dumps({"text": text[:1000]}) + "\n")
+            else:
+                for start in range(0, 1000, 25):
+                    out.write(json.dumps({"text": text[start:start + 25]}) + "\n")
+    return path
+
+
+def run_plan(plan: dict, steps: int, out: Path, data: Path | None = None) -> dict:
     """Runs the example under ``plan``; returns measured step times and the layer profile."""
     run_dir = Path(tempfile.mkdtemp(prefix="plan-", dir=out))
     plan_obj = Plan.from_dict({**plan, "pipeline_degree": len(plan["replicas"][0]["devices"]),
@@ -107,7 +132,8 @@ def run_plan(plan: dict, steps: int, out: Path) -> dict:
     argv = [sys.executable, str(Path(__file__).resolve()), "--job", "--config", str(DEMO_CONFIG),
             "--run_dir", str(run_dir), "--checkpoint", "null", "--fault", "null", "--replan", "false",
             "--trainer.progress_bar", "false", "--trainer.devices", "2", "--trainer.max_steps", str(steps),
-            "--strategy.start", "planned", "--strategy.fail_stop", "null"]
+            "--strategy.start", "planned", "--strategy.fail_stop", "null",
+            *(["--data.source", str(data), "--data.max_files", "null"] if data is not None else [])]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("RESIHP_RUN_DIR", None)
     subprocess.run(argv, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=900)
@@ -181,18 +207,20 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--out", type=str, default=str(ROOT / "runs"))
+    parser.add_argument("--skewed", action="store_true", help="length-skewed documents (see the docstring)")
     if len(sys.argv) > 1 and sys.argv[1] == "--job":
         job(sys.argv[2:])
         return
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    data = skewed_corpus(out / "skewed.jsonl") if args.skewed else None
     load = " ".join(f"{v:.1f}" for v in os.getloadavg())
     started = time.perf_counter()
     rows: dict[str, list[tuple[float, float]]] = {name: [] for name in PLANS}
     per_step: dict[str, list[tuple[float, float, float]]] = {name: [] for name in PLANS}  # (flat, lengths, measured)
     for round_ in range(args.rounds):
-        results = {name: run_plan(plan, args.steps, out) for name, plan in PLANS.items()}
+        results = {name: run_plan(plan, args.steps, out, data) for name, plan in PLANS.items()}
         profile = results[REFERENCES[0]]["profile"]
         p2p, allreduce, overhead = calibrate(profile, results[REFERENCES[0]], results[REFERENCES[1]])
         print(f"round {round_ + 1}: calibrated p2p {p2p:.1f} ms, all-reduce {allreduce:.1f} ms, overhead "
@@ -203,7 +231,8 @@ def main() -> None:
             rows[name].append((flat, result["step_ms"]))
             for step, with_lengths in predict_steps(result, profile, model, reference, allreduce, overhead).items():
                 per_step[name].append((flat, with_lengths, result["per_step"][step]))
-    print(f"\n{args.rounds} rounds x {len(PLANS)} plans, {args.steps} steps each, 2 processes; load before "
+    print(f"\n{args.rounds} rounds x {len(PLANS)} plans, {args.steps} steps each, 2 processes, "
+          f"{'length-skewed data' if data else 'the demo data'}; load before "
           f"{load}, after {' '.join(f'{v:.1f}' for v in os.getloadavg())}; {time.perf_counter() - started:.0f} s\n")
     print("| plan | predicted ms | measured ms (median step, per round) | error (per round) | |")
     print("|---|---|---|---|---|")
@@ -217,19 +246,37 @@ def main() -> None:
     if errors:
         print(f"\nout-of-sample error: median {statistics.median(errors):.1f}%, max {max(errors):.1f}% "
               f"({len(errors)} predictions)")
-    print("\nper-step error (|predicted - measured| / measured, median over steps 3.., all rounds):\n")
-    print("| plan | steps | per-layer averages | packed sequence lengths |")
-    print("|---|---|---|---|")
-    all_flat, all_len = [], []
+    print("\nper-step error (|predicted - measured| / measured, median over steps 3.., all rounds); 'level removed':"
+          " each run's predictions scaled so that their median is the run's measured median, which leaves"
+          " only how well they follow the steps' differences:\n")
+    print("| plan | steps | per-layer averages | packed sequence lengths | averages, level removed | lengths, level removed |")
+    print("|---|---|---|---|---|---|")
+    columns: list[list[float]] = [[], [], [], []]
     for name, values in per_step.items():
-        flat = [abs(f - m) / m * 100 for f, _, m in values]
-        lens = [abs(w - m) / m * 100 for _, w, m in values]
-        all_flat += flat
-        all_len += lens
-        if values:
-            print(f"| {name} | {len(values)} | {statistics.median(flat):.1f}% | {statistics.median(lens):.1f}% |")
-    if all_flat:
-        print(f"| all | {len(all_flat)} | {statistics.median(all_flat):.1f}% | {statistics.median(all_len):.1f}% |")
+        if not values:
+            continue
+        row = _step_errors(values, args.rounds)
+        for column, errs in zip(columns, row):
+            column.extend(errs)
+        print(f"| {name} | {len(values)} | " + " | ".join(f"{statistics.median(e):.1f}%" for e in row) + " |")
+    if columns[0]:
+        print(f"| all | {len(columns[0])} | " + " | ".join(f"{statistics.median(e):.1f}%" for e in columns) + " |")
+
+
+def _step_errors(values: list[tuple[float, float, float]], rounds: int) -> list[list[float]]:
+    """Per-step errors of both predictions, as they are and with each run's level removed."""
+    flat = [abs(f - m) / m * 100 for f, _, m in values]
+    lens = [abs(w - m) / m * 100 for _, w, m in values]
+    per_round = max(len(values) // max(rounds, 1), 1)
+    flat_lr, lens_lr = [], []
+    for start in range(0, len(values), per_round):
+        chunk = values[start:start + per_round]
+        measured = statistics.median(m for _, _, m in chunk)
+        scale_f = measured / statistics.median(f for f, _, _ in chunk)
+        scale_w = measured / statistics.median(w for _, w, _ in chunk)
+        flat_lr += [abs(f * scale_f - m) / m * 100 for f, _, m in chunk]
+        lens_lr += [abs(w * scale_w - m) / m * 100 for _, w, m in chunk]
+    return [flat, lens, flat_lr, lens_lr]
 
 
 if __name__ == "__main__":

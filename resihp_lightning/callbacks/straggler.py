@@ -48,6 +48,7 @@ lists, tuples, dicts), so that a resumed job keeps its fitted models, flags and 
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 from collections import deque
@@ -445,11 +446,12 @@ class StragglerCore:
         ranks (or when every other rank is flagged) the reference is 1.0.
         """
         flagged = {rank for rank, state in self._states.items() if state.flagged}
+        pool = sorted(v for r, v in raws.items() if r not in flagged)  # O(N log N) for any number of ranks
         out: dict[int, float] = {}
         for rank, raw in raws.items():
-            others = [v for r, v in raws.items() if r != rank and r not in flagged]
-            reference = statistics.median(others) if others else 1.0
-            out[rank] = raw / max(reference, 1e-9)
+            skip = None if rank in flagged else bisect.bisect_left(pool, raw)  # the rank's own entry
+            reference = _median_without(pool, skip)
+            out[rank] = raw / max(reference, 1e-9) if reference is not None else raw
         return out
 
     def _cohort_anchor(self, summary: RankSummary, summaries: Sequence[RankSummary]) -> float | None:
@@ -531,6 +533,18 @@ def run_on_trace(trace: Sequence[Sequence[StepStats]], config: DetectorConfig | 
             summaries.append(tracker.summarize(stats))
         events.extend(core.update(summaries))
     return core, events
+
+
+def _median_without(values: Sequence[float], skip: int | None) -> float | None:
+    """The median of sorted ``values`` without the entry at index ``skip`` (``None``: all of them)."""
+    n = len(values) - (skip is not None)
+    if n <= 0:
+        return None
+
+    def at(k: int) -> float:
+        return values[k + 1 if skip is not None and k >= skip else k]
+
+    return at(n // 2) if n % 2 else (at(n // 2 - 1) + at(n // 2)) / 2.0
 
 
 def _is_number(value: Any) -> bool:

@@ -178,6 +178,7 @@ def summarize(run: Run, skip: int = 3) -> Summary:
     end_step = fault.get("end_step") if fault is not None else None
     summary.fault = fault
     summary.start_plan = _start_plan(run.path)
+    event_step = None  # the first plan_applied event's step, when steps.jsonl shows no migration for it
     if fault is not None:
         detections = [e for e in run.events if e["event"] == "fail_slow_detected" and e.get("rank") == fault["rank"]
                       and e["step"] is not None and e["step"] >= fault_step]
@@ -190,6 +191,7 @@ def summarize(run: Run, skip: int = 3) -> Summary:
             summary.applied_plan = _event_plan_label(first.get("plan") or {})
             summary.migration_s = first.get("migration_seconds")
             summary.bytes_moved = first.get("bytes_moved")
+            event_step = first["step"]
         if end_step is not None:
             summary.healed_step = int(end_step)
             recovered = [e for e in run.events if e["event"] == "fail_slow_recovered" and e.get("rank") == fault["rank"]
@@ -198,8 +200,12 @@ def summarize(run: Run, skip: int = 3) -> Summary:
                 summary.recovered_step, summary.recovered_speed = recovered[0]["step"], recovered[0].get("speed")
     migrated = [r["step"] for r in steps if r.get("migrated")]
     if fault_step is not None:
-        during = [s for s in migrated if s > fault_step and (end_step is None or s < int(end_step))]
-        summary.applied_step = during[0] if during else None
+        def in_fault(s: int) -> bool:
+            return s > fault_step and (end_step is None or s < int(end_step))
+
+        during = [s for s in migrated if in_fault(s)]
+        # A plan applied where steps.jsonl flags no migration (a resumed run's records) still has its step.
+        summary.applied_step = during[0] if during else event_step if event_step is not None and in_fault(event_step) else None
     healed = Phase("healed" if summary.applied_step is None else "healed, before plan-back")
     back = Phase("healed, after plan-back")
     plan_back = None

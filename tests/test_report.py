@@ -160,3 +160,13 @@ def test_a_killed_rank_splits_the_run_around_the_redone_step(tmp_path: Path) -> 
     text = (run_dir / "report.txt").read_text()
     assert code == 0 and "rank 2 killed (SIGKILL) inside step 10" in text and "ideal (3/4 of healthy)" in text
     assert "regroup 0.200 s" in text and "step redone in 1.50 s" in text and (run_dir / "timeline.png").stat().st_size > 10_000
+
+
+def test_a_plan_applied_without_a_migration_flag_in_the_steps_still_has_its_step(tmp_path: Path) -> None:
+    """A resumed run's steps.jsonl may not flag the migration; the plan_applied event's step is used."""
+    _write_run(tmp_path / "run")
+    path = tmp_path / "run" / "steps.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    path.write_text("".join(json.dumps({**r, "migrated": False}) + "\n" for r in records))
+    summary = summarize(load_run(tmp_path / "run"))
+    assert summary.applied_step == 16  # the event's step (not None)

@@ -175,8 +175,7 @@ class SurvivingJob:
             world.regroup()  # every live process of the job, spares included
         except ResilienceError as err:
             self.unrecoverable(step, f"the survivors could not regroup: {err}")
-        on_regrouped()
-        init_deepspeed_comm(self.backend)
+        self._regrouped(on_regrouped)
         clock.mark("regroup")
         members = self.members
         self._agree_old_plan(runtime, held_by, finished)

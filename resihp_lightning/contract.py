@@ -8,6 +8,8 @@ with the wrong strategy fails at once instead of silently doing nothing.
 * :class:`StepStatsSource`: ``last_step_stats`` (the detector, the progress bar);
 * :class:`LayerHost`: ``local_layers()`` (the fault injector slows the rank's own layers);
 * :class:`Replannable`: the above plus the re-planning API (the controller);
+* :class:`LinkProber`: ``measure_links()`` (the detector's link probe: slow links, measured
+  ``p2p_ms`` / ``allreduce_ms`` for the planner);
 * :class:`Survivable`: in-process fail-stop recovery's record and listeners (the recovery reporter).
 
 :class:`MigrationRecord` is what ``strategy.last_migration`` holds after a plan was applied.
@@ -22,7 +24,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from resihp_lightning.errors import ConfigError
 from resihp_lightning.plan import Plan
-from resihp_lightning.telemetry import LayerCost, StepStats
+from resihp_lightning.telemetry import LayerCost, LinkSample, StepStats
 
 
 _MISSING = object()
@@ -112,6 +114,15 @@ class Replannable(StepStatsSource, LayerHost, Protocol):
 
     def layer_profile(self) -> list[LayerCost]:
         """Measured per-layer costs (collective: every rank calls it at the same step)."""
+
+
+@runtime_checkable
+class LinkProber(Protocol):
+    """A strategy that measures its links between steps."""
+
+    def measure_links(self, first_round: int = 0) -> LinkSample:
+        """Round trips per pair of ranks and one all-reduce, timed apart from the schedule (collective:
+        every rank of the group calls it at the same step boundary); see ``strategy.link_probe``."""
 
 
 def provides(obj: Any, protocol: type) -> bool:

@@ -64,3 +64,26 @@ class LayerCost:
     compute_ms: float
     static_mb: float
     activation_mb: float
+
+
+@dataclass(frozen=True)
+class LinkSample:
+    """One link probe (``strategy.measure_links()``), the same on every rank that took part.
+
+    Attributes:
+        step: the trainer's global step after which the probe ran.
+        probe_bytes: bytes sent each way per round trip: the activation crossing a stage boundary per
+            micro-batch (so a round trip prices ``p2p_ms``: the activation forward, its gradient back).
+        round_trips_ms: device id -> its measured round trips this probe, one per partner.
+        partners: device id -> the partner of each of those round trips, in the same order.
+        allreduce_ms: a gradient all-reduce over the job's ranks, scaled to the largest per-rank
+            gradient (``allreduce_bytes``): the iteration's data-parallel synchronisation.
+        allreduce_bytes: the gradient bytes ``allreduce_ms`` is priced for.
+    """
+
+    step: int
+    probe_bytes: int
+    round_trips_ms: dict[int, list[float]]
+    partners: dict[int, list[int]]
+    allreduce_ms: float
+    allreduce_bytes: int

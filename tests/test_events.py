@@ -27,13 +27,15 @@ def test_every_event_kind_round_trips_through_the_file(tmp_path):
     log.log("fail_stop_unrecoverable", 22, reason="layer 3 lost", exit_code=75)
     log.log("worker_failed", 23, force=True, rank=1, error="RuntimeError: Connection closed by peer", at=30.5)
     log.log("job_restarted", 20, restart_count=1, checkpoint="ckpts/step00000020.ckpt", world_before=4, world_after=3)
+    log.log("slow_link_detected", 24, rank=3, link_speed=0.25)
+    log.log("slow_link_recovered", 30, rank=3, link_speed=0.97)
     lines = (tmp_path / "run" / "events.jsonl").read_text().splitlines()
-    assert len(lines) == 13 and all(json.loads(line)["event"] for line in lines)
+    assert len(lines) == 15 and all(json.loads(line)["event"] for line in lines)
     events = read_events(tmp_path / "run")
     assert [e["event"] for e in events] == [
         "fault_injected", "fail_slow_detected", "plan_computed", "plan_applied", "plan_rejected",
         "fail_slow_recovered", "fail_stop_detected", "fault_struck", "recovery_started", "recovery_finished",
-        "fail_stop_unrecoverable", "worker_failed", "job_restarted",
+        "fail_stop_unrecoverable", "worker_failed", "job_restarted", "slow_link_detected", "slow_link_recovered",
     ]
     assert set(e["event"] for e in events) == set(EVENT_NAMES)
     assert all({"time", "step", "event"} <= set(e) for e in events)

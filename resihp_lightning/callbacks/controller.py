@@ -59,6 +59,7 @@ from resihp_lightning.callbacks.events import EventLog
 from resihp_lightning.callbacks.replan_policy import (
     ControllerConfig,
     Decision,
+    MeasuredLinks,
     build_problem,
     calibrate,
     decide,
@@ -270,8 +271,10 @@ class ReplanController(Callback):
         micro = strategy.micro_batches or sum(r.micro_batches for r in current.replicas)
         self._problem = None
         try:
+            links = MeasuredLinks(self.detector.link_speeds, self.detector.p2p_ms, self.detector.allreduce_ms)
             self._problem = build_problem(self._profile, self.detector.speeds, ranks, micro, self.config, self.planner,
-                                          per_replica_bounds=strategy.supports_per_replica_bounds, allow_exclude=idle)
+                                          per_replica_bounds=strategy.supports_per_replica_bounds, allow_exclude=idle,
+                                          links=links)
         except ResiHPError as err:
             self._log("plan_rejected", step, reason=f"planner failed: {err}")
             return
@@ -302,7 +305,9 @@ class ReplanController(Callback):
         current: Plan = strategy.current_plan
         self._log("plan_computed", step, plan=plan, predicted_ms=plan.iteration_ms,
                   solve_seconds=plan.solve_seconds, status=plan.status,
-                  speeds={r: s for r, s in speeds.items() if s != 1.0})
+                  speeds={r: s for r, s in speeds.items() if s != 1.0},
+                  link_speeds={d.id: d.link_speed for d in problem.devices if d.link_speed != 1.0},
+                  p2p_ms=problem.p2p_ms, allreduce_ms=problem.allreduce_ms)
         try:
             current_ms = evaluate(problem, current).iteration_ms
         except PlanError:

@@ -7,7 +7,13 @@ the summaries are all-gathered over the default process group (``all_gather_obje
 folds the same data into its own :class:`~.straggler.StragglerCore` and holds the same speeds, flags
 and events, which lets a controller act on them without another round of communication.
 
-Rank 0 writes ``fail_slow_detected`` / ``fail_slow_recovered`` to the event log and logs
+Links: every ``link_probe_interval_steps`` after the warm-up, when the strategy provides
+:class:`~resihp_lightning.contract.LinkProber`, the detector runs ``strategy.measure_links()`` (a
+collective at the step boundary) and folds it into a :class:`~.links.LinkCore`: a slow link is named
+like a slow device (``slow_link_detected`` / ``slow_link_recovered``), and the measured ``p2p_ms`` /
+``allreduce_ms`` and per-device ``link_speeds`` are what the controller gives the planner.
+
+Rank 0 writes ``fail_slow_detected`` / ``fail_slow_recovered`` (and the link events) to the event log and logs
 ``gpu_relative_perf/{min,median,max}`` and ``gpu_individual_perf/{min,median,max}`` (the metric names
 of NVIDIA's ``StragglerDetectionCallback``) through the Lightning logger.
 
@@ -33,6 +39,7 @@ from typing_extensions import override
 from resihp_lightning._logging import get_logger, user_info
 from resihp_lightning.callbacks.collectives import all_gather_objects
 from resihp_lightning.callbacks.events import EventLog
+from resihp_lightning.callbacks.links import LinkCore
 from resihp_lightning.callbacks.straggler import (
     DetectorConfig,
     LocalTracker,
@@ -40,7 +47,7 @@ from resihp_lightning.callbacks.straggler import (
     StragglerCore,
 )
 from resihp_lightning.config import config_from_options
-from resihp_lightning.contract import StepStatsSource, Survivable, provides, require
+from resihp_lightning.contract import LinkProber, StepStatsSource, Survivable, provides, require
 
 log = get_logger(__name__)
 
@@ -68,6 +75,10 @@ class StragglerDetector(Callback):
         self.log_dir = log_dir
         self.core = StragglerCore(self.config)
         self.tracker = LocalTracker(self.config.warmup_steps, self.config.fit_steps)
+        cfg = self.config
+        self.links = LinkCore(cfg.link_slow_threshold, cfg.link_recovery_threshold, cfg.link_patience, cfg.link_window,
+                              cfg.link_min_extra_ms)
+        self._probe_links = False
         self.detections: list[dict[str, Any]] = []
         self.rank = 0
         self._pending: list[RankSummary] = []
@@ -87,9 +98,24 @@ class StragglerDetector(Callback):
         return self.core.flagged
 
     @property
+    def link_speeds(self) -> dict[int, float]:
+        """Link speed per device whose link is flagged slow (others 1.0); the same on every rank."""
+        return self.links.speeds
+
+    @property
+    def p2p_ms(self) -> float | None:
+        """Measured round trip of one micro-batch's stage-boundary activation (``None``: not probed yet)."""
+        return self.links.p2p_ms
+
+    @property
+    def allreduce_ms(self) -> float | None:
+        """Measured gradient all-reduce per iteration (``None``: not probed yet)."""
+        return self.links.allreduce_ms
+
+    @property
     def version(self) -> int:
-        """Bumps whenever a flag or reported speed changes (same on every rank)."""
-        return self.core.version
+        """Bumps whenever a flag or reported speed (of a device or a link) changes (same on every rank)."""
+        return self.core.version + self.links.version
 
     # ---------------------------------------------------------------------------- callbacks
     @override
@@ -98,6 +124,7 @@ class StragglerDetector(Callback):
         if provides(trainer.strategy, Survivable) and self._resync not in trainer.strategy.recovery_listeners:
             trainer.strategy.recovery_listeners.append(self._resync)
         self.rank = trainer.global_rank
+        self._probe_links = self.config.link_probe_interval_steps > 0 and provides(trainer.strategy, LinkProber)
         if self.events is None:
             log_dir = self.log_dir or trainer.log_dir or trainer.default_root_dir
             self.events = EventLog(Path(log_dir), rank=self.rank)
@@ -119,6 +146,22 @@ class StragglerDetector(Callback):
             self._next_report = stats.step
         if stats.step >= self._next_report:
             self.report(trainer, stats.step)
+        interval = self.config.link_probe_interval_steps
+        if self._probe_links and stats.step >= self.config.warmup_steps and stats.step % interval == 0:
+            self.probe_links(trainer)
+
+    def probe_links(self, trainer: Any) -> None:
+        """Measures the links now and folds the probe in (collective: every rank at the same step)."""
+        strategy = trainer.strategy
+        first_round = self.links.probes * self.config.link_probe_rounds
+        done, sample = strategy.collective(lambda: strategy.measure_links(first_round))
+        if not done:
+            return
+        for event in self.links.update(sample):
+            self.detections.append(event)
+            self.events.log(event["event"], event["step"], rank=event["rank"], link_speed=event["link_speed"])
+            verb = "is slow" if event["event"] == "slow_link_detected" else "recovered"
+            user_info(f"links: rank {event['rank']}'s link {verb} (speed {event['link_speed']:.2f}, step {event['step']})")
 
     # ------------------------------------------------------------------------------ report
     def report(self, trainer: Any, step: int) -> None:
@@ -164,6 +207,7 @@ class StragglerDetector(Callback):
         ranks = dict(all_gather_objects((self.rank, mine)))
         return {
             "core": self.core.state_dict(),
+            "links": self.links.state_dict(),
             "ranks": ranks,
             "last_step": self._last_step,
             "next_report": self._next_report,
@@ -174,6 +218,8 @@ class StragglerDetector(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restores the core and this rank's own tracker (Lightning calls it after ``setup``)."""
         self.core.load_state_dict(state_dict["core"])
+        if "links" in state_dict:  # absent in checkpoints written before link probing
+            self.links.load_state_dict(state_dict["links"])
         mine: Mapping[str, Any] | None = state_dict["ranks"].get(self.rank)
         if mine is not None:  # a rank new to the job starts its own warm-up
             self.tracker.load_state_dict(mine["tracker"])
@@ -191,11 +237,12 @@ class StragglerDetector(Callback):
         """
         import torch.distributed as dist
 
-        box = [{"core": self.core.state_dict(), "last_step": self._last_step, "next_report": self._next_report,
+        box = [{"core": self.core.state_dict(), "links": self.links.state_dict(), "last_step": self._last_step, "next_report": self._next_report,
                 "interval": self._interval} if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(box, src=0)
         state = box[0]
         self.core.load_state_dict(state["core"])
+        self.links.load_state_dict(state["links"])
         self._last_step, self._next_report, self._interval = state["last_step"], state["next_report"], state["interval"]
         self._pending = []
 

@@ -9,12 +9,14 @@ event              fields
 fault_injected     kind, rank and the fault's parameters (factor, start/end step, ...)
 fail_slow_detected rank, speed (1.0 healthy, 0.5 half speed)
 fail_slow_recovered rank, speed
+slow_link_detected rank, link_speed (its links' round trips vs the median device's; 1.0 healthy)
+slow_link_recovered rank, link_speed
 fault_struck       kind, rank, at (a kill / hang fault fired inside the step; monotonic time)
 fail_stop_detected rank, how (exited, silent = heartbeat, hung = progress, left out), at
 recovery_started   generation, members (the survivors), failed
 recovery_finished  generation, members, spares (idle), abort_s, regroup_s, plan_s, restore_s, redo_s, total_s, bytes_moved
 fail_stop_unrecoverable reason, exit_code
-plan_computed      plan (Plan JSON), predicted_ms, solve_seconds, status
+plan_computed      plan (Plan JSON), predicted_ms, solve_seconds, status, speeds, link_speeds, p2p_ms, allreduce_ms
 plan_applied       plan, migration_seconds, bytes_moved (after a recovery also world, spares)
 plan_rejected      reason
 worker_failed      rank, error, at (a process's ``fit`` raised: a lost peer, the launcher's SIGTERM; every rank writes)
@@ -44,6 +46,8 @@ EVENT_NAMES = (
     "fault_injected",
     "fail_slow_detected",
     "fail_slow_recovered",
+    "slow_link_detected",
+    "slow_link_recovered",
     "fail_stop_detected",
     "fault_struck",
     "recovery_started",

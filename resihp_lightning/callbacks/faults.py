@@ -330,9 +330,12 @@ def delay_p2p_sends(delay_s_fn: Callable[[], float]) -> DelayedCall:
 
 
 def slow_links(delay_s_fn: Callable[[], float]) -> list[DelayedCall]:
-    """Delays this rank's pipeline sends and its gradient all-reduces (``torch.distributed.all_reduce``,
-    which the layer-wise reducer looks up per call): a slow network link on the rank, seen by every
-    peer that exchanges with it. Compute is untouched."""
+    """Delays this rank's pipeline sends, its gradient all-reduces (``torch.distributed.all_reduce``,
+    which the layer-wise reducer looks up per call) and the link probe's sends: a slow network link on
+    the rank, seen by every peer that exchanges with it. Compute is untouched."""
     import torch.distributed as dist
 
-    return [delay_p2p_sends(delay_s_fn), DelayedCall(dist, "all_reduce", delay_s_fn)]
+    from resihp_lightning.strategy import link_probe
+
+    return [delay_p2p_sends(delay_s_fn), DelayedCall(dist, "all_reduce", delay_s_fn),
+            DelayedCall(link_probe, "send", delay_s_fn)]

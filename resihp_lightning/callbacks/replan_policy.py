@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from resihp_lightning.config import PlannerConfig, config_from_dict
@@ -42,8 +42,10 @@ class ControllerConfig:
             make the planner faster, and tiny estimate changes do not produce new plans).
         migration_overhead_s: fixed cost of a migration (engine rebuild) until one was measured.
         migration_bandwidth_mb_s: bytes-moved rate until a migration was measured.
-        p2p_ms: activation + gradient transfer between stages per micro-batch, for the Problem.
-        allreduce_ms: data-parallel gradient sync per iteration, for the Problem.
+        p2p_ms: activation + gradient transfer between stages per micro-batch, for the Problem;
+            ``None`` (default): measured by the detector's link probe (0 until the first probe).
+        allreduce_ms: data-parallel gradient sync per iteration, for the Problem; ``None`` (default):
+            measured by the detector's link probe (0 until the first probe).
         memory_mb: memory per device for the Problem (``None``: unlimited).
         profile_interval_steps: refresh the cached healthy layer profile this often while no rank
             is flagged (the profile is a collective; 0 = only when first needed).
@@ -59,8 +61,8 @@ class ControllerConfig:
     speed_quantum: float = 0.05
     migration_overhead_s: float = 1.0
     migration_bandwidth_mb_s: float = 1000.0
-    p2p_ms: float = 0.0
-    allreduce_ms: float = 0.0
+    p2p_ms: float | None = None
+    allreduce_ms: float | None = None
     memory_mb: float | None = None
     profile_interval_steps: int = 50
     plan_wait_s: float = 0.5
@@ -68,9 +70,13 @@ class ControllerConfig:
     def __post_init__(self) -> None:
         if not _number(self.min_relative_gain) or not 0 <= self.min_relative_gain < 1:
             raise invalid_option("controller.min_relative_gain", self.min_relative_gain, "a number in [0, 1)")
-        for name in ("payback_factor", "p2p_ms", "allreduce_ms", "migration_overhead_s", "plan_wait_s"):
+        for name in ("payback_factor", "migration_overhead_s", "plan_wait_s"):
             if not _number(getattr(self, name)) or getattr(self, name) < 0:
                 raise invalid_option(f"controller.{name}", getattr(self, name), "a number >= 0")
+        for name in ("p2p_ms", "allreduce_ms"):
+            value = getattr(self, name)
+            if value is not None and (not _number(value) or value < 0):
+                raise invalid_option(f"controller.{name}", value, "null (measured) or a number >= 0")
         for name in ("speed_quantum", "migration_bandwidth_mb_s"):
             if not _number(getattr(self, name)) or not getattr(self, name) > 0:
                 raise invalid_option(f"controller.{name}", getattr(self, name), "a number > 0")
@@ -113,9 +119,34 @@ class Decision:
     migration_s: float = 0.0
 
 
+@dataclass(frozen=True)
+class MeasuredLinks:
+    """What the detector's link probe measured (:mod:`.links`), for :func:`build_problem`.
+
+    Attributes:
+        speeds: link speed of each device whose link is flagged slow (others 1.0).
+        p2p_ms: measured round trip of one micro-batch's stage-boundary activation (``None``: not yet).
+        allreduce_ms: measured gradient all-reduce per iteration (``None``: not yet).
+    """
+
+    speeds: Mapping[int, float] = field(default_factory=dict)
+    p2p_ms: float | None = None
+    allreduce_ms: float | None = None
+
+
 def quantize_speeds(speeds: Mapping[int, float], quantum: float) -> dict[int, float]:
     """Rounds speeds to multiples of ``quantum``, within [quantum, 1.0]."""
     return {rank: min(1.0, max(quantum, round(speed / quantum) * quantum)) for rank, speed in speeds.items()}
+
+
+def quantize_link_speeds(speeds: Mapping[int, float], quantum: float) -> dict[int, float]:
+    """Link speeds as :func:`quantize_speeds`, except that speeds below ``quantum`` keep two significant
+    digits: a link 100x slower is common (a degraded NIC, a congested path) and clamping it at the
+    quantum would price its transfers several times too cheap."""
+    out = {}
+    for rank, speed in speeds.items():
+        out[rank] = float(f"{speed:.2g}") if speed < quantum else min(1.0, round(speed / quantum) * quantum)
+    return out
 
 
 def build_problem(
@@ -128,6 +159,7 @@ def build_problem(
     *,
     per_replica_bounds: bool = False,
     allow_exclude: bool = False,
+    links: MeasuredLinks | None = None,
 ) -> Problem:
     """The planning problem for the devices as they are now.
 
@@ -144,6 +176,8 @@ def build_problem(
         per_replica_bounds: whether the strategy can run replicas with different stage bounds
             (``strategy.supports_per_replica_bounds``); the problem's ``shared_partition`` is its
             negation unless ``planner.shared_partition`` says otherwise.
+        links: the detector's link measurements: per-device link speeds (flagged links) and, where
+            ``config`` leaves ``p2p_ms`` / ``allreduce_ms`` at ``None``, the measured costs.
     """
     ordered = sorted(profile, key=lambda c: c.index)
     compute = [max(c.compute_ms, 0.0) for c in ordered]
@@ -152,13 +186,17 @@ def build_problem(
     layers = tuple(Layer(compute[i], max(c.static_mb, 0.0), max(c.activation_mb, 0.0)) for i, c in enumerate(ordered))
     quantized = quantize_speeds(speeds, config.speed_quantum)
     memory = math.inf if config.memory_mb is None else float(config.memory_mb)
-    devices = tuple(Device(int(rank), quantized.get(rank, 1.0), memory) for rank in sorted(ranks))
+    links = links or MeasuredLinks()
+    link_speeds = quantize_link_speeds(links.speeds, config.speed_quantum)
+    devices = tuple(
+        Device(int(rank), quantized.get(rank, 1.0), memory, link_speed=link_speeds.get(rank, 1.0)) for rank in sorted(ranks)
+    )
     problem = Problem(
         layers=layers,
         devices=devices,
         micro_batches=int(micro_batches),
-        p2p_ms=config.p2p_ms,
-        allreduce_ms=config.allreduce_ms,
+        p2p_ms=config.p2p_ms if config.p2p_ms is not None else (links.p2p_ms or 0.0),
+        allreduce_ms=config.allreduce_ms if config.allreduce_ms is not None else (links.allreduce_ms or 0.0),
         shared_partition=not per_replica_bounds,
         allow_exclude=allow_exclude,
     )

@@ -101,6 +101,19 @@ class DetectorConfig:
         speed_change_threshold: re-report a flagged rank when its estimate stays this fraction away
             from the reported speed for ``patience`` steps.
         min_cohort: the fewest ranks (itself included) that make a cohort.
+        link_probe_interval_steps: probe the links every this many steps after the warm-up (0 = off):
+            round trips between pairs of ranks and one all-reduce, timed at a step boundary
+            (``strategy.measure_links()``); they name slow links and give the planner measured
+            ``p2p_ms`` / ``allreduce_ms`` (:mod:`.links`).
+        link_probe_rounds: partners each rank meets per probe (a slow link is named only on a device
+            that met at least two).
+        link_slow_threshold: a device's link is flagged below this speed (its fastest round trip vs
+            the median device's; 0 < x < 1).
+        link_recovery_threshold: a flagged link is cleared at or above this speed.
+        link_patience: consecutive probes past a threshold before a link's flag changes.
+        link_window: probes pooled (median) into a link's speed estimate.
+        link_min_extra_ms: a probe reads a link slow only when its round trip exceeds the median
+            device's by at least this many ms (sub-millisecond round trips are noisy; >= 0).
     """
 
     report_time_interval: float | None = None
@@ -120,6 +133,13 @@ class DetectorConfig:
     significance: float = 4.0
     speed_change_threshold: float = 0.1
     min_cohort: int = 2
+    link_probe_interval_steps: int = 10
+    link_probe_rounds: int = 3
+    link_slow_threshold: float = 0.7
+    link_recovery_threshold: float = 0.9
+    link_patience: int = 2
+    link_window: int = 3
+    link_min_extra_ms: float = 0.5
 
     def __post_init__(self) -> None:
         if self.report_time_interval is not None and not (
@@ -127,11 +147,13 @@ class DetectorConfig:
         ):
             raise invalid_option("detector.report_time_interval", self.report_time_interval, "null or seconds > 0")
         for name, low in (("report_interval_steps", 1), ("warmup_steps", 0), ("fit_steps", 1), ("patience", 1), ("window", 1),
-                          ("num_gpu_perf_scores_to_print", 0), ("min_cohort", 2)):
+                          ("num_gpu_perf_scores_to_print", 0), ("min_cohort", 2), ("link_probe_interval_steps", 0),
+                          ("link_probe_rounds", 1), ("link_patience", 1), ("link_window", 1)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise invalid_option(f"detector.{name}", value, f"an integer >= {low}")
-        for name in ("gpu_relative_perf_threshold", "gpu_individual_perf_threshold", "recovery_threshold"):
+        for name in ("gpu_relative_perf_threshold", "gpu_individual_perf_threshold", "recovery_threshold",
+                     "link_slow_threshold", "link_recovery_threshold"):
             value = getattr(self, name)
             if not _is_number(value) or not 0 < value < 1:
                 raise invalid_option(f"detector.{name}", value, "a number strictly between 0 and 1")
@@ -140,7 +162,12 @@ class DetectorConfig:
                 "detector.recovery_threshold", self.recovery_threshold,
                 f"a number >= gpu_individual_perf_threshold ({self.gpu_individual_perf_threshold}) so flags do not flap",
             )
-        for name in ("significance", "speed_change_threshold"):
+        if self.link_recovery_threshold < self.link_slow_threshold:
+            raise invalid_option(
+                "detector.link_recovery_threshold", self.link_recovery_threshold,
+                f"a number >= link_slow_threshold ({self.link_slow_threshold}) so flags do not flap",
+            )
+        for name in ("significance", "speed_change_threshold", "link_min_extra_ms"):
             value = getattr(self, name)
             if not _is_number(value) or value < 0:
                 raise invalid_option(f"detector.{name}", value, "a number >= 0")

@@ -33,7 +33,7 @@ from resihp_lightning.errors import PlanError
 from resihp_lightning.placement import row_offset
 from resihp_lightning.resilience.errors import PeerFailure
 from resihp_lightning.plan import Plan
-from resihp_lightning.strategy import batching, checkpoint, evaluation
+from resihp_lightning.strategy import batching, checkpoint, evaluation, link_probe
 from resihp_lightning.strategy.engine import init_deepspeed_comm
 from resihp_lightning.strategy.fail_stop import FailStopConfig
 from resihp_lightning.strategy.launcher import without_observer
@@ -47,7 +47,7 @@ from resihp_lightning.strategy.runtime import PipelineRuntime, RuntimeConfig
 from resihp_lightning.strategy.survivors import SurvivingJob
 from resihp_lightning.strategy.trainer_options import effective_deepspeed_config, refuse_unsupported
 from resihp_lightning.strategy.wrapped_state import wraps_optimizer
-from resihp_lightning.telemetry import LayerCost, MicroBatchStats, StepStats
+from resihp_lightning.telemetry import LayerCost, LinkSample, MicroBatchStats, StepStats
 
 
 class ResiHPStrategyMixin(ResilientStepsMixin):
@@ -240,6 +240,24 @@ class ResiHPStrategyMixin(ResilientStepsMixin):
         current = self._runtime.plan if self._runtime is not None else None
         check_plan(plan, self.devices_alive, self.num_layers, self._num_micro, self.deepspeed_config, current,
                    idle_allowed=self.supports_idle_devices)
+
+    def measure_links(self, first_round: int = 0) -> LinkSample:
+        """Times the links of the current group at a step boundary (collective; see :mod:`.link_probe`).
+
+        Each rank's probe carries the activation its stage boundary sends per micro-batch (as the
+        profiler saw it) and the all-reduce is priced for the largest per-rank gradient.
+
+        Args:
+            first_round: the round of the partner schedule to start at (rotate it between probes).
+        """
+        runtime = self._require_runtime()
+        pos, plan = runtime.position, runtime.plan
+        boundary = 0
+        if pos.stage < plan.pipeline_degree - 1:
+            boundary = runtime.profiler.activation_bytes.get(pos.stop - 1, 0)
+        gradient = sum(p.numel() * p.element_size() for p in runtime.local_parameters().values() if p.requires_grad)
+        step = self.lightning_module.trainer.global_step
+        return link_probe.measure(self.device_id, boundary, gradient, step, first_round, device=self.root_device)
 
     def layer_profile(self) -> list[LayerCost]:
         """Measured cost of every layer, gathered over ranks (collective: call on every rank).

@@ -1,0 +1,101 @@
+"""A slow link on 4 real gloo processes: probed, named, priced and planned around.
+
+``Trainer.fit`` under a 2 x 2 plan with ``FaultInjector`` slowing rank 2's links (every send of its
+pipeline, its all-reduces and its link probes wait ``DELAY_MS``) from step ``FAULT_STEP``; the
+detector probes the links every 2 steps. The checks: the link is named (rank 2, and no other rank,
+neither its link nor its compute), the planner's problem carries the measured round trip and
+all-reduce and rank 2's link speed, and every plan applied gives the replica with the slow link fewer
+micro-batches than the other (or takes rank 2 out of the pipeline's boundaries).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+WORLD, WIDTH, DEPTH, MBS, M = 4, 128, 8, 8, 8
+SLOW_RANK, DELAY_MS = 2, 25.0
+FAULT_STEP, STEPS = 4, 16
+
+
+def _rank(rank: int, world: int, log_dir: str) -> dict:
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from resihp_lightning.callbacks import FaultInjector, ReplanController, StragglerDetector
+    from resihp_lightning.callbacks.replan_policy import ControllerConfig
+    from resihp_lightning.config import PlannerConfig
+    from resihp_lightning.plan import Plan
+    from resihp_lightning.strategy.module import ResiHPModule
+    from resihp_lightning.strategy.strategy import ResiHPStrategy
+
+    class Stack(ResiHPModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.layers = nn.ModuleList([nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(DEPTH)])
+
+        def pipeline_layers(self):
+            return list(self.layers)
+
+        def pipeline_loss(self, outputs, labels):
+            return F.mse_loss(outputs, labels)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    detector = StragglerDetector(warmup_steps=1, fit_steps=3, link_probe_interval_steps=2, link_patience=2,
+                                 link_window=1)
+    callbacks = [
+        FaultInjector([{"kind": "slow_link", "rank": SLOW_RANK, "delay_ms": DELAY_MS, "start_step": FAULT_STEP}]),
+        detector,
+        ReplanController(ControllerConfig(migration_overhead_s=0.1, cooldown_steps=0),
+                         planner=PlannerConfig(solver="exact", pipeline_degrees=(2,))),
+    ]
+    plan = Plan.from_dict({"replicas": [{"devices": [0, 1], "bounds": [0, 4, 8], "micro_batches": 4},
+                                        {"devices": [2, 3], "bounds": [0, 4, 8], "micro_batches": 4}]})
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=ResiHPStrategy(plan=plan, micro_batch_size=MBS),
+                         max_steps=STEPS, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, num_sanity_val_steps=0, callbacks=callbacks, default_root_dir=log_dir)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(M * MBS * STEPS, WIDTH, generator=gen)
+    data = DataLoader(TensorDataset(x, torch.tanh(x)), batch_size=M * MBS, drop_last=True)
+    trainer.fit(Stack(), data)
+    return {"links": detector.links.estimates, "p2p_ms": detector.p2p_ms}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_a_slow_link_is_named_and_planned_around(distributed, tmp_path):
+    from resihp_lightning.callbacks import read_events
+
+    results = distributed(_rank, WORLD, timeout=220, log_dir=str(tmp_path))
+    events = read_events(tmp_path)
+    of = {name: [e for e in events if e["event"] == name] for name in {e["event"] for e in events}}
+
+    detected = of.get("slow_link_detected", [])
+    assert detected, f"no slow link named; estimates {results[0]['links']}; events {events}"
+    assert {e["rank"] for e in detected} == {SLOW_RANK} and detected[0]["step"] >= FAULT_STEP, detected
+    assert detected[0]["link_speed"] < 0.5, detected
+    assert not of.get("fail_slow_detected"), "a slow link is not a slow device"
+
+    computed = [e for e in of.get("plan_computed", []) if e.get("link_speeds")]
+    assert computed, f"no plan computed for the slow link; events {events}"
+    first = computed[0]
+    assert set(first["link_speeds"]) == {str(SLOW_RANK)} or set(first["link_speeds"]) == {SLOW_RANK}, first
+    assert 0 < first["p2p_ms"] < DELAY_MS, first  # measured on the healthy links
+    assert first["allreduce_ms"] > 0, first
+
+    applied = of.get("plan_applied", [])
+    assert applied, f"the planner did not route around the slow link; events {events}"
+    for event in applied:
+        replicas = event["plan"]["replicas"]
+        with_slow = [r for r in replicas if SLOW_RANK in r["devices"]]
+        others = [r for r in replicas if SLOW_RANK not in r["devices"]]
+        slow_replica = with_slow[0]
+        assert len(slow_replica["devices"]) == 1 or slow_replica["micro_batches"] < min(r["micro_batches"] for r in others), replicas
+    print(f"\nslow link named at step {detected[0]['step']} (link speed {detected[0]['link_speed']}); measured p2p "
+          f"{first['p2p_ms']:.2f} ms, all-reduce {first['allreduce_ms']:.2f} ms; applied "
+          f"{[(e['step'], e['plan']['replicas']) for e in applied]}; rejected {of.get('plan_rejected', [])}")

@@ -13,6 +13,12 @@ per row); inside a row every chunk ("segment") is attended to on its own. Each r
 
 The attention work of a row is Σ seq_lens²; :func:`batch_workload` gives (tokens, Σ len²) for the
 straggler detector.
+
+Instruction data (:mod:`resihp_lightning.data.instruction`) uses two options of
+:class:`PackedDataset`: per-document *loss masks* (a label is kept only where the token it predicts
+is a target, e.g. a completion token; prompt tokens get ``-100``) and ``split_documents=False``
+(every document stays whole in one row, so a completion always sees its prompt; rows are filled
+with whole documents in order and the rest of a row is padding). Without them, packing is as above.
 """
 
 from __future__ import annotations
@@ -38,40 +44,79 @@ class PackedDataset(Dataset):
     Args:
         documents: token ids of each document, EOS already appended.
         seq_len: tokens per row.
-        pad_token_id: id used for the padding at the end of the last row.
+        pad_token_id: id used for the padding at the end of a row.
         max_docs: width of ``seq_lens``; ``None`` uses the largest segment count of any row.
+        loss_masks: per document, one flag per token: ``True`` where the token is a target (its
+            prediction from the tokens before it in the same segment is trained). ``labels[t]`` is
+            ``-100`` wherever token ``t + 1`` is not a target. ``None``: every token is a target.
+        split_documents: ``True`` cuts the token stream into rows wherever ``seq_len`` falls (a
+            document may continue in the next row); ``False`` keeps every document whole in one row
+            (rows take whole documents in order, padded at the end), which needs every document to
+            be at most ``seq_len`` tokens.
 
     Raises:
-        ConfigError: no tokens at all, a bad ``seq_len``, or a row with more than ``max_docs``
-            segments.
+        ConfigError: no tokens at all, a bad ``seq_len``, a row with more than ``max_docs``
+            segments, masks that do not match the documents, or (``split_documents=False``) a
+            document longer than ``seq_len``.
     """
 
     def __init__(
-        self, documents: Iterable[Sequence[int]], seq_len: int, pad_token_id: int, max_docs: int | None = None
+        self,
+        documents: Iterable[Sequence[int]],
+        seq_len: int,
+        pad_token_id: int,
+        max_docs: int | None = None,
+        loss_masks: Iterable[Sequence[bool]] | None = None,
+        split_documents: bool = True,
     ) -> None:
         if not isinstance(seq_len, int) or seq_len < 2:
             raise invalid_option("data.seq_len", seq_len, "an integer >= 2")
-        chunks = [np.asarray(d, dtype=np.int64) for d in documents if len(d) > 0]
+        documents = list(documents)
+        masks = None if loss_masks is None else list(loss_masks)
+        if masks is not None and (
+            len(masks) != len(documents) or any(len(m) != len(d) for m, d in zip(masks, documents))
+        ):
+            raise ConfigError("loss_masks must hold one flag per token of every document")
+        keep = [i for i, d in enumerate(documents) if len(d) > 0]
+        chunks = [np.asarray(documents[i], dtype=np.int64) for i in keep]
         if not chunks:
             raise ConfigError("the dataset is empty: the data source produced no tokens")
         self.tokens = np.concatenate(chunks)
+        self.targets = None if masks is None else np.concatenate([np.asarray(masks[i], dtype=bool) for i in keep])
         self.doc_ends = np.cumsum([len(c) for c in chunks])
         self.seq_len = seq_len
         self.pad_token_id = int(pad_token_id)
         total = int(self.tokens.size)
         self.num_docs = len(chunks)
         self._seg_lens: list[list[int]] = []
-        ends = self.doc_ends.tolist()
-        for start in range(0, total, seq_len):
-            stop = min(start + seq_len, total)
-            lens, pos = [], start
-            i = bisect.bisect_right(ends, start)
-            while pos < stop:
-                end = min(ends[i], stop)
-                lens.append(end - pos)
-                pos = end
-                i += 1
-            self._seg_lens.append(lens)
+        self._row_starts: list[int] = []
+        if split_documents:
+            ends = self.doc_ends.tolist()
+            for start in range(0, total, seq_len):
+                stop = min(start + seq_len, total)
+                lens, pos = [], start
+                i = bisect.bisect_right(ends, start)
+                while pos < stop:
+                    end = min(ends[i], stop)
+                    lens.append(end - pos)
+                    pos = end
+                    i += 1
+                self._seg_lens.append(lens)
+                self._row_starts.append(start)
+        else:
+            longest = max(len(c) for c in chunks)
+            if longest > seq_len:
+                raise ConfigError(
+                    f"a document of {longest} tokens does not fit a row of data.seq_len={seq_len} tokens "
+                    "(documents that must stay whole are truncated or dropped first)"
+                )
+            start = 0
+            for chunk in chunks:
+                if not self._seg_lens or sum(self._seg_lens[-1]) + len(chunk) > seq_len:
+                    self._seg_lens.append([])
+                    self._row_starts.append(start)
+                self._seg_lens[-1].append(len(chunk))
+                start += len(chunk)
         widest = max(len(lens) for lens in self._seg_lens)
         if max_docs is None:
             max_docs = widest
@@ -94,7 +139,7 @@ class PackedDataset(Dataset):
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         if not 0 <= index < len(self):
             raise IndexError(index)
-        start = index * self.seq_len
+        start = self._row_starts[index]
         lens = self._seg_lens[index]
         real = sum(lens)
         input_ids = torch.full((self.seq_len,), self.pad_token_id, dtype=torch.long)
@@ -106,6 +151,10 @@ class PackedDataset(Dataset):
             position_ids[pos : pos + n] = torch.arange(n)
             labels[pos : pos + n - 1] = input_ids[pos + 1 : pos + n]
             pos += n
+        if self.targets is not None:  # keep a label only where the token it predicts is a target
+            targets = torch.zeros(self.seq_len, dtype=torch.bool)
+            targets[: real - 1] = torch.from_numpy(self.targets[start + 1 : start + real])
+            labels[~targets] = IGNORE_INDEX
         seq_lens = torch.zeros(self.max_docs, dtype=torch.long)
         seq_lens[: len(lens)] = torch.tensor(lens, dtype=torch.long)
         return {"input_ids": input_ids, "position_ids": position_ids, "labels": labels, "seq_lens": seq_lens}

@@ -6,8 +6,9 @@ Everything is configured in YAML and overridable on the command line (jsonargpar
     python examples/finetune.py --config examples/configs/demo_cpu.yaml --trainer.max_steps 30 --fault null
     python examples/finetune.py --config examples/configs/llama_finetune.yaml --model.model_path /ckpt/llama
 
-Top-level sections: ``model`` (a local HF checkpoint dir or a ``scratch`` shape), ``data`` (JSONL,
-folder, text file, or the Python standard library's sources), ``trainer``, ``strategy`` (pipeline
+Top-level sections: ``model`` (a local HF checkpoint dir or a ``scratch`` shape), ``data`` (raw text from
+JSONL, a folder, a text file or the Python standard library's sources; or instruction JSONL, prompt/completion
+or chat, trained on the completions only; an optional validation split), ``trainer``, ``strategy`` (pipeline
 degree, micro-batches), ``planner`` (the re-planning controller's planner options), ``detector``,
 ``controller`` (``replan: false`` turns it off), ``fault`` (one injected fault, or ``null``),
 ``checkpoint`` (periodic checkpoints and resuming from the newest, or ``null``) and ``run_dir``.
@@ -21,7 +22,8 @@ minutes into ``<run_dir>/checkpoints`` (the last K kept) and a (re)started job r
 one there, planning for the processes it has now (``ElasticRestart``); the examples/*.sh and
 examples/slurm_finetune.sbatch recipes restart it with torchrun.
 Rank 0 writes into the run directory (default ``runs/<name>-<UTC timestamp>/``): ``config.yaml``,
-``events.jsonl`` (faults, detections, plans), ``steps.jsonl`` (one line per step), and at the end
+``events.jsonl`` (faults, detections, plans), ``steps.jsonl`` (one line per step), ``val.jsonl`` (the
+validation loss, when there is validation data), and at the end
 ``report.txt`` + ``timeline.png`` (``resihp report RUN_DIR`` redraws them). Bad input — an unknown
 config key, a missing checkpoint dir, an unsupported architecture, an empty dataset — ends with one
 ``finetune: error: ...`` line and exit status 2.
@@ -68,14 +70,32 @@ class ModelOptions:
 
 @dataclass
 class DataOptions:
-    """``source``: a ``.jsonl`` file (``{"text": ...}``), a folder or text file; null: the stdlib's sources."""
+    """``source``: a ``.jsonl`` file, a folder or a text file; null: the stdlib's sources (see the README's
+    "Data" section and resihp_lightning/data/instruction.py)."""
 
     source: str | None = None
+    format: str = "auto"
+    """``text`` (raw text, every token trained), ``prompt_completion`` / ``chat`` (instruction JSONL, loss on the
+    completion / assistant turns only, every example whole in one row) or ``auto`` (a ``.jsonl`` file's first record
+    decides: ``messages_field`` -> chat, ``prompt_field`` + ``completion_field`` -> prompt_completion, ``text_field`` ->
+    text; anything else is text)."""
     seq_len: int = 1024
     max_files: int | None = 200
     max_tokens: int | None = None
     text_field: str = "text"
+    prompt_field: str = "prompt"
+    completion_field: str = "completion"
+    messages_field: str = "messages"
+    """a chat's list of ``{"role", "content"}`` messages (rendered with the checkpoint's chat template when it has one)."""
+    truncation: str = "truncate"
+    """an instruction example longer than ``seq_len``: ``truncate`` (keep its first ``seq_len`` tokens) or ``drop``."""
     shuffle_seed: int | None = 0
+    val_source: str | None = None
+    """validation data (read like ``source``), reported as ``val_loss``; or use ``val_fraction``."""
+    val_fraction: float = 0.0
+    """hold this fraction of the documents / examples (seeded by ``shuffle_seed``) out for validation."""
+    val_every_n_steps: int | None = None
+    """validate every N training steps; null: once, after the last step (``trainer.max_steps``)."""
 
 
 @dataclass
@@ -186,9 +206,13 @@ def check_inputs(cfg: Namespace) -> None:
         from resihp_lightning.models.checkpoint import read_model_type
 
         read_model_type(model_path)  # raises for a missing config.json or an unsupported architecture
-    source = cfg.data.source
-    if source is not None and not Path(source).exists():
-        raise ConfigError(f"data.source {source!r} does not exist")
+    for option in ("source", "val_source"):
+        source = getattr(cfg.data, option)
+        if source is not None and not Path(source).exists():
+            raise ConfigError(f"data.{option} {source!r} does not exist")
+    every = cfg.data.val_every_n_steps
+    if every is not None and (not isinstance(every, int) or every < 1):
+        raise invalid_option("data.val_every_n_steps", every, "an integer >= 1 or null")
     from healthy_plan import START_CHOICES
 
     if cfg.strategy.start not in START_CHOICES:
@@ -219,12 +243,17 @@ def run(raw: Namespace, extra_callbacks: Sequence[Any] = ()) -> Path:
     check_inputs(cfg)
     run_dir = resolve_run_dir(cfg)
     # The data first: an empty dataset is reported before Lightning and transformers are imported.
-    from resihp_lightning.data import build_packed_dataset, collate_packed, load_tokenizer
+    from resihp_lightning.data import InstructionFields, build_datasets, collate_packed, load_tokenizer
 
     m, s, d = cfg.model, cfg.strategy, cfg.data
     tokenizer = load_tokenizer(m.model_path)
-    dataset = build_packed_dataset(tokenizer, d.seq_len, source=d.source, max_files=d.max_files,
-                                   max_tokens=d.max_tokens, text_field=d.text_field, shuffle_seed=d.shuffle_seed)
+    data = build_datasets(
+        tokenizer, d.seq_len, source=d.source, format=d.format, truncation=d.truncation, max_files=d.max_files,
+        max_tokens=d.max_tokens, shuffle_seed=d.shuffle_seed, val_source=d.val_source, val_fraction=d.val_fraction,
+        fields=InstructionFields(prompt=d.prompt_field, completion=d.completion_field, messages=d.messages_field,
+                                 text=d.text_field),
+    )
+    dataset = data.train
     rows = s.micro_batches * s.micro_batch_size
     if len(dataset) < rows:
         raise ConfigError(
@@ -235,6 +264,7 @@ def run(raw: Namespace, extra_callbacks: Sequence[Any] = ()) -> Path:
     if os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("RANK", "0") == "0":
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(build_parser().dump(raw))
+        print("\n".join(data.summary()), flush=True)
 
 
     import lightning.pytorch as pl
@@ -266,6 +296,13 @@ def run(raw: Namespace, extra_callbacks: Sequence[Any] = ()) -> Path:
     module.check_tokenizer(tokenizer)
     # A DataLoader whose position is saved with each checkpoint (a resumed job skips the rows it trained on).
     loader = ResumableDataLoader(dataset, batch_size=rows, shuffle=True, collate_fn=collate_packed, drop_last=True)
+    val_loader, val_options, val_recorder = None, {}, None
+    if data.val is not None:  # evaluation batches may be short: the strategy deals them out to the replicas
+        from torch.utils.data import DataLoader
+
+        val_loader = DataLoader(data.val, batch_size=rows, shuffle=False, collate_fn=collate_packed)
+        val_options = {"val_check_interval": d.val_every_n_steps or cfg.trainer.max_steps, "check_val_every_n_epoch": None}
+        val_recorder = _val_loss_recorder(run_dir)
 
     ckpt = None
     if cfg.checkpoint is not None:
@@ -293,6 +330,8 @@ def run(raw: Namespace, extra_callbacks: Sequence[Any] = ()) -> Path:
         callbacks.append(periodic_checkpoint(cfg.checkpoint, ckpt_dir))
         callbacks.append(ElasticRestart(planner=cfg.planner, controller=cfg.controller, log_dir=str(run_dir)))
         plugins.append(make_checkpoint_io(cfg.checkpoint.asynchronous))
+    if val_recorder is not None:
+        callbacks.append(val_recorder)
     callbacks.extend(extra_callbacks)
     if cfg.trainer.progress_bar:
         callbacks.append(ResiHPProgressBar(recorder))
@@ -303,12 +342,13 @@ def run(raw: Namespace, extra_callbacks: Sequence[Any] = ()) -> Path:
         precision=t.precision, callbacks=callbacks, plugins=plugins, logger=False,
         enable_checkpointing=cfg.checkpoint is not None, enable_progress_bar=t.progress_bar,
         enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=str(run_dir), log_every_n_steps=1,
+        **val_options,
     )
     pl.seed_everything(m.seed, workers=True, verbose=False)
     started = time.perf_counter()
     # Lightning's stateful form (not fit(ckpt_path=...)): ElasticRestart reads the path before the strategy's setup.
     trainer.ckpt_path = str(ckpt) if ckpt is not None else None
-    trainer.fit(module, loader)
+    trainer.fit(module, loader, val_loader)
     if t.export_hf:
         ckpt = run_dir / "final.ckpt"
         trainer.save_checkpoint(ckpt)
@@ -321,9 +361,36 @@ def run(raw: Namespace, extra_callbacks: Sequence[Any] = ()) -> Path:
         from resihp_lightning.report import render
 
         text, png = render(run_dir)
+        if val_recorder is not None and val_recorder.last is not None:
+            print(f"\nvalidation loss {val_recorder.last[1]:.4f} after {val_recorder.last[0]} steps (every validation: val.jsonl)")
         print(f"\ntrained {trainer.global_step} steps in {time.perf_counter() - started:.0f} s on "
               f"{trainer.world_size} processes\n{text}\nrun directory: {run_dir}\ntimeline: {png}")
     return run_dir
+
+
+def _val_loss_recorder(run_dir: Path) -> Any:
+    """A callback that appends every validation's ``val_loss`` to ``<run_dir>/val.jsonl`` (rank 0) and keeps the last.
+
+    Each line: ``steps`` (training steps done), ``val_loss`` (mean over the validation rows), ``time``.
+    """
+    import json
+
+    import lightning.pytorch as pl
+
+    class ValLossRecorder(pl.Callback):
+        def __init__(self) -> None:
+            self.last: tuple[int, float] | None = None
+
+        def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+            value = trainer.callback_metrics.get("val_loss")
+            if trainer.sanity_checking or value is None:
+                return
+            self.last = (int(trainer.global_step), float(value))
+            if trainer.global_rank == 0:
+                with open(run_dir / "val.jsonl", "a", encoding="utf-8") as handle:
+                    handle.write(json.dumps({"steps": self.last[0], "val_loss": self.last[1], "time": time.time()}) + "\n")
+
+    return ValLossRecorder()
 
 
 def _planned_start(cfg: Namespace, module: Any, dataset: Any, run_dir: Path) -> dict[str, Any]:

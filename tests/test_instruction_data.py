@@ -1,13 +1,17 @@
 """Instruction data: prompt/completion and chat JSONL, loss on completions / assistant turns only,
-whole examples packed per row, validation splits and errors.
+whole examples packed per row, validation splits, errors, and the example script end to end.
 
-Every tokenizer here is built locally (a byte-level BPE trained on a few sentences); nothing is
-downloaded.
+Every tokenizer and model here is built locally (a byte-level BPE trained on a few sentences, a
+tiny Llama saved with it); nothing is downloaded.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -34,6 +38,8 @@ from resihp_lightning.data.tokenizer import HFTokenizer, load_tokenizer
 from resihp_lightning.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "examples" / "finetune.py"
+TINY = ROOT / "examples" / "configs" / "tiny_test.yaml"
 CHAT_SAMPLE = ROOT / "examples" / "data" / "chat.jsonl"
 PC_SAMPLE = ROOT / "examples" / "data" / "prompt_completion.jsonl"
 
@@ -328,3 +334,43 @@ def test_bad_options_are_named_with_the_allowed_values(tmp_path):
     data = build_datasets(tok, 64, source=_write_jsonl(tmp_path / "qa.jsonl", [{"question": "a", "answer": "b"}]),
                           fields=custom)
     assert data.format == "prompt_completion" and data.train.num_docs == 1
+
+
+# -------------------------------------------------------------------------------------- end to end
+def _tiny_chat_checkpoint(path: Path) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = _hf_tokenizer(CHATML)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_example_fine_tunes_on_chat_data_with_a_validation_loss(tmp_path):
+    """2 gloo processes (2 stages), a tiny Llama whose tokenizer has a chat template, 4 steps, validated twice."""
+    ckpt = _tiny_chat_checkpoint(tmp_path / "ckpt")
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env.pop("RESIHP_RUN_DIR", None)
+    args = ["--config", str(TINY), "--run_dir", str(run_dir), "--model.model_path", str(ckpt), "--fault", "null",
+            "--replan", "false", "--strategy.fail_stop", "null", "--trainer.devices", "2", "--trainer.max_steps", "4",
+            "--strategy.pipeline_degree", "2", "--strategy.micro_batches", "2", "--data.source", str(CHAT_SAMPLE),
+            "--data.seq_len", "96", "--data.max_tokens", "null", "--data.val_fraction", "0.25",
+            "--data.val_every_n_steps", "2"]
+    result = subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=170)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "format chat; chats rendered by the chat template (prefix-diffed turns)" in result.stdout
+    assert "6 of 24 examples held out for validation" in result.stdout
+    steps = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [0, 1, 2, 3]
+    assert all(math.isfinite(s["loss"]) and s["loss"] > 0 for s in steps)
+    val = [json.loads(line) for line in (run_dir / "val.jsonl").read_text().splitlines()]
+    assert [v["steps"] for v in val] == [2, 4] and all(math.isfinite(v["val_loss"]) and v["val_loss"] > 0 for v in val)
+    assert f"validation loss {val[-1]['val_loss']:.4f} after 4 steps" in result.stdout

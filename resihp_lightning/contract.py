@@ -10,6 +10,7 @@ with the wrong strategy fails at once instead of silently doing nothing.
 * :class:`Replannable`: the above plus the re-planning API (the controller);
 * :class:`LinkProber`: ``measure_links()`` (the detector's link probe: slow links, measured
   ``p2p_ms`` / ``allreduce_ms`` for the planner);
+* :class:`MemoryGauge`: ``device_memory_mb()`` (the controller's per-device memory budget);
 * :class:`Survivable`: in-process fail-stop recovery's record and listeners (the recovery reporter).
 
 :class:`MigrationRecord` is what ``strategy.last_migration`` holds after a plan was applied.
@@ -123,6 +124,14 @@ class LinkProber(Protocol):
     def measure_links(self, first_round: int = 0) -> LinkSample:
         """Round trips per pair of ranks and one all-reduce, timed apart from the schedule (collective:
         every rank of the group calls it at the same step boundary); see ``strategy.link_probe``."""
+
+
+@runtime_checkable
+class MemoryGauge(Protocol):
+    """A strategy that knows how much memory its device can give the model."""
+
+    def device_memory_mb(self) -> float:
+        """This rank's budget for the model's state and activations, in MB (local, no collective)."""
 
 
 def provides(obj: Any, protocol: type) -> bool:

@@ -119,3 +119,24 @@ def test_a_real_probe_names_the_rank_whose_sends_are_slow(distributed):
         assert result["p2p_ms"] < 40.0  # the healthy devices' round trips carry no delay
         assert result["allreduce_ms"] is None  # both probes saw the slow link: no healthy all-reduce yet
     assert results[0]["events"] == results[3]["events"]
+
+
+def test_memory_budgets_reach_the_problem_per_device_or_as_configured():
+    profile = [LayerCost(i, 1.0, 10.0, 1.0) for i in range(4)]
+    auto = build_problem(profile, {}, iter(range(3)), 4, ControllerConfig(), memory_mb={0: 500.0, 1: 80.0})
+    assert [d.memory_mb for d in auto.devices] == [500.0, 80.0, float("inf")]  # device 2 reported nothing
+    fixed = build_problem(profile, {}, range(3), 4, ControllerConfig(memory_mb=64), memory_mb={0: 500.0})
+    assert [d.memory_mb for d in fixed.devices] == [64.0] * 3
+    unlimited = build_problem(profile, {}, range(3), 4, ControllerConfig(memory_mb=None), memory_mb={0: 500.0})
+    assert all(d.memory_mb == float("inf") for d in unlimited.devices)
+    with pytest.raises(Exception, match=r"controller.memory_mb.*'auto', null or a number > 0"):
+        ControllerConfig(memory_mb="lots")
+
+
+def test_the_cpu_budget_is_a_share_of_host_memory():
+    import torch
+
+    from resihp_lightning.strategy.device_memory import CPU_USABLE_FRACTION, memory_budget_mb
+
+    total_kb = int(next(line for line in open("/proc/meminfo") if line.startswith("MemTotal:")).split()[1])
+    assert memory_budget_mb(torch.device("cpu"), 4) == pytest.approx(total_kb / 1024 / 4 * CPU_USABLE_FRACTION)

@@ -52,7 +52,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from resihp_lightning._logging import get_logger, user_info
-from resihp_lightning.callbacks.collectives import broadcast_from_zero
+from resihp_lightning.callbacks.collectives import all_gather_objects, broadcast_from_zero
 from resihp_lightning.callbacks.background_planner import BackgroundPlanner
 from resihp_lightning.callbacks.detector import StragglerDetector
 from resihp_lightning.callbacks.events import EventLog
@@ -66,7 +66,7 @@ from resihp_lightning.callbacks.replan_policy import (
     estimate_migration_s,
 )
 from resihp_lightning.config import PlannerConfig, config_from_dict
-from resihp_lightning.contract import Replannable, Survivable, provides, require
+from resihp_lightning.contract import MemoryGauge, Replannable, Survivable, provides, require
 from resihp_lightning.errors import ConfigError, PlanError, ResiHPError
 from resihp_lightning.plan import Plan, Problem, evaluate
 from resihp_lightning.telemetry import LayerCost
@@ -107,6 +107,7 @@ class ReplanController(Callback):
         self.decisions: list[Decision] = []
         self._seen_version = 0
         self._profile: list[LayerCost] | None = None
+        self._memory: dict[int, float] | None = None  # per-device budget (memory_mb "auto"), with the profile
         self._last_change_step: int | None = None
         self._chosen: Plan | None = None  # the last plan requested (applied or not)
         self._awaiting: Plan | None = None  # requested, not applied yet
@@ -162,17 +163,13 @@ class ReplanController(Callback):
         first = self.detector.config.warmup_steps + self.detector.config.fit_steps
         due = (self._profile is None and step >= first) or (interval and step > 0 and step % interval == 0)
         if due and not flagged:
-            done, profile = strategy.collective(strategy.layer_profile)  # at the same step on every rank
-            if not done:
+            if not self._take_profile(strategy):  # at the same step on every rank
                 return
-            self._profile = profile
         wait = 0.0
         if self.detector.version != self._seen_version:
             self._seen_version = self.detector.version
-            if self._profile is None:
-                done, self._profile = strategy.collective(strategy.layer_profile)
-                if not done:
-                    return
+            if self._profile is None and not self._take_profile(strategy):
+                return
             if self.rank == 0:
                 self._submit(trainer, step)
             self._inflight, wait = True, self.config.plan_wait_s
@@ -261,6 +258,22 @@ class ReplanController(Callback):
         self._awaiting = plan
         user_info(f"re-planning at step {step}: putting back the plan chosen before the resume")
 
+    def _take_profile(self, strategy: Replannable) -> bool:
+        """Measures the layer costs and, with ``memory_mb="auto"``, every device's memory budget (one
+        collective round at the same step on every rank). Returns whether it ran (not interrupted)."""
+        gauge = self.config.memory_mb == "auto" and provides(strategy, MemoryGauge)
+        device = strategy.last_step_stats.rank if strategy.last_step_stats is not None else strategy.global_rank
+
+        def measure() -> tuple[list[LayerCost], list[Any] | None]:
+            profile = strategy.layer_profile()
+            return profile, all_gather_objects((device, strategy.device_memory_mb())) if gauge else None
+
+        done, result = strategy.collective(measure)
+        if done:
+            self._profile = result[0]
+            self._memory = dict(result[1]) if result[1] is not None else None
+        return done
+
     def _submit(self, trainer: Any, step: int) -> None:
         """Rank 0: builds the problem for the speeds now and starts solving it in the background."""
         strategy: Replannable = trainer.strategy
@@ -274,7 +287,7 @@ class ReplanController(Callback):
             links = MeasuredLinks(self.detector.link_speeds, self.detector.p2p_ms, self.detector.allreduce_ms)
             self._problem = build_problem(self._profile, self.detector.speeds, ranks, micro, self.config, self.planner,
                                           per_replica_bounds=strategy.supports_per_replica_bounds, allow_exclude=idle,
-                                          links=links)
+                                          links=links, memory_mb=self._memory)
         except ResiHPError as err:
             self._log("plan_rejected", step, reason=f"planner failed: {err}")
             return
@@ -308,6 +321,12 @@ class ReplanController(Callback):
                   speeds={r: s for r, s in speeds.items() if s != 1.0},
                   link_speeds={d.id: d.link_speed for d in problem.devices if d.link_speed != 1.0},
                   p2p_ms=problem.p2p_ms, allreduce_ms=problem.allreduce_ms)
+        over = evaluate(problem, plan, check=False).over_memory
+        if over:  # the solvers respect memory; a plan that does not fit is never requested all the same
+            _, _, device, used, capacity = over[0]
+            self._log("plan_rejected", step, reason=f"device {device} would need {used:.0f} MB of its {capacity:.0f} MB",
+                      predicted_ms=plan.iteration_ms)
+            return None
         try:
             current_ms = evaluate(problem, current).iteration_ms
         except PlanError:

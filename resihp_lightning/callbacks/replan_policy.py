@@ -46,7 +46,10 @@ class ControllerConfig:
             ``None`` (default): measured by the detector's link probe (0 until the first probe).
         allreduce_ms: data-parallel gradient sync per iteration, for the Problem; ``None`` (default):
             measured by the detector's link probe (0 until the first probe).
-        memory_mb: memory per device for the Problem (``None``: unlimited).
+        memory_mb: memory per device for the Problem: ``"auto"`` (default) reads each device's budget
+            from the strategy (``strategy.device_memory_mb()``: free CUDA memory, or a share of host
+            memory on CPU; see ``strategy.device_memory``), a number gives every device that many MB,
+            ``None`` is unlimited. The planner only proposes plans that fit.
         profile_interval_steps: refresh the cached healthy layer profile this often while no rank
             is flagged (the profile is a collective; 0 = only when first needed).
         plan_wait_s: how long every rank waits, at the step whose detector change started a solve,
@@ -63,7 +66,7 @@ class ControllerConfig:
     migration_bandwidth_mb_s: float = 1000.0
     p2p_ms: float | None = None
     allreduce_ms: float | None = None
-    memory_mb: float | None = None
+    memory_mb: float | str | None = "auto"
     profile_interval_steps: int = 50
     plan_wait_s: float = 0.5
 
@@ -86,8 +89,8 @@ class ControllerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise invalid_option(f"controller.{name}", value, f"an integer >= {low}")
-        if self.memory_mb is not None and (not _number(self.memory_mb) or not self.memory_mb > 0):
-            raise invalid_option("controller.memory_mb", self.memory_mb, "null or a number > 0")
+        if self.memory_mb is not None and self.memory_mb != "auto" and (not _number(self.memory_mb) or not self.memory_mb > 0):
+            raise invalid_option("controller.memory_mb", self.memory_mb, "'auto', null or a number > 0")
 
     @classmethod
     def from_dict(cls, data: ControllerConfig | Mapping[str, Any]) -> ControllerConfig:
@@ -160,6 +163,7 @@ def build_problem(
     per_replica_bounds: bool = False,
     allow_exclude: bool = False,
     links: MeasuredLinks | None = None,
+    memory_mb: Mapping[int, float] | None = None,
 ) -> Problem:
     """The planning problem for the devices as they are now.
 
@@ -178,18 +182,26 @@ def build_problem(
             negation unless ``planner.shared_partition`` says otherwise.
         links: the detector's link measurements: per-device link speeds (flagged links) and, where
             ``config`` leaves ``p2p_ms`` / ``allreduce_ms`` at ``None``, the measured costs.
+        memory_mb: each device's measured budget, used when ``config.memory_mb`` is ``"auto"`` (a
+            device missing here, or no mapping at all, is unlimited).
     """
+    ranks = sorted(int(rank) for rank in ranks)
     ordered = sorted(profile, key=lambda c: c.index)
     compute = [max(c.compute_ms, 0.0) for c in ordered]
     if not any(compute):
         compute = [1.0] * len(ordered)  # nothing measured yet: layers assumed equal
     layers = tuple(Layer(compute[i], max(c.static_mb, 0.0), max(c.activation_mb, 0.0)) for i, c in enumerate(ordered))
     quantized = quantize_speeds(speeds, config.speed_quantum)
-    memory = math.inf if config.memory_mb is None else float(config.memory_mb)
+    if config.memory_mb == "auto":
+        budgets = {int(d): float(mb) for d, mb in (memory_mb or {}).items()}
+    else:
+        fixed = math.inf if config.memory_mb is None else float(config.memory_mb)
+        budgets = {rank: fixed for rank in ranks}
     links = links or MeasuredLinks()
     link_speeds = quantize_link_speeds(links.speeds, config.speed_quantum)
     devices = tuple(
-        Device(int(rank), quantized.get(rank, 1.0), memory, link_speed=link_speeds.get(rank, 1.0)) for rank in sorted(ranks)
+        Device(int(rank), quantized.get(rank, 1.0), budgets.get(int(rank), math.inf), link_speed=link_speeds.get(rank, 1.0))
+        for rank in ranks
     )
     problem = Problem(
         layers=layers,

@@ -34,6 +34,7 @@ from resihp_lightning.placement import row_offset
 from resihp_lightning.resilience.errors import PeerFailure
 from resihp_lightning.plan import Plan
 from resihp_lightning.strategy import batching, checkpoint, evaluation, link_probe
+from resihp_lightning.strategy.device_memory import memory_budget_mb
 from resihp_lightning.strategy.engine import init_deepspeed_comm
 from resihp_lightning.strategy.fail_stop import FailStopConfig
 from resihp_lightning.strategy.launcher import without_observer
@@ -258,6 +259,10 @@ class ResiHPStrategyMixin(ResilientStepsMixin):
         gradient = sum(p.numel() * p.element_size() for p in runtime.local_parameters().values() if p.requires_grad)
         step = self.lightning_module.trainer.global_step
         return link_probe.measure(self.device_id, boundary, gradient, step, first_round, device=self.root_device)
+
+    def device_memory_mb(self) -> float:
+        """This rank's memory budget for the model's state and activations, in MB (see :mod:`.device_memory`)."""
+        return memory_budget_mb(self.root_device, getattr(self, "num_processes", None))
 
     def layer_profile(self) -> list[LayerCost]:
         """Measured cost of every layer, gathered over ranks (collective: call on every rank).

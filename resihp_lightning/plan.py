@@ -1,14 +1,20 @@
 """The planning model: what a layout costs and whether it fits (docs/architecture.md, "The planning model").
 
-A :class:`Problem` describes the model's layers, the devices as they are now (speed, memory) and the
-global batch in micro-batches. A :class:`Plan` places P pipeline stages times D data-parallel replicas
-on P*D distinct devices, gives each replica contiguous stage bounds and a micro-batch count.
-:func:`evaluate` prices a plan with the 1F1B formula every backend optimises::
+A :class:`Problem` describes the model's layers, the devices as they are now (speed, network link
+speed, memory) and the global batch in micro-batches. A :class:`Plan` places P pipeline stages times
+D data-parallel replicas on P*D distinct devices, gives each replica contiguous stage bounds and a
+micro-batch count. :func:`evaluate` prices a plan with the 1F1B formula every backend optimises::
 
-    t[r][j] = sum(compute_ms of stage j) / speed(device r,j) + (p2p_ms if j < P-1 else 0)
+    u(d)    = 1 / min(link_speed(d), 1)                   (link slowdown, >= 1; 1 on a healthy link)
+    t[r][j] = sum(compute_ms of stage j) / speed(d)
+              + p2p_ms * ( [j < P-1] * u(d) + [j > 0] * (u(d) - 1) )      with d = device (r, j)
     T_r     = sum_j t[r][j] + (m_r - 1) * max_j t[r][j]
-    T       = max_r T_r + (allreduce_ms if D > 1 else 0)
+    T       = max_r T_r + (allreduce_ms * max_{d used} u(d) if D > 1 else 0)
     memory(r, j) = sum(static_mb of stage j) + min(P - j, m_r) * sum(activation_mb of stage j)
+
+A device pays its own sends at its link speed and the extra of its incoming transfers
+(:func:`stage_p2p_ms`); a ring all-reduce runs at its slowest member's link. With every
+``link_speed`` at 1.0 this is exactly the model without link speeds.
 
 Everything here is plain Python (no torch), so the planner CLI starts fast.
 """
@@ -51,11 +57,21 @@ class Device:
         id: the device's identity (a global rank at run time).
         speed: relative speed, > 0 (1.0 healthy, 0.5 twice as slow).
         memory_mb: memory available for the model's state and activations.
+        link_speed: relative bandwidth of the device's network links, > 0 (1.0 healthy, 0.25 four
+            times slower). Transfers are priced at ``1 / min(link_speed, 1)`` times their healthy
+            cost: a link faster than the healthy reference is priced as healthy, since the other end
+            of a transfer (or the rest of the ring) runs at the reference.
     """
 
     id: int
     speed: float = 1.0
     memory_mb: float = math.inf
+    link_speed: float = 1.0
+
+    @property
+    def link_slowdown(self) -> float:
+        """u = 1 / min(link_speed, 1): how many times longer this device's transfers take (>= 1)."""
+        return link_slowdown(self.link_speed)
 
 
 @dataclass(frozen=True)
@@ -111,6 +127,10 @@ class Problem:
             seen.add(device.id)
             if not _is_real(device.speed) or not device.speed > 0 or math.isinf(device.speed):
                 raise ProblemError(f"devices[{index}].speed must be a finite number > 0, got {device.speed!r}")
+            if not _is_real(device.link_speed) or not device.link_speed > 0 or math.isinf(device.link_speed):
+                raise ProblemError(
+                    f"devices[{index}].link_speed must be a finite number > 0, got {device.link_speed!r}"
+                )
             if not _is_real(device.memory_mb) or not device.memory_mb > 0:
                 raise ProblemError(f"devices[{index}].memory_mb must be a number > 0, got {device.memory_mb!r}")
         if not isinstance(self.micro_batches, int) or isinstance(self.micro_batches, bool) or self.micro_batches < 1:
@@ -175,8 +195,15 @@ class Problem:
         return shapes
 
     def healthy(self) -> Problem:
-        """The same problem with every device at speed 1.0 (the reference for ideal throughput)."""
-        return replace(self, devices=tuple(replace(d, speed=1.0) for d in self.devices))
+        """The same problem with every device at speed 1.0 and link speed 1.0 (the reference for ideal throughput)."""
+        return replace(self, devices=tuple(replace(d, speed=1.0, link_speed=1.0) for d in self.devices))
+
+    def allreduce_for(self, device_ids: Sequence[int], data_degree: int) -> float:
+        """The all-reduce of a plan using ``device_ids``: ``allreduce_ms * max u`` when D > 1, else 0."""
+        if data_degree <= 1:
+            return 0.0
+        index = self._device_index()
+        return self.allreduce_ms * max(index[i].link_slowdown for i in device_ids)
 
     # -------------------------------------------------------------------------------------- JSON
     def to_dict(self) -> dict[str, Any]:
@@ -461,7 +488,7 @@ def validate(problem: Problem, plan: Plan, *, check_memory: bool = True) -> None
 
 
 def evaluate(problem: Problem, plan: Plan, *, check: bool = True) -> Evaluation:
-    """Prices ``plan`` on ``problem`` with the 1F1B formula and checks memory.
+    """Prices ``plan`` on ``problem`` with the 1F1B formula (module docstring) and checks memory.
 
     Args:
         problem: the planning problem.
@@ -483,7 +510,7 @@ def evaluate(problem: Problem, plan: Plan, *, check: bool = True) -> Evaluation:
             lo, hi = replica.bounds[j], replica.bounds[j + 1]
             device = devices[device_id]
             compute = prefix.compute[hi] - prefix.compute[lo]
-            times.append(compute / device.speed + (problem.p2p_ms if j < p - 1 else 0.0))
+            times.append(compute / device.speed + stage_p2p_ms(problem.p2p_ms, device.link_slowdown, j, p))
             in_flight = min(p - j, replica.micro_batches)
             used = prefix.static[hi] - prefix.static[lo] + in_flight * (prefix.activation[hi] - prefix.activation[lo])
             memories.append(used)
@@ -492,8 +519,29 @@ def evaluate(problem: Problem, plan: Plan, *, check: bool = True) -> Evaluation:
         stage_ms.append(tuple(times))
         memory_mb.append(tuple(memories))
         replica_ms.append(pipeline_ms(times, replica.micro_batches))
-    iteration = max(replica_ms) + (problem.allreduce_ms if plan.data_degree > 1 else 0.0)
+    iteration = max(replica_ms) + problem.allreduce_for(plan.device_ids, plan.data_degree)
     return Evaluation(iteration, tuple(replica_ms), tuple(stage_ms), tuple(memory_mb), tuple(over))
+
+
+def link_slowdown(link_speed: float) -> float:
+    """u = 1 / min(link_speed, 1): the factor on a device's transfers (exactly 1.0 on a healthy link)."""
+    return 1.0 / link_speed if link_speed < 1.0 else 1.0
+
+
+def stage_p2p_ms(p2p_ms: float, slowdown: float, stage: int, num_stages: int) -> float:
+    """The transfer time stage ``stage`` of ``num_stages`` pays per micro-batch on a device of this slowdown.
+
+    ``p2p_ms * ([j < P-1] * u + [j > 0] * (u - 1))``: its own transfer to the next stage (activations
+    out, gradients in) at its link speed, plus the extra its slow link adds to the transfer from
+    the previous stage. The transfer between stages j and j+1 thus costs
+    ``p2p_ms * (u_j + u_{j+1} - 1)`` in all: exactly ``p2p_ms * max(u_j, u_{j+1})`` when at most
+    one end is slow, more when both are. With ``u == 1`` it is ``p2p_ms`` for every stage but the
+    last and ``0.0`` for the last, bit for bit. Every backend prices a stage through this function
+    (or the same two terms), so they round alike.
+    """
+    send = p2p_ms * slowdown if stage < num_stages - 1 else 0.0
+    receive = p2p_ms * (slowdown - 1.0) if stage > 0 else 0.0
+    return send + receive
 
 
 def pipeline_ms(stage_ms: Sequence[float], micro_batches: int) -> float:
@@ -505,7 +553,8 @@ def ideal_ms(problem: Problem, healthy_plan: Plan) -> float:
     """T_ideal = (T_h - AR) * N / S + AR: the healthy time scaled by the aggregate speed left.
 
     Args:
-        problem: the problem as it is now (speeds < 1 for slow devices).
+        problem: the problem as it is now (speeds < 1 for slow devices; link speeds do not enter
+            the ideal: it is the healthy fleet's time scaled by the compute left).
         healthy_plan: the best plan when every device has speed 1.0 (T_h is its time on
             ``problem.healthy()``; AR counts only when that plan has D > 1).
     """
@@ -521,26 +570,29 @@ def efficiency(problem: Problem, healthy_plan: Plan, plan: Plan) -> float:
 
 @dataclass(frozen=True)
 class DeviceClass:
-    """Devices of equal speed and memory: interchangeable for the planning model.
+    """Devices of equal speed, link slowdown and memory: interchangeable for the planning model.
 
     Attributes:
         speed: their speed.
         memory_mb: their memory.
         ids: their ids, ascending.
+        link_slowdown: their u = 1 / min(link_speed, 1) (1.0 on healthy links). Devices whose link
+            speeds differ but are both >= 1 are priced alike and share a class.
     """
 
     speed: float
     memory_mb: float
     ids: tuple[int, ...]
+    link_slowdown: float = 1.0
 
 
 def device_classes(problem: Problem) -> list[DeviceClass]:
-    """The problem's devices grouped by (speed, memory): fastest first, then larger memory."""
-    groups: dict[tuple[float, float], list[int]] = {}
+    """The devices grouped by (speed, link slowdown, memory): fastest first, then faster links, then larger memory."""
+    groups: dict[tuple[float, float, float], list[int]] = {}
     for device in problem.devices:
-        groups.setdefault((device.speed, device.memory_mb), []).append(device.id)
-    keys = sorted(groups, key=lambda k: (-k[0], -k[1]))
-    return [DeviceClass(k[0], k[1], tuple(sorted(groups[k]))) for k in keys]
+        groups.setdefault((device.speed, device.link_slowdown, device.memory_mb), []).append(device.id)
+    keys = sorted(groups, key=lambda k: (-k[0], k[1], -k[2]))
+    return [DeviceClass(k[0], k[2], tuple(sorted(groups[k])), k[1]) for k in keys]
 
 
 def even_bounds(num_layers: int, num_stages: int) -> tuple[int, ...]:
@@ -607,6 +659,8 @@ def _device_to_dict(device: Device) -> dict[str, Any]:
     data = asdict(device)
     if math.isinf(device.memory_mb):
         del data["memory_mb"]
+    if device.link_speed == 1.0:
+        del data["link_speed"]  # the default: problems without slow links keep their JSON form
     return data
 
 

@@ -154,6 +154,12 @@ def test_json_round_trip_and_unknown_fields(example: Problem) -> None:
         ({"p2p_ms": math.nan}, "p2p_ms must be a finite number"),
         ({"pipeline_degrees": [0]}, "pipeline_degrees must hold integers >= 1"),
         ({"shared_partition": "yes"}, "shared_partition must be true or false"),
+        ({"devices": [{"id": 0, "link_speed": 0.0}]}, r"devices\[0\].link_speed must be a finite number > 0"),
+        ({"devices": [{"id": 0}, {"id": 1, "link_speed": -0.5}]}, r"devices\[1\].link_speed must be a finite number > 0"),
+        ({"devices": [{"id": 0, "link_speed": math.inf}]}, r"devices\[0\].link_speed must be a finite number > 0"),
+        ({"devices": [{"id": 0, "link_speed": math.nan}]}, r"devices\[0\].link_speed must be a finite number > 0"),
+        ({"devices": [{"id": 0, "link_speed": True}]}, r"devices\[0\].link_speed must be a finite number > 0"),
+        ({"devices": [{"id": 0, "link_speed": "slow"}]}, r"devices\[0\].link_speed must be a finite number > 0"),
     ],
 )
 def test_malformed_problems_are_refused(change: dict, message: str) -> None:
@@ -169,3 +175,73 @@ def test_even_splits() -> None:
     assert [r.micro_batches for r in plan.replicas] == [3, 2]
     with pytest.raises(PlanError, match="must divide the 6 devices"):
         Plan.uniform(list(range(6)), 7, 4, 5)
+
+
+# ------------------------------------------------------------------------------------ link speeds
+def _slow_link(allreduce_ms: float = 2.0, **kw) -> Problem:
+    """4 devices, 8 layers of 2 ms, p2p 1 ms; device 2's links run at a tenth of the speed (u = 10)."""
+    return Problem(
+        tuple(Layer(2.0, 10.0, 5.0) for _ in range(8)),
+        tuple(Device(i, 1.0, link_speed=0.1 if i == 2 else 1.0) for i in range(4)),
+        8,
+        p2p_ms=1.0,
+        allreduce_ms=allreduce_ms,
+        **kw,
+    )
+
+
+def test_slow_link_costs_by_hand() -> None:
+    problem = _slow_link()
+    # Even 2 x 2: device 2 holds stage 0 of replica 1 and pays its send at u = 10: 4 + 1 * 10.
+    # Device 3 (stage 1, healthy link) pays nothing extra. The ring includes device 2: 2 ms x 10.
+    even = evaluate(problem, Plan.uniform([0, 1, 2, 3], 8, 2, 8))
+    assert even.stage_ms == ((5.0 + 4.0, 8.0), (8.0 + 10.0, 8.0))
+    assert even.replica_ms == pytest.approx((9 + 8 + 3 * 9, 18 + 8 + 3 * 18))
+    assert even.iteration_ms == pytest.approx(80.0 + 20.0)
+    # One pipeline of 4, device 2 in the middle: it sends at u (10) and adds u - 1 (9) to what it
+    # receives: 4 + 10 + 9. The last stage pays no send; D = 1, so no all-reduce.
+    middle = evaluate(problem, Plan((Replica((0, 1, 2, 3), (0, 2, 4, 6, 8), 8),)))
+    assert middle.stage_ms == ((5.0, 5.0, 23.0, 4.0),)
+    assert middle.iteration_ms == pytest.approx(37.0 + 7 * 23.0)
+    # Last: only the extra of its incoming transfer (u - 1 = 9) is its own.
+    last = evaluate(problem, Plan((Replica((0, 1, 3, 2), (0, 2, 4, 6, 8), 8),)))
+    assert last.stage_ms == ((5.0, 5.0, 5.0, 13.0),)
+    # A one-stage replica has no transfers; the all-reduce still runs at device 2's link.
+    alone = evaluate(problem, Plan(tuple(Replica((i,), (0, 8), 2) for i in range(4))))
+    assert alone.stage_ms == ((16.0,),) * 4
+    assert alone.iteration_ms == pytest.approx(32.0 + 20.0)
+    # Idling device 2 (allow_exclude): three replicas, the ring at healthy speed.
+    excluding = _slow_link(allow_exclude=True)
+    without = evaluate(excluding, Plan(tuple(Replica((i,), (0, 8), m) for i, m in ((0, 3), (1, 3), (3, 2)))))
+    assert without.iteration_ms == pytest.approx(3 * 16.0 + 2.0)
+
+
+def test_healthy_and_fast_links_are_the_model_without_link_speeds() -> None:
+    from dataclasses import replace
+
+    from resihp_lightning.plan import device_classes, stage_p2p_ms
+
+    problem = _slow_link()
+    plan = Plan.uniform([0, 1, 2, 3], 8, 2, 8)
+    healthy = problem.healthy()
+    assert all(d.link_speed == 1.0 and d.speed == 1.0 for d in healthy.devices)
+    # With every link at 1.0 (or faster: priced as 1.0) the stage times are the old formula, bit for bit.
+    for links in ([1.0] * 4, [1.0, 2.0, 1.5, 1.0]):
+        fast = replace(problem, devices=tuple(replace(d, link_speed=x) for d, x in zip(problem.devices, links)))
+        ev = evaluate(fast, plan)
+        assert ev.stage_ms == ((8.0 + 1.0, 8.0), (8.0 + 1.0, 8.0))
+        assert ev.iteration_ms == 9 + 8 + 3 * 9 + 2.0
+        assert len(device_classes(fast)) == 1
+    for j, p in ((0, 1), (0, 3), (1, 3), (2, 3)):
+        assert stage_p2p_ms(0.3, 1.0, j, p) == (0.3 if j < p - 1 else 0.0)
+    # Classes tell slow links apart: healthy first, the slow link after it.
+    classes = device_classes(problem)
+    assert [(c.ids, c.link_slowdown) for c in classes] == [((0, 1, 3), 1.0), ((2,), 10.0)]
+
+
+def test_link_speed_json_round_trip() -> None:
+    problem = _slow_link()
+    data = json.loads(problem.to_json())
+    assert [d.get("link_speed") for d in data["devices"]] == [None, None, 0.1, None]  # the default is left out
+    assert Problem.from_json(problem.to_json()) == problem
+    assert "link_speed" not in Problem.from_dict(DESIGN_EXAMPLE).to_json()

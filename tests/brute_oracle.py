@@ -3,19 +3,25 @@
 Enumerates every shape (P, D), every ordered choice of devices for the P x D grid (replica order
 fixed by sorting, the only symmetry used), every bounds vector (one shared, or one per replica),
 every micro-batch split, and prices each candidate with :func:`resihp_lightning.plan.evaluate`.
-It shares no code with the solver package. Tests import it as ``brute_oracle`` (conftest.py puts
-this directory on ``sys.path``).
+Device positions are enumerated too, so a device's place in its pipeline (which transfers its link
+carries) is searched like everything else. It shares no code with the solver package. Tests import
+it as ``brute_oracle`` (conftest.py puts this directory on ``sys.path``).
+
+:func:`price` prices a plan a second way, transfer by transfer, as a check of ``evaluate``'s link
+terms; :func:`random_link_problem` draws the small problems with slow links that the solver tests
+share.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import random
 import time
 from collections.abc import Iterator
 
 from resihp_lightning.errors import InfeasibleError, ProblemError
-from resihp_lightning.plan import Plan, Problem, Replica, evaluate
+from resihp_lightning.plan import Device, Layer, Plan, Problem, Replica, evaluate
 
 #: Refuse problems whose candidate count exceeds this.
 MAX_CANDIDATES = 400_000
@@ -85,3 +91,72 @@ def solve_brute(problem: Problem) -> Plan:
     return best.with_result(
         iteration_ms=best_value, status="optimal", solver="brute", solve_seconds=time.perf_counter() - start
     )
+
+
+def price(problem: Problem, plan: Plan) -> float:
+    """T of ``plan`` computed transfer by transfer (independently of ``evaluate``'s stage formula).
+
+    Each device's link slowdown is ``u = 1 / min(link_speed, 1)``. The transfer between stages j and
+    j+1 of a replica costs ``p2p_ms * u_j`` on stage j (the sender's side, both directions) plus
+    ``p2p_ms * (u_{j+1} - 1)`` on stage j+1 (what the receiver's slow link adds); a stage's time is
+    its compute at its speed plus what it pays for the transfers it takes part in. The all-reduce
+    runs at the slowest link of every device the plan uses.
+    """
+    devices = {d.id: d for d in problem.devices}
+
+    def slowdown(device_id: int) -> float:
+        link = devices[device_id].link_speed
+        return 1.0 / link if link < 1.0 else 1.0
+
+    worst = 0.0
+    for replica in plan.replicas:
+        p = replica.num_stages
+        times = []
+        for j, device_id in enumerate(replica.devices):
+            compute = sum(problem.layers[l].compute_ms for l in replica.stage_layers(j))
+            times.append(compute / devices[device_id].speed)
+        for j in range(p - 1):  # the link between stage j and stage j + 1
+            times[j] += problem.p2p_ms * slowdown(replica.devices[j])
+            times[j + 1] += problem.p2p_ms * (slowdown(replica.devices[j + 1]) - 1.0)
+        worst = max(worst, sum(times) + (replica.micro_batches - 1) * max(times))
+    if plan.data_degree > 1:
+        worst += problem.allreduce_ms * max(slowdown(i) for i in plan.device_ids)
+    return worst
+
+
+def random_link_problem(rng: random.Random, max_devices: int = 5, max_layers: int = 5,
+                        max_candidates: int = 60_000) -> Problem:
+    """A small problem with slow links (u up to 10), often on healthy-speed devices, every option.
+
+    Transfers are made expensive (p2p up to 2 ms against 0.5-3 ms layers) so that where a slow link
+    sits matters; some devices get link speeds above 1.0 (priced as 1.0).
+    """
+    while True:
+        n = rng.randint(1, max_devices)
+        num_layers = rng.randint(1, max_layers)
+        tight = rng.random() < 0.4
+        layers = [
+            Layer(rng.choice([0.5, 1.0, 2.0, 3.0]), rng.choice([10.0, 20.0, 30.0]), rng.choice([0.0, 5.0, 10.0]))
+            for _ in range(num_layers)
+        ]
+        devices = [
+            Device(
+                i,
+                rng.choice([1.0, 1.0, 0.5, 0.8]),
+                rng.choice([40.0, 60.0, 80.0, 200.0]) if tight else 1e6,
+                rng.choice([1.0, 1.0, 1.0, 0.5, 0.25, 0.1, 2.0]),
+            )
+            for i in range(n)
+        ]
+        problem = Problem(
+            layers,
+            devices,
+            rng.randint(1, 6),
+            p2p_ms=rng.choice([0.0, 0.5, 1.0, 2.0]),
+            allreduce_ms=rng.choice([0.0, 1.0, 3.0]),
+            shared_partition=rng.random() < 0.5,
+            allow_exclude=rng.random() < 0.5,
+            min_layers_per_stage=rng.choice([1, 1, 2]),
+        )
+        if problem.candidate_shapes() and count_candidates(problem) <= max_candidates:
+            return problem

@@ -14,13 +14,13 @@ import random
 from collections import Counter
 
 import pytest
-from brute_oracle import count_candidates, solve_brute
+from brute_oracle import count_candidates, random_link_problem, solve_brute
 
 from resihp_lightning.config import PlannerConfig
 from resihp_lightning.errors import InfeasibleError
 from resihp_lightning.plan import Device, Layer, Plan, Problem, evaluate, validate
 from resihp_lightning.solver import solve
-from resihp_lightning.solver.decomposition import decomposition_search
+from resihp_lightning.solver.decomposition import decomposition_search, link_levels
 from resihp_lightning.solver.exact import _BudgetExceeded, exact_search, solve_exact
 from resihp_lightning.solver.exact_model import Best, Model, build_plan
 from resihp_lightning.solver.heuristic import heuristic_search
@@ -203,3 +203,44 @@ def test_milp_time_limit_reports_a_proven_gap():
     assert plan.status == "feasible" and 0.0 < plan.gap < 0.05
     data = plan.to_dict()
     assert data["gap"] == plan.gap and Plan.from_dict(data).gap == plan.gap
+
+
+def test_decomposition_matches_brute_force_with_slow_links():
+    """Link levels (exclusion, D > 1): every plan is closed at its slowest link; the proofs must hold."""
+    rng = random.Random(31)
+    checked = proven = split_levels = 0
+    while checked < 120:
+        problem = random_link_problem(rng, max_devices=6, max_layers=5, max_candidates=20_000)
+        try:
+            optimum = solve_brute(problem).iteration_ms
+        except InfeasibleError:
+            optimum = None
+        model = Model(problem)
+        split_levels += any(len(link_levels(model, p, d)) > 1 for p, d in problem.candidate_shapes())
+        value, is_proven, bound = _decomposed(problem)
+        if is_proven:
+            proven += 1
+            assert _same(value, optimum), problem.to_json()
+        if optimum is not None:
+            assert bound <= optimum * (1 + REL), problem.to_json()
+            assert value is None or value >= optimum * (1 - REL)
+        checked += 1
+    assert proven >= 110
+    assert split_levels >= 12  # 17 of 120 measured
+
+
+def test_link_levels_close_a_shape_per_slowest_link():
+    # Two healthy devices, two with slow links (u = 2 and 4): levels at u = 1, 2, 4 for shapes they fit.
+    devices = [Device(0), Device(1), Device(2, link_speed=0.5), Device(3, link_speed=0.25)]
+    problem = Problem([Layer(1.0)] * 4, devices, 8, p2p_ms=0.5, allreduce_ms=3.0, allow_exclude=True)
+    model = Model(problem)
+    assert [(ar, counts) for ar, counts in link_levels(model, 1, 2)] == [(3.0, (2, 0, 0)), (6.0, (2, 1, 0)), (12.0, (2, 1, 1))]
+    assert [ar for ar, _ in link_levels(model, 1, 3)] == [6.0, 12.0]  # three devices need a slow link
+    assert link_levels(model, 2, 1) == [None]  # one replica: no all-reduce
+    fixed = Model(Problem([Layer(1.0)] * 4, devices, 8, p2p_ms=0.5, allreduce_ms=3.0))
+    assert [ar for ar, _ in link_levels(fixed, 1, 4)] == [12.0]  # every device is used
+    plan = solve(problem, PlannerConfig(solver="exact"))
+    assert plan.iteration_ms == pytest.approx(solve_brute(problem).iteration_ms)
+    # 3 replicas of (3, 3, 2) x 4 ms with the ring at u = 2 (18 ms) beat 2 healthy ones (16 + 3 ms) and
+    # any plan with device 3 (its ring alone costs 12 ms).
+    assert sorted(plan.device_ids) == [0, 1, 2] and plan.iteration_ms == pytest.approx(12.0 + 6.0)

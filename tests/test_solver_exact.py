@@ -10,16 +10,17 @@ import time
 from dataclasses import replace
 
 import pytest
-from brute_oracle import count_candidates, solve_brute
+from brute_oracle import count_candidates, price, random_link_problem, solve_brute
 
 from resihp_lightning.config import PlannerConfig
 from resihp_lightning.errors import InfeasibleError, ProblemError
-from resihp_lightning.plan import Device, Layer, Plan, Problem, evaluate, validate
+from resihp_lightning.plan import Device, Layer, Plan, Problem, Replica, evaluate, validate
 from resihp_lightning.solver import solve
 from resihp_lightning.solver.bounds import shape_lower_bound
 from resihp_lightning.solver.enumeration import all_bounds, layouts
-from resihp_lightning.solver.exact import min_bottleneck, solve_exact
-from resihp_lightning.solver.exact_model import Model
+from resihp_lightning.solver.exact import exact_search, min_bottleneck, solve_exact
+from resihp_lightning.solver.exact_model import Best, Model, build_plan
+from resihp_lightning.solver.heuristic import heuristic_search
 from resihp_lightning.solver.microbatch_split import split
 
 REL = 1e-9
@@ -300,8 +301,8 @@ def test_config_options_are_applied():
 def test_min_bottleneck_matches_enumeration():
     """The exact planner's bottleneck partition (ms, memory by Model.stage_cap) against every bounds vector."""
     checked = 0
-    for seed in range(0, 180, 3):
-        problem = random_problem(seed)
+    problems = [random_problem(seed) for seed in range(0, 180, 3)] + [link_problem(seed) for seed in range(0, 150, 5)]
+    for problem in problems:
         model = Model(problem)
         for p in range(1, problem.num_layers // problem.min_layers_per_stage + 1):
             for cls in range(len(model.classes)):
@@ -310,19 +311,19 @@ def test_min_bottleneck_matches_enumeration():
                     for bounds in all_bounds(model.L, p, model.min_layers):
                         stages = [(bounds[j], bounds[j + 1]) for j in range(p)]
                         if all(model.stage_cap(a, b, cls, p - j) >= m for j, (a, b) in enumerate(stages)):
-                            best = min(best, max(model.stage_time(a, b, cls, j == p - 1) for j, (a, b) in enumerate(stages)))
+                            best = min(best, max(model.stage_time(a, b, cls, j, p) for j, (a, b) in enumerate(stages)))
                     value, bounds = min_bottleneck(model, cls, p, m)
-                    assert value == best, (seed, p, cls, m)
+                    assert value == best, (problem.to_json(), p, cls, m)
                     if bounds is not None:
-                        assert max(model.stage_time(bounds[j], bounds[j + 1], cls, j == p - 1) for j in range(p)) == best
+                        assert max(model.stage_time(bounds[j], bounds[j + 1], cls, j, p) for j in range(p)) == best
                         assert all(model.stage_cap(bounds[j], bounds[j + 1], cls, p - j) >= m for j in range(p))
                     checked += 1
-    assert checked > 200
+    assert checked > 300
 
 
 def test_shape_lower_bound_is_below_every_plan_of_its_degree():
-    for seed in range(0, 180, 7):
-        problem = random_problem(seed)
+    problems = [random_problem(seed) for seed in range(0, 180, 7)] + [link_problem(seed) for seed in range(0, 150, 6)]
+    for problem in problems:
         for p in sorted({shape[0] for shape in problem.candidate_shapes()}):
             one_degree = replace(problem, pipeline_degrees=(p,))
             try:
@@ -330,7 +331,7 @@ def test_shape_lower_bound_is_below_every_plan_of_its_degree():
             except InfeasibleError:
                 continue
             bound = min(shape_lower_bound(problem, p, d) for q, d in problem.candidate_shapes() if q == p)
-            assert bound <= optimum * (1 + REL), (seed, p)
+            assert bound <= optimum * (1 + REL), (problem.to_json(), p)
 
 
 def test_split_is_optimal_for_fixed_replica_costs():
@@ -383,3 +384,171 @@ def test_large_problem_warm_start_is_fast():
     assert elapsed < 3.0
     uniform = Plan.uniform([d.id for d in problem.devices], 128, 4, 1024)
     assert plan.iteration_ms < evaluate(problem, uniform).iteration_ms
+
+
+# ---------------------------------------------------------------------------------- slow links
+LINK_SEEDS = range(150)
+
+
+def link_problem(seed: int) -> Problem:
+    """A small problem with slow links (tests/brute_oracle.py), one per seed."""
+    return random_link_problem(random.Random(10_000 + seed))
+
+
+def _healthy_links(problem: Problem) -> Problem:
+    return replace(problem, devices=tuple(replace(d, link_speed=1.0) for d in problem.devices))
+
+
+def test_link_problems_cover_every_option_and_links_matter():
+    problems = [link_problem(s) for s in LINK_SEEDS]
+    assert sum(p.shared_partition for p in problems) > 40 and sum(not p.shared_partition for p in problems) > 40
+    assert sum(p.allow_exclude for p in problems) > 40
+    assert sum(any(d.link_speed < 1 for d in p.devices) for p in problems) > 90
+    assert sum(any(d.link_speed > 1 for d in p.devices) for p in problems) > 20
+    # The optimum moves with the links in a good share of them (else the tests below prove little).
+    moved = sum(
+        not _close(_optimum(solve_brute, p), _optimum(solve_brute, _healthy_links(p))) for p in problems[::2]
+    )
+    assert moved >= 20
+
+
+def test_evaluate_prices_links_as_the_transfer_by_transfer_oracle():
+    rng = random.Random(11)
+    checked = 0
+    for seed in LINK_SEEDS:
+        problem = link_problem(seed)
+        ids = [d.id for d in problem.devices]
+        for _ in range(5):
+            p, d = rng.choice(problem.candidate_shapes())
+            chosen = rng.sample(ids, p * d) if problem.allow_exclude else rng.sample(ids, len(ids))
+            cuts = sorted(rng.sample(range(1, problem.num_layers), p - 1)) if p > 1 else []
+            bounds = (0, *cuts, problem.num_layers)
+            if any(bounds[j + 1] - bounds[j] < problem.min_layers_per_stage for j in range(p)):
+                continue
+            counts = [1] * d
+            for _ in range(problem.micro_batches - d):
+                counts[rng.randrange(d)] += 1
+            plan = Plan(tuple(Replica(tuple(chosen[r * p:(r + 1) * p]), bounds, counts[r]) for r in range(d)))
+            assert evaluate(problem, plan).iteration_ms == pytest.approx(price(problem, plan), rel=1e-12)
+            checked += 1
+    assert checked > 300
+
+
+def test_exact_agrees_with_brute_force_on_slow_link_problems():
+    config = PlannerConfig(solver="exact")
+    mismatches, proved = [], 0
+    for seed in LINK_SEEDS:
+        problem = link_problem(seed)
+        want = _optimum(solve_brute, problem)
+        try:
+            plan = solve_exact(problem)
+        except InfeasibleError:
+            got = None
+        else:
+            got = plan.iteration_ms
+            validate(problem, plan)
+            assert plan.status == "optimal" and plan.gap == 0.0
+            assert got == evaluate(problem, plan).iteration_ms
+            proved += 1
+        if not _close(got, want) or not _close(_optimum(lambda p: solve(p, config), problem), want):
+            mismatches.append((seed, want, got))
+    assert not mismatches
+    assert proved >= 100
+
+
+def test_layout_enumeration_alone_agrees_with_brute_force_on_slow_links():
+    """exact_search without the decomposition (which usually proves first): slow links in every position."""
+    for seed in range(0, 150, 2):
+        problem = link_problem(seed)
+        want = _optimum(solve_brute, problem)
+        model = Model(problem)
+        best = Best()
+        if seed % 4:
+            heuristic_search(model, best)
+        exact_search(model, 10**7, best)
+        got = None if math.isinf(best.value) else best.value
+        assert _close(got, want), (seed, want, got)
+        if got is not None:
+            plan = build_plan(model, best.grid, best.bounds, best.counts)
+            assert evaluate(problem, plan).iteration_ms == pytest.approx(got, rel=REL)
+
+
+@pytest.mark.parametrize("backend", MILP_BACKENDS)
+def test_milp_backends_agree_with_brute_force_on_slow_links(backend):
+    """The MILP alone (no hint) and with the exact plan as hint, on problems with slow links."""
+    module = importlib.import_module(f"resihp_lightning.solver.{'cpsat' if backend == 'cpsat' else 'pulp_backend'}")
+    function = getattr(module, f"solve_{backend}")
+    config = PlannerConfig(solver=backend, time_limit_s=20.0, num_workers=1)
+    for seed in range(1, 150, 3):
+        problem = link_problem(seed)
+        want = _optimum(solve_brute, problem)
+        hint = None
+        if seed % 2 and want is not None:
+            hint = solve_exact(problem)
+        try:
+            plan = function(problem, config, hint)
+        except InfeasibleError:
+            assert want is None, seed
+            continue
+        validate(problem, plan)
+        assert want is not None and plan.status == "optimal", seed
+        assert evaluate(problem, plan).iteration_ms == pytest.approx(want, rel=1e-5), seed
+
+
+def test_heuristic_phase_is_valid_on_slow_links():
+    for seed in range(0, 150, 3):
+        problem = link_problem(seed)
+        want = _optimum(solve_brute, problem)
+        try:
+            plan = solve_exact(problem, budget=0, decomposition_budget=0)
+        except InfeasibleError:
+            continue
+        validate(problem, plan)
+        assert want is not None and plan.iteration_ms >= want * (1 - REL)
+        assert plan.iteration_ms * (1 - plan.gap) <= want * (1 + REL)  # the reported bound is a bound
+
+
+def _routing_problem(**kw) -> Problem:
+    """4 devices, 8 layers of 2 ms, p2p 1 ms (half a layer); device 2's links run at 0.1 (u = 10)."""
+    memory = kw.pop("memory_mb", math.inf)
+    return Problem(
+        tuple(Layer(2.0, 100.0, 10.0) for _ in range(8)),
+        tuple(Device(i, 1.0, memory, 0.1 if i == 2 else 1.0) for i in range(4)),
+        8,
+        p2p_ms=1.0,
+        **kw,
+    )
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_planner_routes_around_a_slow_link(shared):
+    # Cheap all-reduce: device 2 keeps working, but as a one-stage replica (no transfers on its link).
+    problem = _routing_problem(allreduce_ms=0.2, shared_partition=shared)
+    even = Plan.uniform([0, 1, 2, 3], 8, 2, 8)  # device 2 holds stage 0 of replica 1: 4 x 2 + 1 x 10 ms
+    assert evaluate(problem, even).iteration_ms == pytest.approx(18 + 8 + 3 * 18 + 2.0)
+    for config in (PlannerConfig(solver="exact"), PlannerConfig(num_workers=1)):
+        plan = solve(problem, config)
+        validate(problem, plan)
+        assert plan.status == "optimal"
+        holding = [r for r in plan.replicas if 2 in r.devices]
+        assert holding and all(r.num_stages == 1 for r in holding)  # never between stages
+        assert plan.iteration_ms == pytest.approx(2 * 16.0 + 0.2 * 10)  # 4 x 1 stage, 2 micro-batches; AR x 10
+        assert plan.iteration_ms < evaluate(problem, even).iteration_ms
+        assert plan.iteration_ms == pytest.approx(solve_brute(problem).iteration_ms)
+    # With the same links healthy the planner would pipeline (the slow link is what it avoids).
+    assert solve(problem.healthy(), PlannerConfig(solver="exact")).iteration_ms < plan.iteration_ms
+
+
+def test_planner_idles_a_slow_link_when_memory_forces_pipelines():
+    # 8 layers of 100 MB on 500 MB devices: every plan has P >= 2, so device 2 would carry transfers.
+    problem = _routing_problem(allreduce_ms=2.0, memory_mb=500.0, allow_exclude=True, shared_partition=False)
+    plan = solve(problem, PlannerConfig(solver="exact"))
+    assert plan.status == "optimal" and 2 not in plan.device_ids
+    kept = solve(replace(problem, allow_exclude=False), PlannerConfig(solver="exact"))
+    assert 2 in kept.device_ids and plan.iteration_ms < kept.iteration_ms
+    # Made to keep it, the planner puts it last, where only its incoming transfer is slower (9 ms, not 10).
+    assert all(r.devices[-1] == 2 for r in kept.replicas if 2 in r.devices)
+    assert plan.iteration_ms == pytest.approx(solve_brute(problem).iteration_ms)
+    assert kept.iteration_ms == pytest.approx(solve_brute(replace(problem, allow_exclude=False)).iteration_ms)
+    cpsat = solve(problem, PlannerConfig(num_workers=1))
+    assert cpsat.iteration_ms == pytest.approx(plan.iteration_ms)

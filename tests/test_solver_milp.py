@@ -13,7 +13,7 @@ import sys
 from dataclasses import replace
 
 import pytest
-from brute_oracle import count_candidates, solve_brute
+from brute_oracle import count_candidates, random_link_problem, solve_brute
 
 from resihp_lightning.config import PlannerConfig
 from resihp_lightning.errors import ConfigError, InfeasibleError
@@ -172,6 +172,53 @@ def test_bottleneck_matches_enumeration():
         value, bounds = bottleneck(prefix, p, minl, p2p)
         assert value == best
         assert max(prefix[bounds[j + 1]] - prefix[bounds[j]] + (p2p if j < p - 1 else 0) for j in range(p)) == best
+
+
+def _link_problems() -> list[Problem]:
+    rng = random.Random(20260612)
+    return [random_link_problem(rng, max_devices=5, max_layers=5, max_candidates=5_000) for _ in range(40)]
+
+
+LINK_PROBLEMS = _link_problems()
+LINK_ORACLE = [_oracle(p) for p in LINK_PROBLEMS]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_backend_matches_brute_force_with_slow_links(engine):
+    """Per-class transfer terms by stage position and the all-reduce at the slowest link used."""
+    assert sum(t is not None for t in LINK_ORACLE) > 30
+    for index, (problem, expected) in enumerate(zip(LINK_PROBLEMS, LINK_ORACLE)):
+        if expected is None:
+            with pytest.raises(InfeasibleError):
+                _solve(engine, problem, num_workers=1)
+            continue
+        plan = _solve(engine, problem, num_workers=1)
+        validate(problem, plan)
+        assert evaluate(problem, plan).iteration_ms == pytest.approx(expected, rel=1e-6), f"problem {index}: {problem.to_json()}"
+        assert plan.status == "optimal"
+
+
+def test_model_admits_every_optimal_plan_at_its_price_with_slow_links():
+    checked = 0
+    for problem, expected in zip(LINK_PROBLEMS, LINK_ORACLE):
+        if expected is None:
+            continue
+        best = solve_brute(problem)
+        model = MilpModel(problem, best.pipeline_degree, choose_time_scale(expected))
+        values = model.encode(best)
+        assert values is not None and model.violations(values) == []
+        assert model.objective_ms(values) == pytest.approx(expected, rel=1e-6)
+        checked += 1
+    assert checked > 30
+    assert any(MilpModel(p, 1, 1000).arv is not None for p in LINK_PROBLEMS if (1, 2) in p.candidate_shapes())
+
+
+def test_bottleneck_takes_per_stage_transfer_units():
+    prefix = [0, 10, 20, 30, 40]
+    # A slow link at the last stage (it pays 7 or 30 units there): the last stage gets fewer layers.
+    assert bottleneck(prefix, 2, 1, [3, 7]) == (27, (0, 2, 4))
+    assert bottleneck(prefix, 2, 1, [3, 30]) == (40, (0, 3, 4))
+    assert bottleneck(prefix, 2, 1, 3) == bottleneck(prefix, 2, 1, [3, 0])
 
 
 @pytest.mark.parametrize("engine", ENGINES)

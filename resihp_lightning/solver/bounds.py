@@ -18,7 +18,12 @@ def shape_lower_bound(problem: Problem, pipeline_degree: int, data_degree: int, 
     ``T_r >= sum_j t_rj + (m_r - 1) tmax_r`` with ``tmax_r >= C / S_r`` and
     ``sum_j t_rj >= C / s_max + (P - 1) p2p``; summed over the replicas this gives::
 
-        T >= max(M C / S, C / s_max + (P - 1) p2p + (M - D) C / S) + (allreduce_ms if D > 1)
+        T >= max(M C / S, C / s_max + (P - 1) p2p + (M - D) C / S) + (allreduce_ms * u_D if D > 1)
+
+    Slow links only add to stage times (every transfer factor ``u >= 1``), so the body holds with
+    them. The all-reduce costs ``allreduce_ms * max u`` over the devices used: ``u_D`` is the least
+    that maximum can be, the (P*D)-th smallest link slowdown with ``allow_exclude`` and the largest
+    without it (1.0 when every link is healthy).
 
     Args:
         problem: the planning problem.
@@ -31,8 +36,7 @@ def shape_lower_bound(problem: Problem, pipeline_degree: int, data_degree: int, 
         The bound in ms.
     """
     p, d = pipeline_degree, data_degree
-    compute = prefix_sums(problem).compute[-1]
-    speeds = sorted((device.speed for device in problem.devices), reverse=True)
+    compute, speeds, slowdowns = _fleet(problem)
     top = sum(speeds[: p * d])
     m = problem.micro_batches
     work = m * compute / top
@@ -40,4 +44,24 @@ def shape_lower_bound(problem: Problem, pipeline_degree: int, data_degree: int, 
     body = max(work, bubble)
     if not with_allreduce:
         return body
-    return body + (problem.allreduce_ms if d > 1 else 0.0)
+    if d <= 1:
+        return body + 0.0
+    least = slowdowns[min(p * d, len(slowdowns)) - 1] if problem.allow_exclude else slowdowns[-1]
+    return body + problem.allreduce_ms * least
+
+
+#: The last few problems' (layers, devices, total compute, speeds descending, link slowdowns
+#: ascending): the searches ask for thousands of shape bounds of one problem.
+_FLEETS: list[tuple] = []
+
+
+def _fleet(problem: Problem) -> tuple[float, list[float], list[float]]:
+    for layers, devices, *found in _FLEETS:
+        if layers is problem.layers and devices is problem.devices:
+            return tuple(found)
+    compute = prefix_sums(problem).compute[-1]
+    speeds = sorted((device.speed for device in problem.devices), reverse=True)
+    slowdowns = sorted(device.link_slowdown for device in problem.devices)
+    _FLEETS.insert(0, (problem.layers, problem.devices, compute, speeds, slowdowns))
+    del _FLEETS[4:]
+    return compute, speeds, slowdowns

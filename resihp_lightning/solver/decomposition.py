@@ -9,7 +9,9 @@ micro-batches in all. Devices of one class are interchangeable, so that choice i
 replica *compositions* (:mod:`resihp_lightning.solver.knapsack`), solved exactly:
 
 * **Upper bounds first.** Every composition starts with a bound that needs no partition at all:
-  ``S >= C / s_max + (P - 1) p2p`` and ``X >= max(C / sum s (plus the p2p share), whole layers)``.
+  ``S >= C / s_max + (P - 1) p2p`` (with slow links, the least transfer sum of any arrangement of
+  its classes, :meth:`~.exact_model.Model.min_p2p_sum`) and
+  ``X >= max(C / sum s (plus the p2p share), whole layers)``.
   Pure replicas get their exact value from the bottleneck dynamic programme
   (:func:`~.exact.min_bottleneck`, memory included). When the knapsack over these values cannot
   reach M the shape is closed, before any partition of a mixed replica is searched.
@@ -22,6 +24,13 @@ replica *compositions* (:mod:`resihp_lightning.solver.knapsack`), solved exactly
 * **Shared partitions** add one search over the common bounds: a branch and bound whose nodes are
   cut when even the pure replicas of the largest class, with the best remaining stages, leave the
   knapsack short of M. At a leaf the compositions' values are exact for those bounds.
+* **Slow links.** A replica's stage times depend on its classes' positions (every arrangement is
+  priced, as for speeds), but the all-reduce, ``allreduce_ms`` times the slowest link used, couples
+  all replicas. With exclusion, D > 1 and classes of several link slowdowns, a shape is therefore
+  closed once per *link level* (:func:`link_levels`): only the classes whose links are at least
+  that fast, the all-reduce priced at that level. Every plan is priced exactly at its own level
+  and higher at the others, so closing every level closes the shape. With healthy links there is
+  one level, the shape itself.
 
 Every cut is a valid upper bound on micro-batches (so a lower bound on T), the knapsack is exact,
 and the split is exact, so a search that closes every shape has proven its incumbent optimal.
@@ -111,11 +120,16 @@ def arrangements(composition: tuple[int, ...]) -> list[tuple[int, ...]]:
 class _Shape:
     """The search of one shape (P, D); ``close`` returns normally when the shape is closed."""
 
-    def __init__(self, model: Model, best: Best, work: _Work, p: int, d: int) -> None:
+    def __init__(self, model: Model, best: Best, work: _Work, p: int, d: int,
+                 level: tuple[float, tuple[int, ...]] | None = None, pure_cache: dict | None = None) -> None:
         self.model, self.best, self.work, self.p, self.d = model, best, work, p, d
         self.problem = model.problem
-        self.counts = [len(c.ids) for c in model.classes]
-        self.allreduce = self.problem.allreduce_ms if d > 1 else 0.0
+        if level is None:
+            self.counts = [len(c.ids) for c in model.classes]
+            self.allreduce = self.problem.allreduce_ms if d > 1 else 0.0
+        else:
+            # One link level (:func:`link_levels`): only these classes, the all-reduce priced at it.
+            self.allreduce, self.counts = level[0], list(level[1])
         self.most = model.M - d + 1
         try:
             self.knapsack = ReplicaKnapsack(p, d, self.counts, self.problem.allow_exclude)
@@ -123,9 +137,11 @@ class _Shape:
             raise _Open(str(error)) from None
         self.free = self.knapsack.free
         slowest = min(c.speed for c in model.classes)
-        stage = model.pc[-1] / slowest + self.problem.p2p_ms
-        self.ceiling = 2 * (self.problem.allreduce_ms + (model.M + model.L + 1) * stage) + 1.0
-        self._pure: dict[tuple[int, int], tuple[float, tuple[int, ...] | None]] = {}
+        u_max = max(model.link)
+        stage = model.pc[-1] / slowest + self.problem.p2p_ms * (2 * u_max - 1)
+        self.ceiling = 2 * (self.problem.allreduce_ms * u_max + (model.M + model.L + 1) * stage) + 1.0
+        # (class, in flight) -> bottleneck partition; shared by the link levels of one shape.
+        self._pure: dict[tuple[int, int], tuple[float, tuple[int, ...] | None]] = {} if pure_cache is None else pure_cache
         self._arr: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
         self._start: tuple[float | None, dict] = (None, {})
         self._runs: dict[float, float] = {}
@@ -145,7 +161,8 @@ class _Shape:
     def upper(self, composition: tuple[int, ...], limit: float) -> int:
         """Micro-batches no replica of this composition can exceed within ``limit`` (any partition).
 
-        Starts from ``S >= C / s_max + (P - 1) p2p`` and ``X >= max(C / sum s (+ p2p share), whole
+        Starts from ``S >= C / s_max + (P - 1) p2p`` (with slow links, the least transfer sum of any
+        arrangement, :meth:`Model.min_p2p_sum`) and ``X >= max(C / sum s (+ p2p share), whole
         layers)``; then, for a candidate m, a replica running m needs ``X <= (limit - S) / (m - 1)``,
         so each stage holds at most the largest run of layers within ``X s_j``, and filling the
         fastest devices first gives the least S that allows; m is lowered until that fits.
@@ -154,14 +171,15 @@ class _Shape:
         speeds = sorted((model.classes[c].speed for c, n in enumerate(composition) for _ in range(n)), reverse=True)
         total = model.pc[-1]
         s_sum, s_max = sum(speeds), speeds[0]
-        base_sum = total / s_max + (self.p - 1) * p2p
+        p2p_sum = model.min_p2p_sum([c for c, n in enumerate(composition) for _ in range(n)], self.p)
+        base_sum = total / s_max + p2p_sum
         worst = max((total + p2p * (s_sum - s_max)) / s_sum, model.layer_bound(tuple(speeds), 0))
         m = count(limit, base_sum, worst, self.most)
         while m > 1:
             stages_sum = base_sum
             for _ in range(3):  # a lower S cap allows less per stage, which raises S: iterate
                 cap = (limit - stages_sum) / (m - 1)
-                least = self._least_sum(speeds, cap)
+                least = self._least_sum(speeds, cap, p2p_sum)
                 if least <= stages_sum:
                     break
                 stages_sum = least
@@ -170,10 +188,10 @@ class _Shape:
             m -= 1
         return m
 
-    def _least_sum(self, speeds: list[float], cap: float) -> float:
-        """The least ``sum_j c_j / s_j + (P - 1) p2p`` when stage j holds at most ``cap`` ms at its speed."""
+    def _least_sum(self, speeds: list[float], cap: float, p2p_sum: float) -> float:
+        """The least ``sum_j c_j / s_j + p2p_sum`` when stage j holds at most ``cap`` ms at its speed."""
         left = self.model.pc[-1]
-        out = (self.p - 1) * self.problem.p2p_ms
+        out = p2p_sum
         for s in speeds:  # fastest first: the cheapest place for compute
             take = min(left, self._longest_run(cap * s))
             out += take / s
@@ -204,7 +222,7 @@ class _Shape:
         from resihp_lightning.solver.exact import min_bottleneck
 
         model, p = self.model, self.p
-        total = model.pc[-1] / model.classes[cls].speed + (p - 1) * self.problem.p2p_ms
+        total = model.pc[-1] / model.classes[cls].speed + model.pure_p2p_sum(cls, p)
         for m in [p] + list(range(min(p - 1, self.most), 0, -1)):
             key = (cls, m)
             if key not in self._pure:
@@ -267,7 +285,8 @@ class _Shape:
         result = split(groups, self.model.M)
         if result is None:
             return False
-        value = result[0] + self.allreduce
+        # The plan's own all-reduce (at most the level's: its slowest link may be faster).
+        value = result[0] + (self.model.grid_allreduce([t for t, _, _ in rows], self.d) if self.model.slow_links else self.allreduce)
         incumbent = min(self.best.value, self.ceiling)
         if not value < incumbent - 1e-12 * max(1.0, abs(incumbent)):
             return False  # rounding at the limit: nothing strictly better
@@ -330,7 +349,7 @@ class _Shape:
         self._limit_seen = None
         self._g: list = []
         s_f = model.classes[self.free].speed
-        self._free_sum = model.pc[-1] / s_f + (p - 1) * self.problem.p2p_ms
+        self._free_sum = model.pc[-1] / s_f + model.pure_p2p_sum(self.free, p)
         self._bounds = [0] * (p + 1)
         self._bounds[p] = model.L
         self._visit(0, 0, 0.0, self.most)
@@ -372,7 +391,7 @@ class _Shape:
             limit = self._refresh()
             if limit <= 0 or self._need > self.most:
                 return
-            t = model.stage_time(a, b, self.free, last)
+            t = model.stage_time(a, b, self.free, j, p)
             stage_cap = model.stage_cap(a, b, self.free, p - j)
             if self._need > 0 and count(limit, self._free_sum, t, min(stage_cap, self.most)) < self._need:
                 return  # longer stages only take more time and memory on the free class
@@ -391,7 +410,7 @@ class _Shape:
         model, p = self.model, self.p
         limit = self._refresh()
         n_cls = len(model.classes)
-        times = [[model.stage_time(bounds[j], bounds[j + 1], c, j == p - 1) for c in range(n_cls)] for j in range(p)]
+        times = [[model.stage_time(bounds[j], bounds[j + 1], c, j, p) for c in range(n_cls)] for j in range(p)]
         caps = [[model.stage_cap(bounds[j], bounds[j + 1], c, p - j) for c in range(n_cls)] for j in range(p)]
 
         def value(types: tuple[int, ...]) -> int:
@@ -436,29 +455,66 @@ def decomposition_search(model: Model, best: Best, budget: int) -> Outcome:
     problem = model.problem
     work = _Work(0, budget)
     shapes = sorted(problem.candidate_shapes(), key=lambda s: shape_lower_bound(problem, *s))
-    left: list[_Shape | tuple[int, int]] = []
+    left: list[tuple[int, int, tuple | None]] = []
     for p, d in shapes:
         if shape_lower_bound(problem, p, d) >= best.value:
             continue
-        try:
-            shape = _Shape(model, best, work, p, d)
-            if problem.shared_partition:
-                shape.close_shared()
-            else:
-                shape.close_per_replica()
-        except _Open:
-            left.append((p, d))
+        pure_cache: dict = {}
+        for level in link_levels(model, p, d):
+            if level is not None and _level_floor(problem, p, d, level) >= best.value:
+                continue
+            try:
+                shape = _Shape(model, best, work, p, d, level, pure_cache)
+                if problem.shared_partition:
+                    shape.close_shared()
+                else:
+                    shape.close_per_replica()
+            except _Open:
+                left.append((p, d, level))
     bound = best.value
     open_shapes = []
-    for p, d in left:
+    for p, d, level in left:
         lb = shape_lower_bound(problem, p, d)
+        if level is not None:
+            lb = max(lb, _level_floor(problem, p, d, level))
         if lb >= best.value:
             continue
-        open_shapes.append((p, d))
+        if (p, d) not in open_shapes:
+            open_shapes.append((p, d))
         try:
             # The bound of an open shape gets a budget of its own: it is cheap and keeps the gap honest.
-            lb = max(lb, _Shape(model, best, _Work(0, max(budget // 4, 2_000)), p, d).lower_bound())
+            lb = max(lb, _Shape(model, best, _Work(0, max(budget // 4, 2_000)), p, d, level).lower_bound())
         except _Open:
             pass
         bound = min(bound, lb)
     return Outcome(not open_shapes, bound, open_shapes)
+
+
+def link_levels(model: Model, p: int, d: int) -> list[tuple[float, tuple[int, ...]] | None]:
+    """The link levels a shape is closed over: ``[None]`` (the whole shape) unless links split it.
+
+    The all-reduce costs ``allreduce_ms * max u`` over the devices a plan uses, which couples all
+    replicas. With ``allow_exclude``, D > 1 and classes of different link slowdowns u, the shape
+    is searched once per level U (a distinct u, ascending): only the classes with ``u <= U``, the
+    all-reduce priced at ``allreduce_ms * U``. Every plan lies in the level of its slowest link,
+    where it is priced exactly, and elsewhere it is priced higher, so closing every level closes
+    the shape. Without exclusion every device is used, so the one level is the slowest link.
+    Each level is ``(allreduce_ms * U, devices per class with the others at 0)``.
+    """
+    problem = model.problem
+    if not model.slow_links or d <= 1 or problem.allreduce_ms == 0:
+        return [None]
+    counts = [len(c.ids) for c in model.classes]
+    if not problem.allow_exclude:
+        return [(problem.allreduce_ms * max(model.link), tuple(counts))]
+    levels = []
+    for u in sorted(set(model.link)):
+        allowed = tuple(n if model.link[c] <= u else 0 for c, n in enumerate(counts))
+        if sum(allowed) >= p * d:
+            levels.append((problem.allreduce_ms * u, allowed))
+    return levels
+
+
+def _level_floor(problem, p: int, d: int, level: tuple[float, tuple[int, ...]]) -> float:
+    """A lower bound on T over the plans of one link level (the shape bound with its all-reduce)."""
+    return shape_lower_bound(problem, p, d, with_allreduce=False) + level[0]

@@ -6,8 +6,8 @@ optimal or replaces it with the optimum, within a work budget. Both work on the 
 :mod:`resihp_lightning.solver.exact_model`.
 
 * **Exact phase** (this module; status ``"optimal"`` when it completes). Devices are grouped into
-  classes of equal (speed, memory); devices of one class are interchangeable, and so is the order of
-  the replicas. For every shape (P, D) of :meth:`Problem.candidate_shapes` (pruned by
+  classes of equal (speed, link slowdown, memory); devices of one class are interchangeable, and so
+  is the order of the replicas. For every shape (P, D) of :meth:`Problem.candidate_shapes` (pruned by
   :func:`~resihp_lightning.solver.bounds.shape_lower_bound`), every choice of how many devices of each
   class to use (``allow_exclude``), and every assignment of classes to the P x D grid up to replica
   order (:mod:`resihp_lightning.solver.enumeration`), it searches the stage bounds:
@@ -26,7 +26,9 @@ optimal or replaces it with the optimum, within a work budget. Both work on the 
     new value, else the layout is done. Without any incumbent (the heuristic found nothing) every
     bounds vector is priced instead, reduced to ``f(m) = min_b T_r(b, m)`` and split greedily.
 
-  For fixed per-replica costs the micro-batch split is solved exactly
+  A layout fixes which classes are used, hence its all-reduce (``allreduce_ms`` times the slowest
+  link among them, :meth:`Model.grid_allreduce`), and each class's stage position, hence its
+  transfer terms. For fixed per-replica costs the micro-batch split is solved exactly
   (:mod:`resihp_lightning.solver.microbatch_split`). A completed search is a proof of optimality for
   the model.
 
@@ -90,7 +92,7 @@ def _exact_shared(model: Model, p: int, d: int, grid: tuple, best: Best, ticks: 
     which is monotone in all three.
     """
     problem = model.problem
-    allreduce = problem.allreduce_ms if d > 1 else 0.0
+    allreduce = model.grid_allreduce(grid, d)
     kinds = list(Counter(grid).items())
     n_kinds = len(kinds)
     counts = [n for _, n in kinds]
@@ -132,7 +134,7 @@ def _exact_shared(model: Model, p: int, d: int, grid: tuple, best: Best, ticks: 
             ticks[0] += 1
             new_sums, new_maxes, new_caps = [], [], []
             for k, (types, _) in enumerate(kinds):
-                t = model.stage_time(a, b, types[j], last)
+                t = model.stage_time(a, b, types[j], j, p)
                 new_sums.append(sums[k] + t)
                 new_maxes.append(max(maxes[k], t))
                 new_caps.append(min(caps[k], model.stage_cap(a, b, types[j], p - j)))
@@ -161,7 +163,7 @@ def _exact_shared(model: Model, p: int, d: int, grid: tuple, best: Best, ticks: 
 def _exact_per_replica(
     model: Model, p: int, d: int, grid: tuple, best: Best, ticks: list[int], budget: int, cache: dict
 ) -> None:
-    allreduce = model.problem.allreduce_ms if d > 1 else 0.0
+    allreduce = model.grid_allreduce(grid, d)
     m_top = model.M - d + 1
     funcs, argb = [], []
     for t in grid:
@@ -200,8 +202,7 @@ def min_bottleneck(model: Model, cls: int, p: int, m: int) -> tuple[float, tuple
 
     pc = np.asarray(model.pc, dtype=float)
     span = (pc[None, :] - pc[:, None]) / model.classes[cls].speed
-    p2p = model.problem.p2p_ms
-    costs = [span + (p2p if j < p - 1 else 0.0) for j in range(p)]
+    costs = [span + model.stage_p2p(cls, j, p) for j in range(p)]
     allowed = [_fitting_stages(model, cls, p, j, m) for j in range(p)]
     found = min_max_partition(costs, allowed, latest_start_on_ties=True)
     if found is None:
@@ -231,7 +232,7 @@ def _fitting_stages(model: Model, cls: int, p: int, j: int, m: int) -> np.ndarra
 
 def _max_micro_batches_pure(model: Model, cls: int, p: int, limit: float, most: int, ticks: list[int], budget: int, cache: dict):
     """:func:`_max_micro_batches` for a replica of one class: S is fixed, so only the bottleneck matters."""
-    total = model.pc[-1] / model.classes[cls].speed + (p - 1) * model.problem.p2p_ms
+    total = model.pc[-1] / model.classes[cls].speed + model.pure_p2p_sum(cls, p)
     for m in [p] + list(range(min(p - 1, most), 0, -1)):
         key = ("pure", cls, p, m)
         if key not in cache:
@@ -278,7 +279,7 @@ def _max_micro_batches(
             ticks[0] += 1
             if ticks[0] > budget:
                 raise _BudgetExceeded
-            t = model.stage_time(a, b, types[j], last)
+            t = model.stage_time(a, b, types[j], j, p)
             new_cap = min(cap, model.stage_cap(a, b, types[j], p - j))
             if new_cap < 1:
                 break  # more layers only need more memory
@@ -312,7 +313,7 @@ def _exact_per_replica_bnb(
     kinds' bounds give a strictly better plan (its exact split is taken) and the question is asked
     again, else this layout cannot beat the incumbent. Each round lowers the incumbent, so it ends.
     """
-    allreduce = model.problem.allreduce_ms if d > 1 else 0.0
+    allreduce = model.grid_allreduce(grid, d)
     kinds = list(Counter(grid).items())
     most = model.M - d + 1
     while True:
@@ -326,7 +327,7 @@ def _exact_per_replica_bnb(
         for types, _ in kinds:
             speeds = tuple(model.classes[c].speed for c in types)
             compute = model.pc[-1]
-            total_lb = compute / max(speeds) + (p - 1) * model.problem.p2p_ms
+            total_lb = compute / max(speeds) + model.min_p2p_sum(types, p)
             worst_lb = max(compute / sum(speeds), model.layer_bound(speeds, 0))
             upper[types] = count(limit, total_lb, worst_lb, most)
         found = []

@@ -1,7 +1,7 @@
 """The class-level model shared by the exact planner's phases.
 
 :class:`Model` holds the prefix sums of one :class:`~resihp_lightning.plan.Problem` and prices
-stages on device classes (devices of equal speed and memory); :class:`Best` keeps the best
+stages on device classes (devices of equal speed, link slowdown and memory); :class:`Best` keeps the best
 class-level layout either phase has found, and :func:`build_plan` turns it into a
 :class:`~resihp_lightning.plan.Plan` with real device ids.
 """
@@ -12,7 +12,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from resihp_lightning.plan import EPS, Plan, Problem, Replica, device_classes, prefix_sums
+from resihp_lightning.plan import EPS, Plan, Problem, Replica, device_classes, prefix_sums, stage_p2p_ms
 
 
 class Model:
@@ -31,6 +31,57 @@ class Model:
         for a in range(self.L - 1, -1, -1):
             self.cheapest[a] = min(self.cheapest[a + 1], problem.layers[a].compute_ms)
         self._layer_bound_memo: dict[tuple[tuple[float, ...], int], float] = {}
+        # Per class, the transfer time of a stage by its position: [only, first, last, middle]
+        # (index ``2 * (j > 0) + (j < P - 1)``), from plan.stage_p2p_ms so that it rounds alike.
+        p2p = problem.p2p_ms
+        self.link = [c.link_slowdown for c in self.classes]
+        self._p2p = [
+            (stage_p2p_ms(p2p, u, 0, 1), stage_p2p_ms(p2p, u, 0, 2), stage_p2p_ms(p2p, u, 1, 2), stage_p2p_ms(p2p, u, 1, 3))
+            for u in self.link
+        ]
+        #: Some class has a slow link (u > 1); False means the model is the one without link speeds.
+        self.slow_links = any(u > 1.0 for u in self.link)
+
+    def stage_p2p(self, cls: int, j: int, p: int) -> float:
+        """Transfer time of stage j of P on class ``cls`` (:func:`~resihp_lightning.plan.stage_p2p_ms`)."""
+        return self._p2p[cls][2 * (j > 0) + (j < p - 1)]
+
+    def max_stage_p2p(self, cls: int) -> float:
+        """The most transfer time a stage on class ``cls`` can pay (a middle stage's)."""
+        return self._p2p[cls][3]
+
+    def pure_p2p_sum(self, cls: int, p: int) -> float:
+        """``sum_j`` of the transfer times of a replica of P stages all on class ``cls``.
+
+        ``(P - 1) p2p (2u - 1)``; with u = 1 exactly ``(P - 1) p2p`` as without link speeds.
+        """
+        return (p - 1) * self._p2p[cls][3]
+
+    def min_p2p_sum(self, types, p: int) -> float:
+        """A lower bound on ``sum_j`` transfer times of P stages on these classes in any order.
+
+        Stage j pays ``p2p ([j < P-1] u_j + [j > 0] (u_j - 1))``, so the sum is
+        ``p2p (2 sum u - u_first - u_last - (P - 1))``, least with the two slowest links at the ends.
+        """
+        if p <= 1:
+            return 0.0
+        us = [self.link[c] for c in types]
+        if max(us) == 1.0:
+            return (p - 1) * self.problem.p2p_ms
+        top = sorted(us, reverse=True)
+        return self.problem.p2p_ms * (2 * sum(us) - top[0] - top[1] - (p - 1))
+
+    def allreduce(self, classes, d: int) -> float:
+        """The all-reduce of a plan of D replicas using these classes: ``allreduce_ms * max u`` when D > 1."""
+        if d <= 1:
+            return 0.0
+        return self.problem.allreduce_ms * max(self.link[c] for c in classes)
+
+    def grid_allreduce(self, grid, d: int) -> float:
+        """:meth:`allreduce` of a class-level grid (one tuple of class ids per replica)."""
+        if d <= 1:
+            return 0.0
+        return self.allreduce({c for types in grid for c in types}, d)
 
     def layer_bound(self, speeds: tuple[float, ...], a: int) -> float:
         """A lower bound on the slowest of stages at ``speeds`` holding layers a..L-1, from whole layers.
@@ -58,8 +109,9 @@ class Model:
         self._layer_bound_memo[key] = value
         return value
 
-    def stage_time(self, a: int, b: int, cls: int, last: bool) -> float:
-        return (self.pc[b] - self.pc[a]) / self.classes[cls].speed + (0.0 if last else self.problem.p2p_ms)
+    def stage_time(self, a: int, b: int, cls: int, j: int, p: int) -> float:
+        """t of stage j of P holding layers a..b-1 on class ``cls`` (as :func:`~resihp_lightning.plan.evaluate`)."""
+        return (self.pc[b] - self.pc[a]) / self.classes[cls].speed + self._p2p[cls][2 * (j > 0) + (j < p - 1)]
 
     def stage_cap(self, a: int, b: int, cls: int, in_flight_max: int) -> int:
         """The most micro-batches stage [a, b) fits on class ``cls`` (``M`` when memory never binds)."""
@@ -80,7 +132,7 @@ class Model:
         p = len(types)
         total, worst, cap = 0.0, 0.0, self.M
         for j, cls in enumerate(types):
-            t = self.stage_time(bounds[j], bounds[j + 1], cls, j == p - 1)
+            t = self.stage_time(bounds[j], bounds[j + 1], cls, j, p)
             total += t
             worst = max(worst, t)
             cap = min(cap, self.stage_cap(bounds[j], bounds[j + 1], cls, p - j))

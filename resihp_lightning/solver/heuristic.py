@@ -52,14 +52,14 @@ def bottleneck_bounds(model: Model, types: Sequence[int], m: int) -> tuple[int, 
                 b = model.L
             else:
                 speed = model.classes[cls].speed
-                budget_c = (cap - model.problem.p2p_ms) * speed
+                budget_c = (cap - model.stage_p2p(cls, j, p)) * speed
                 b = bisect.bisect_right(model.pc, model.pc[a] + budget_c + 1e-12, earliest, latest + 1) - 1
                 b = min(b, latest)
                 while b > earliest and model.stage_cap(a, b, cls, p - j) < m:
                     b -= 1
                 if b < earliest:
                     return None
-            if model.stage_time(a, b, cls, last) > cap * (1 + 1e-12) + 1e-12:
+            if model.stage_time(a, b, cls, j, p) > cap * (1 + 1e-12) + 1e-12:
                 return None
             if model.stage_cap(a, b, cls, p - j) < m:
                 return None
@@ -67,7 +67,7 @@ def bottleneck_bounds(model: Model, types: Sequence[int], m: int) -> tuple[int, 
             a = b
         return tuple(bounds)
 
-    hi = max(model.pc[-1] / model.classes[c].speed for c in types) + model.problem.p2p_ms
+    hi = max(model.pc[-1] / model.classes[c].speed for c in types) + max(model.max_stage_p2p(c) for c in types)
     found = greedy(hi)
     if found is None:
         return None
@@ -98,9 +98,9 @@ class Stages:
             self._refresh(j)
 
     def _refresh(self, j: int) -> None:
-        a, b, last = self.bounds[j], self.bounds[j + 1], j == self.p - 1
+        a, b = self.bounds[j], self.bounds[j + 1]
         for k, (types, _) in enumerate(self.kinds):
-            self.times[k][j] = self.model.stage_time(a, b, types[j], last)
+            self.times[k][j] = self.model.stage_time(a, b, types[j], j, self.p)
             self.caps[k][j] = self.model.stage_cap(a, b, types[j], self.p - j)
 
     def set(self, index: int, value: int) -> None:
@@ -199,7 +199,7 @@ def _offer_shared(model: Model, best: Best, kinds, bounds, d: int, allreduce: fl
 
 def _shared_candidates(model: Model, p: int, d: int, grid: tuple) -> list[tuple[tuple, tuple, list, tuple]]:
     """(quick value, bounds, kinds, shape) for each start of a shared-partition layout."""
-    allreduce = model.problem.allreduce_ms if d > 1 else 0.0
+    allreduce = model.grid_allreduce(grid, d)
     kinds = list(Counter(grid).items())
     per_replica_m = max(1, model.M // d)
     out = []
@@ -216,7 +216,7 @@ def _shared_candidates(model: Model, p: int, d: int, grid: tuple) -> list[tuple[
 
 def _per_replica_layout(model: Model, p: int, d: int, grid: tuple, best: Best, polish: bool) -> float:
     """Per-replica partitions: alternate bounds per (kind, m) and the split; returns the best value."""
-    allreduce = model.problem.allreduce_ms if d > 1 else 0.0
+    allreduce = model.grid_allreduce(grid, d)
     kinds = list(Counter(grid).items())
     cache: dict[tuple[tuple[int, ...], int], tuple[int, ...] | None] = {}
 
@@ -304,7 +304,7 @@ def heuristic_search(model: Model, best: Best) -> None:
                 found = _shared_candidates(model, p, d, grid)
                 for value, bounds, kinds, _ in found:
                     if value[0] < best.value:
-                        _offer_shared(model, best, kinds, bounds, d, problem.allreduce_ms if d > 1 else 0.0)
+                        _offer_shared(model, best, kinds, bounds, d, model.grid_allreduce(grid, d))
                 quick.extend(found)
             else:
                 quick.append(((_per_replica_layout(model, p, d, grid, best, polish=False), 0.0), grid, None, (p, d)))
@@ -312,7 +312,7 @@ def heuristic_search(model: Model, best: Best) -> None:
     for value, key, kinds, (p, d) in quick[:POLISH]:
         if math.isinf(value[0]):
             continue
-        allreduce = problem.allreduce_ms if d > 1 else 0.0
+        allreduce = model.grid_allreduce([t for t, _ in kinds] if problem.shared_partition else key, d)
         if problem.shared_partition:
             _offer_shared(model, best, kinds, key, d, allreduce)
             bounds, _ = local_search(Stages(model, kinds, key), _shared_objective(model, allreduce), model.min_layers)

@@ -55,8 +55,9 @@ def crude_upper_ms(problem: Problem) -> float:
     """An upper bound on any plan's T (all layers on the slowest device, every micro-batch serial)."""
     compute = prefix_sums(problem).compute[-1]
     slowest = min(d.speed for d in problem.devices)
-    stage = compute / slowest + problem.p2p_ms
-    return problem.allreduce_ms + (problem.micro_batches + problem.num_layers) * stage
+    u_max = max(d.link_slowdown for d in problem.devices)  # a middle stage pays p2p (2u - 1)
+    stage = compute / slowest + problem.p2p_ms * (2 * u_max - 1)
+    return problem.allreduce_ms * u_max + (problem.micro_batches + problem.num_layers) * stage
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,7 @@ from resihp_lightning.plan import (
     even_bounds,
     even_split,
     prefix_sums,
+    stage_p2p_ms,
 )
 from resihp_lightning.solver.bottleneck import min_max_partition
 from resihp_lightning.solver.bounds import shape_lower_bound
@@ -121,7 +122,7 @@ def bottleneck(
     tprefix: Sequence[int],
     p: int,
     minl: int,
-    p2p: int,
+    p2p: int | Sequence[int],
     memory: tuple[Sequence[float], Sequence[float], float, int] | None = None,
 ) -> tuple[int, tuple[int, ...]] | None:
     """The least possible slowest-stage time of P stages of one speed, and its bounds.
@@ -131,7 +132,8 @@ def bottleneck(
 
     Args:
         tprefix: prefix sums of the layers' times on this speed (integer units).
-        p: stages; minl: fewest layers per stage; p2p: units added to every stage but the last.
+        p: stages; minl: fewest layers per stage; p2p: units added to every stage but the last, or
+            a sequence of P: the units added to each stage (a class with a slow link).
         memory: ``(static prefix, activation prefix, capacity, k)``: only stages that fit with
             ``min(P - j, k)`` micro-batches in flight are allowed (checked in MB, like ``evaluate``).
 
@@ -150,8 +152,9 @@ def bottleneck(
         static = s_arr[None, :] - s_arr[:, None]
         act = a_arr[None, :] - a_arr[:, None]
     costs, allowed = [], []
+    extras = [p2p if j < p - 1 else 0 for j in range(p)] if isinstance(p2p, int) else list(p2p)
     for j in range(p):
-        costs.append(span + (p2p if j < p - 1 else 0))
+        costs.append(span + extras[j])
         if memory is None:
             allowed.append(wide)
         else:
@@ -259,8 +262,17 @@ class MilpModel:
         self.acoef = [round(a * MEMORY_SCALE) for a in act]
         p2p = self.p2p_units = round(pb.p2p_ms * ts)
         ar = self.ar_units = round(pb.allreduce_ms * ts)
-        big_t = max(row[L] for row in self.tcoef) + p2p  # the longest a stage can take
-        upper = big_t * (M + p) + ar  # T never needs more than this
+        # Transfer units per class and stage position [only, first, last, middle]
+        # (plan.stage_p2p_ms; with a healthy link: 0, p2p, 0, p2p).
+        self.link = [c.link_slowdown for c in classes]
+        self.p2p_pos = [
+            [round(stage_p2p_ms(pb.p2p_ms, u, j, q) * ts) for j, q in ((0, 1), (0, 2), (1, 2), (1, 3))]
+            for u in self.link
+        ]
+        # The all-reduce per class when it is the slowest link used (with healthy links all ar).
+        self.ar_class = [round(pb.allreduce_ms * u * ts) for u in self.link]
+        big_t = max(row[L] for row in self.tcoef) + max(pos[3] for pos in self.p2p_pos)  # the longest a stage can take
+        upper = big_t * (M + p) + max(self.ar_class)  # T never needs more than this
         if cutoff_ms is not None:
             upper = min(upper, math.ceil(cutoff_ms * ts) + 2 * (p + M) + 2)
         self.t_hi = max(min(big_t, upper), 0)
@@ -278,6 +290,10 @@ class MilpModel:
             self.delta, self._delta_const = None, 1
         else:
             self.delta, self._delta_const = self._var("delta", 0, 1), None
+        # With slow links the all-reduce depends on the classes used: a variable (rows below).
+        self.arv = None
+        if d_max > 1 and max(self.ar_class) > ar:
+            self.arv = self._var("allreduce", 0, max(self.ar_class), integer=False)
 
         def k_cap(tsum: int, tlo: int) -> int:
             room = upper - tsum
@@ -292,7 +308,7 @@ class MilpModel:
             tab = {}
             for f in levels:
                 mem = (stat, act, cls.memory_mb, f) if self._memory_binds(cls.memory_mb) else None
-                res = bottleneck(self.tcoef[c], p, minl, p2p, mem)
+                res = bottleneck(self.tcoef[c], p, minl, [self.extra(c, j) for j in range(p)], mem)
                 if res is None:
                     break
                 tab[f] = res
@@ -309,7 +325,7 @@ class MilpModel:
             if n_hi == 0 or not tab:
                 continue
             g = _Group(cls=c, grid=shared)
-            g.tsum = self.tcoef[c][L] + (p - 1) * p2p
+            g.tsum = self.tcoef[c][L] + sum(self.extra(c, j) for j in range(p))
             g.tlo = tab[min(tab)][0]
             g.kmax = k_cap(g.tsum, g.tlo)
             if self._memory_binds(cls.memory_mb) and max(tab) < min(p, M):
@@ -437,19 +453,59 @@ class MilpModel:
             if g.kmax < 1:
                 self._add({g.u: 1}, ub=0, name=f"unusable[{gi}]")
             for row, name in rows:
-                if self.delta is not None:
+                if self.arv is not None:
+                    self._acc(row, self.arv, -1)
+                    self._add(row, lb=0, name=f"{name}[{gi}]")
+                elif self.delta is not None:
                     self._acc(row, self.delta, -ar)
                     self._add(row, lb=0, name=f"{name}[{gi}]")
                 else:
                     self._add(row, lb=ar * self._delta_const, name=f"{name}[{gi}]")
 
         cut = {self.T: 1}
-        if self.delta is not None:
+        if self.arv is not None:
+            cut[self.arv] = -1
+            self._add(cut, lb=lb_units, name="cut")
+            self._build_allreduce()
+        elif self.delta is not None:
             cut[self.delta] = -ar
             self._add(cut, lb=lb_units, name="cut")
         else:
             self._add(cut, lb=lb_units + ar * self._delta_const, name="cut")
         self._build_memory()
+
+    def extra(self, c: int, j: int) -> int:
+        """Transfer units of stage j on class c (:func:`~resihp_lightning.plan.stage_p2p_ms`, rounded)."""
+        p = self.pipeline_degree
+        return self.p2p_pos[c][2 * (j > 0) + (j < p - 1)]
+
+    def _build_allreduce(self) -> None:
+        """``A >= ar_c [D > 1] [class c used]`` for every class: the ring runs at its slowest link.
+
+        A class is used when its pure group is (``u``) or a mixed slot puts it on some stage
+        (``x[j][c]``): ``A >= ar_c (indicator + delta - 1)``, or ``A >= ar_c indicator`` when
+        D > 1 is certain. Classes at the healthy value need only ``A >= ar delta``.
+        """
+        ar, p = self.ar_units, self.pipeline_degree
+        base = {self.arv: 1}
+        if self.delta is not None:
+            base[self.delta] = -ar
+            self._add(base, lb=0, name="allreduce")
+        else:
+            self._add(base, lb=ar * self._delta_const, name="allreduce")
+        for c, ar_c in enumerate(self.ar_class):
+            if ar_c <= ar:
+                continue
+            indicators = [g.u for g in self.groups if g.cls == c]
+            indicators += [g.x[j][c] for g in self.groups if g.cls is None for j in range(p)]
+            for i, ind in enumerate(indicators):
+                row = {self.arv: 1, ind: -ar_c}
+                if self.delta is not None:
+                    row[self.delta] = -ar_c
+                    self._add(row, lb=-ar_c, name=f"allreduce[{c}][{i}]",
+                              indicator=((ind,), {self.arv: 1, self.delta: -ar_c}, 0, None))
+                else:
+                    self._add(row, lb=0, name=f"allreduce[{c}][{i}]")
 
     def _memory_binds(self, capacity: float) -> bool:
         """Whether some legal stage could overflow ``capacity`` (widest stage, P micro-batches in flight)."""
@@ -540,8 +596,8 @@ class MilpModel:
         g.tmax = self._var(f"tmax[{gi}]", 0, t_hi, integer=False)
         cls_list = [g.cls] if g.cls is not None else list(range(len(self.classes)))
         for j in range(p):
-            extra = self.p2p_units if j < p - 1 else 0
             for c in cls_list:
+                extra = self.extra(c, j)
                 ind = g.u if g.cls is not None else g.x[j][c]
                 big = self.tcoef[c][-1] + extra
                 # t >= stage_c + extra - big (1 - ind)
@@ -776,13 +832,20 @@ class MilpModel:
             b = grids[id(g.grid)]
             for j in range(p):
                 c = g.cls if g.cls is not None else next(c for c in range(len(self.classes)) if vals[g.x[j][c]])
-                extra = self.p2p_units if j < p - 1 else 0
-                vals[g.t[j]] = self.tcoef[c][b[j + 1]] - self.tcoef[c][b[j]] + extra
+                vals[g.t[j]] = self.tcoef[c][b[j + 1]] - self.tcoef[c][b[j]] + self.extra(c, j)
             vals[g.tmax] = max(vals[t] for t in g.t)
             for bit in range(nbits):
                 vals[g.w[bit]] = vals[g.tmax] if vals[g.z[bit]] else 0
             T = max(T, sum(vals[t] for t in g.t) + (k - 1) * vals[g.tmax])
-        vals[self.T] = T + self.ar_units * delta
+        if self.arv is not None:
+            used = {g.cls for g in self.groups if g.cls is not None and vals[g.u]}
+            used |= {c for g in self.groups if g.cls is None and vals[g.u]
+                     for j in range(p) for c in range(len(self.classes)) if vals[g.x[j][c]]}
+            vals[self.arv] = max([self.ar_units] + [self.ar_class[c] for c in used]) * delta
+            T += vals[self.arv]
+        else:
+            T += self.ar_units * delta
+        vals[self.T] = T
         for con in self.constraints:  # the cuts may sit above the rounded value
             if con.name == "cut" or con.name.startswith(("T_cut", "T_chord")):
                 need = con.lb - sum(c * vals[v] for v, c in con.terms if v != self.T)

@@ -125,3 +125,73 @@ def test_bad_forward_fraction_is_refused():
     problem = _problem([1.0])
     with pytest.raises(ConfigError, match="forward_fraction"):
         simulate(problem, Plan((Replica((0,), (0, 6), 6),)), forward_fraction=1.5)
+
+
+# ------------------------------------------------------------------------------------ slow links
+def _link_times(compute, p2p, u):
+    p = len(compute)
+    return [c + p2p * ((u[j] if j < p - 1 else 0.0) + ((u[j] - 1.0) if j > 0 else 0.0)) for j, c in enumerate(compute)]
+
+
+@pytest.mark.parametrize("forward_fraction", [0.0, 1 / 3, 1.0])
+def test_slow_links_keep_uniform_stages_exact(forward_fraction):
+    rng = random.Random(3)
+    for stages in range(1, 7):
+        for m in (1, 2, 5, 9):
+            u = [rng.choice([1.0, 2.0, 4.0]) for _ in range(stages)]
+            extra = _link_times([0.0] * stages, 0.3, u)  # each stage's transfer time
+            t = max(extra) + 1.0
+            compute = [t - e for e in extra]  # every stage takes t with its transfers
+            simulated, busy = simulate_replica(compute, m, 0.3, forward_fraction, link_slowdown=u)
+            assert simulated == pytest.approx((m + stages - 1) * t, rel=1e-12)
+            assert busy == pytest.approx([m * t] * stages)
+
+
+def test_formula_bounds_the_simulation_with_slow_links():
+    rng = random.Random(4)
+    ratios = []
+    for _ in range(600):
+        stages, m, p2p = rng.randint(2, 6), rng.randint(1, 12), rng.choice([0.1, 0.5])
+        u = [rng.choice([1.0, 1.0, 2.0, 5.0]) for _ in range(stages)]
+        compute = [rng.uniform(1.0, 2.0) for _ in range(stages)]
+        t = _link_times(compute, p2p, u)
+        simulated, _ = simulate_replica(compute, m, p2p, rng.choice([0.25, 1 / 3, 0.5]), link_slowdown=u)
+        formula = pipeline_ms(t, m)
+        lower = max(formula - (stages - 1) * (max(t) - min(t)), sum(t), m * max(t))
+        assert lower - 1e-9 <= simulated <= formula + 1e-9
+        ratios.append(simulated / formula)
+    assert min(ratios) > 0.7  # 0.77 measured: stage times spread more than without slow links
+    assert sum(ratios) / len(ratios) > 0.93  # 0.96 measured
+
+
+def test_simulate_prices_link_speeds_like_evaluate():
+    problem = Problem(
+        tuple(Layer(1.0 + (l % 3) * 0.5, 10.0, 1.0) for l in range(8)),
+        tuple(Device(i, 1.0 if i != 1 else 0.5, link_speed=0.25 if i == 2 else 1.0) for i in range(4)),
+        7,
+        p2p_ms=0.4,
+        allreduce_ms=2.0,
+        shared_partition=False,
+    )
+    plan = Plan((Replica((0, 1), (0, 3, 8), 4), Replica((2, 3), (0, 5, 8), 3)))
+    sim = simulate(problem, plan, keep_events=True)
+    formula = evaluate(problem, plan)
+    # One micro-batch's events of a stage add up to its t[r][j]: device 2 sends at u = 4.
+    for r, replica in enumerate(plan.replicas):
+        for j in range(2):
+            per_mb = sum(e.end_ms - e.start_ms for e in sim.events if (e.replica, e.stage, e.micro_batch) == (r, j, 0))
+            assert per_mb == pytest.approx(formula.stage_ms[r][j], rel=1e-12)
+    assert sim.makespan_ms == pytest.approx(max(sim.replica_ms) + 2.0 * 4)  # the ring at device 2's link
+    assert sim.makespan_ms <= formula.iteration_ms + 1e-9
+    # The slow link as the receiver: it pays the extra of its incoming transfers (recv_act, send_grad).
+    flipped = Plan((Replica((0, 1), (0, 3, 8), 4), Replica((3, 2), (0, 5, 8), 3)))
+    sim = simulate(problem, flipped, keep_events=True)
+    kinds = {e.kind for e in sim.events if (e.replica, e.stage) == (1, 1)}
+    assert kinds == {"recv_act", "F", "B", "send_grad"}
+    end = {(e.replica, e.stage, e.micro_batch, e.kind): e.end_ms for e in sim.events}
+    for e in sim.events:
+        if e.kind == "recv_grad" and e.replica == 1:
+            assert e.start_ms >= end[(1, 1, e.micro_batch, "send_grad")] - 1e-12
+    formula = evaluate(problem, flipped)
+    # Layers 5-7 (2.0 + 1.0 + 1.5 ms) at speed 1.0, no send, the extra of its incoming transfer.
+    assert formula.stage_ms[1][1] == pytest.approx(4.5 + 0.4 * (4 - 1))

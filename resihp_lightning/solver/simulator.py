@@ -6,16 +6,22 @@ alternates one forward and one backward until every forward is done, then drains
 backwards. Events per (stage, micro-batch):
 
 * ``F`` forward compute, ``forward_fraction * compute / speed``;
-* ``send_act`` (stages j < P-1): the activation to stage j+1, ``forward_fraction * p2p_ms``, a
+* ``send_act`` (stages j < P-1): the activation to stage j+1, ``forward_fraction * p2p_ms * u_j``, a
   blocking send that occupies the sending stage;
 * ``B`` backward compute, the rest of the compute;
-* ``recv_grad`` (stages j < P-1): the gradient from stage j+1, ``(1 - forward_fraction) * p2p_ms``,
-  occupying the receiving stage before its backward.
+* ``recv_grad`` (stages j < P-1): the gradient from stage j+1, ``(1 - forward_fraction) * p2p_ms * u_j``,
+  occupying the receiving stage before its backward;
+* only on a slow link (``u_j > 1``, stages j > 0), what it adds to the transfers with stage j-1:
+  ``recv_act``, ``forward_fraction * p2p_ms * (u_j - 1)`` after the activation arrived and before
+  ``F``, and ``send_grad``, ``(1 - forward_fraction) * p2p_ms * (u_j - 1)`` after ``B``, before the
+  gradient counts as sent.
 
-So a stage's forward and backward events of one micro-batch take exactly ``t[r][j]`` of the formula.
-``F(j, i)`` waits for ``send_act(j-1, i)``; ``recv_grad(j, i)`` waits for ``B(j+1, i)``. Every
-replica's last event is followed by the data-parallel all-reduce (``allreduce_ms`` when D > 1);
-the makespan is the latest replica plus the all-reduce.
+Here ``u_j = 1 / min(link_speed, 1)`` of the stage's device, as in :func:`~resihp_lightning.plan.stage_p2p_ms`,
+so a stage's forward and backward events of one micro-batch take exactly ``t[r][j]`` of the formula.
+``F(j, i)`` waits for ``send_act(j-1, i)``; ``recv_grad(j, i)`` waits for ``B(j+1, i)`` (and its
+``send_grad``). Every replica's last event is followed by the data-parallel all-reduce
+(``allreduce_ms`` times the largest ``u`` among the devices used, when D > 1); the makespan is the
+latest replica plus the all-reduce.
 
 Relation to the formula ``T_r = sum_j t_j + (m - 1) max_j t_j`` (measured, see tests/test_simulator.py):
 
@@ -27,6 +33,10 @@ Relation to the formula ``T_r = sum_j t_j + (m - 1) max_j t_j`` (measured, see t
   each other) the ratio simulated / formula was 0.85-1.0, 0.97 on average: the formula is a close,
   slightly pessimistic estimate (it charges every stage's fill and drain at its own time and the steady
   state at the bottleneck, while 1F1B overlaps part of the fill of fast stages).
+* slow links keep both: equal stage times (transfers included) are still exact, and the formula
+  still bounds the simulation from above; on 600 random replicas with links at u = 1, 2 or 5
+  (p2p 0.1-0.5 ms against 1-2 ms stages) the ratio was 0.77-1.0, 0.96 on average (the transfer
+  terms spread the stage times further).
 """
 
 from __future__ import annotations
@@ -86,17 +96,24 @@ def simulate_replica(
     forward_fraction: float = 1.0 / 3.0,
     replica: int = 0,
     events: list[Event] | None = None,
+    link_slowdown: list[float] | None = None,
 ) -> tuple[float, list[float]]:
     """Simulates one replica: ``compute_ms[j]`` is stage j's compute per micro-batch (already / speed).
+
+    ``link_slowdown[j]`` is u of stage j's device (default: all 1.0, healthy links).
 
     Returns:
         (replica time, busy time per stage).
     """
     p = len(compute_ms)
+    u = link_slowdown if link_slowdown is not None else [1.0] * p
     fwd = [forward_fraction * c for c in compute_ms]
     bwd = [(1 - forward_fraction) * c for c in compute_ms]
-    send = [forward_fraction * p2p_ms if j < p - 1 else 0.0 for j in range(p)]
-    recv = [(1 - forward_fraction) * p2p_ms if j < p - 1 else 0.0 for j in range(p)]
+    send = [forward_fraction * p2p_ms * u[j] if j < p - 1 else 0.0 for j in range(p)]
+    recv = [(1 - forward_fraction) * p2p_ms * u[j] if j < p - 1 else 0.0 for j in range(p)]
+    # What a slow link adds to the transfers with the previous stage (0.0 on healthy links).
+    recv_extra = [forward_fraction * p2p_ms * (u[j] - 1.0) if j > 0 else 0.0 for j in range(p)]
+    send_extra = [(1 - forward_fraction) * p2p_ms * (u[j] - 1.0) if j > 0 else 0.0 for j in range(p)]
     ops = [schedule_1f1b(p, j, micro_batches) for j in range(p)]
     position = [0] * p
     clock = [0.0] * p
@@ -114,8 +131,12 @@ def simulate_replica(
                     if ready is None:
                         break
                     start = max(clock[j], ready)
-                    end = start + fwd[j]
-                    _record(events, replica, j, i, "F", start, end)
+                    end = start
+                    if recv_extra[j] > 0:
+                        _record(events, replica, j, i, "recv_act", end, end + recv_extra[j])
+                        end += recv_extra[j]
+                    _record(events, replica, j, i, "F", end, end + fwd[j])
+                    end += fwd[j]
                     if j < p - 1:
                         _record(events, replica, j, i, "send_act", end, end + send[j])
                         end += send[j]
@@ -135,6 +156,9 @@ def simulate_replica(
                         end += recv[j]
                     _record(events, replica, j, i, "B", end, end + bwd[j])
                     end += bwd[j]
+                    if send_extra[j] > 0:
+                        _record(events, replica, j, i, "send_grad", end, end + send_extra[j])
+                        end += send_extra[j]
                     grad_done[(j, i)] = end
                     busy[j] += end - start
                 clock[j] = end
@@ -155,7 +179,8 @@ def simulate(problem: Problem, plan: Plan, *, forward_fraction: float = 1.0 / 3.
     """Replays ``plan`` on ``problem`` (see module docstring).
 
     Args:
-        problem: the planning problem (layers' compute, devices' speeds, p2p and all-reduce times).
+        problem: the planning problem (layers' compute, devices' speeds and link speeds, p2p and
+            all-reduce times).
         plan: a valid plan for it (memory is not checked: the simulator measures time only).
         forward_fraction: the share of ``compute_ms`` (and of ``p2p_ms``) spent in the forward pass;
             1/3 by default (a backward costs about twice a forward).
@@ -172,16 +197,19 @@ def simulate(problem: Problem, plan: Plan, *, forward_fraction: float = 1.0 / 3.
     events: list[Event] | None = [] if keep_events else None
     replica_ms, busy_ms, idle_ms = [], [], []
     for r, replica in enumerate(plan.replicas):
-        compute = []
+        compute, links = [], []
         for j, device_id in enumerate(replica.devices):
             # Summed layer by layer, not through plan.prefix_sums: the replay stays independent of the formula.
             work = sum(layers[l].compute_ms for l in replica.stage_layers(j))
-            compute.append(work / problem.device(device_id).speed)
-        total, busy = simulate_replica(compute, replica.micro_batches, problem.p2p_ms, forward_fraction, r, events)
+            device = problem.device(device_id)
+            compute.append(work / device.speed)
+            links.append(1.0 / device.link_speed if device.link_speed < 1.0 else 1.0)
+        total, busy = simulate_replica(compute, replica.micro_batches, problem.p2p_ms, forward_fraction, r, events, links)
         replica_ms.append(total)
         busy_ms.append(tuple(busy))
         idle_ms.append(tuple(total - b for b in busy))
-    allreduce = problem.allreduce_ms if plan.data_degree > 1 else 0.0
+    slowest = max((1.0 / problem.device(i).link_speed if problem.device(i).link_speed < 1.0 else 1.0) for i in plan.device_ids)
+    allreduce = problem.allreduce_ms * slowest if plan.data_degree > 1 else 0.0
     return Simulation(
         max(replica_ms) + allreduce,
         tuple(replica_ms),

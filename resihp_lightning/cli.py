@@ -171,16 +171,21 @@ def _run_plan(args: argparse.Namespace) -> int:
     healthy_ms = evaluate(problem.healthy(), healthy).iteration_ms
     ideal = ideal_ms(problem, healthy)
     ev = evaluate(problem, plan)
+    # A link column only when some device's link is not at the default (the table stays as it was).
+    links = any(d.link_speed != 1.0 for d in problem.devices)
     print(f"plan: P={plan.pipeline_degree} stages x D={plan.data_degree} replicas on {len(plan.device_ids)} of {problem.num_devices} devices")
-    header = f"{'replica':>7} {'stage':>5} {'device':>6} {'speed':>6} {'layers':>9} {'stage ms':>10} {'mem MB':>10}"
+    link_header = f"{'link':>6} " if links else ""
+    header = f"{'replica':>7} {'stage':>5} {'device':>6} {'speed':>6} {link_header}{'layers':>9} {'stage ms':>10} {'mem MB':>10}"
     print(header)
     print("-" * len(header))
     for r, replica in enumerate(plan.replicas):
         for j, device_id in enumerate(replica.devices):
             lo, hi = replica.bounds[j], replica.bounds[j + 1]
             layers = f"{lo}-{hi - 1}" if hi - lo > 1 else f"{lo}"
+            device = problem.device(device_id)
+            link = f"{device.link_speed:>6.2f} " if links else ""
             print(
-                f"{r if j == 0 else '':>7} {j:>5} {device_id:>6} {problem.device(device_id).speed:>6.2f} {layers:>9} "
+                f"{r if j == 0 else '':>7} {j:>5} {device_id:>6} {device.speed:>6.2f} {link}{layers:>9} "
                 f"{ev.stage_ms[r][j]:>10.3f} {ev.memory_mb[r][j]:>10.1f}"
             )
         print(f"{'':>7} micro-batches {replica.micro_batches}, replica time {ev.replica_ms[r]:.3f} ms")
@@ -188,7 +193,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     if excluded:
         print(f"left out: devices {excluded}")
     print(f"predicted iteration time: {plan.iteration_ms:.3f} ms  ({plan.status}, {plan.solver}, {plan.solve_seconds:.3f} s)")
-    print(f"healthy time:             {healthy_ms:.3f} ms  (all devices at speed 1.0)")
+    print(f"healthy time:             {healthy_ms:.3f} ms  (all devices{' and links' if links else ''} at speed 1.0)")
     print(f"ideal time:               {ideal:.3f} ms  (healthy scaled by N/S = {problem.num_devices}/{problem.total_speed:g})")
     print(f"efficiency E = T_ideal / T_plan = {ideal / plan.iteration_ms:.4f}")
     return 0

@@ -66,6 +66,27 @@ def test_demo_problem_matches_the_brief():
     assert sum(l.static_mb for l in problem.layers) > min(d.memory_mb for d in problem.devices)
 
 
+def test_slow_link_example_routes_around_the_link(capsys):
+    """examples/problems/slow_link_of_sixteen.json: device 9's links at 0.1, p2p 0.5 ms."""
+    path = EXAMPLES / "slow_link_of_sixteen.json"
+    problem = Problem.load(path)
+    assert [d.id for d in problem.devices if d.link_speed != 1.0] == [9]
+    code, out, _ = _run(capsys, "plan", str(path), "--solver", "exact", "--json")
+    assert code == 0
+    plan = Plan.from_dict(json.loads(out))
+    # Device 9 holds a last stage (only the extra of its incoming transfer is its own), and its
+    # replica runs fewer micro-batches; the healthy layout would be much slower on these links.
+    holding = [r for r in plan.replicas if 9 in r.devices]
+    assert len(holding) == 1 and holding[0].devices[-1] == 9
+    assert holding[0].micro_batches < max(r.micro_batches for r in plan.replicas)
+    healthy = Plan.uniform(list(range(16)), 32, 4, 64)
+    assert plan.iteration_ms < 0.85 * evaluate(problem, healthy).iteration_ms
+    code, out, _ = _run(capsys, "plan", str(path), "--solver", "exact")
+    assert code == 0 and " link " in out.splitlines()[1] and "all devices and links at speed 1.0" in out
+    code, out, _ = _run(capsys, "plan", str(DESIGN), "--solver", "exact")
+    assert " link " not in out.splitlines()[1]  # no link column without link speeds
+
+
 def _write(tmp_path, data, name="problem.json"):
     path = tmp_path / name
     path.write_text(data if isinstance(data, str) else json.dumps(data))
@@ -83,16 +104,19 @@ def _bad_inputs(tmp_path):
     memory = _design()
     for device in memory["devices"]:
         device["memory_mb"] = 500
+    link = _design()
+    link["devices"][0]["link_speed"] = 0
     return {
         "unknown field": (_write(tmp_path, unknown, "u.json"), "gpus"),
         "negative speed": (_write(tmp_path, negative, "n.json"), "speed"),
+        "zero link speed": (_write(tmp_path, link, "l.json"), "devices[0].link_speed"),
         "bad json": (_write(tmp_path, "{not json", "b.json"), "JSON"),
         "missing file": (str(tmp_path / "nope.json"), "nope.json"),
         "memory": (_write(tmp_path, memory, "m.json"), "memory"),
     }
 
 
-@pytest.mark.parametrize("case", ["unknown field", "negative speed", "bad json", "missing file", "memory"])
+@pytest.mark.parametrize("case", ["unknown field", "negative speed", "zero link speed", "bad json", "missing file", "memory"])
 def test_bad_input_exits_with_one_line(capsys, tmp_path, case):
     path, needle = _bad_inputs(tmp_path)[case]
     code, out, err = _run(capsys, "plan", path, "--solver", "exact")

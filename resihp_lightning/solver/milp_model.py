@@ -8,7 +8,7 @@ keeps the time budget.
 
 Formulation (all coefficients integers):
 
-* **Speed classes.** Devices with the same ``(speed, memory_mb)`` are interchangeable, so the model
+* **Speed classes.** Devices with the same ``(speed, link slowdown, memory_mb)`` are interchangeable, so the model
   counts them instead of naming them. A replica is *pure* when its P devices are all of one class,
   *mixed* otherwise. Every pure replica of class c can take the layout of the pure-c replica with the
   most micro-batches (same stage times; fewer micro-batches never cost more time or memory), so one
@@ -20,17 +20,22 @@ Formulation (all coefficients integers):
 * **Bounds** use a thermometer encoding ``y[j][l] = [b_j >= l]`` (a tight LP relaxation): stage j's
   compute is ``sum_l c_l (y[j+1][l] - y[j][l])``. One grid is shared by every group when
   ``shared_partition``; otherwise each mixed slot has its own, and a pure group needs none: all its
-  stages run at one speed, so ``sum_j t_j`` is the constant ``C / s + (P - 1) p2p`` and its best
+  stages run at one speed, so ``sum_j t_j`` is the constant ``C / s + sum_j e_c(j)`` and its best
   partition for k micro-batches is the memory-feasible bottleneck partition ``B_c(min(k, P))``,
   precomputed by a dynamic programme. Its time is then ``tsum + (k - 1) B_c(k)``, linear in the bits of
   k plus one term per in-flight level where memory raises the bottleneck.
-* **Stage times** ``t[g][j] >= compute / speed(class) + p2p`` (big-M on the class indicator),
-  ``tmax[g] >= t[g][j]``.
+* **Stage times** ``t[g][j] >= compute / speed(class) + e_c(j)`` (big-M on the class indicator),
+  ``tmax[g] >= t[g][j]``, where ``e_c(j)`` is class c's transfer time at stage j
+  (:func:`~resihp_lightning.plan.stage_p2p_ms`: ``p2p`` for every stage but the last on a healthy
+  link; a slow link pays its sends at its speed and the extra of its incoming transfers).
 * **The product (k - 1) tmax** is linearised exactly by the binary expansion ``k - 1 = sum_b 2^b z_b``
   and McCormick rows ``w_b >= tmax - Tmax (1 - z_b)``, ``w_b >= B z_b``; ``n_c k_c`` likewise
   (``v_b <= n_c``, ``v_b <= n_max z_b``).
 * **Objective** ``T >= AR delta + sum_j t[g][j] + sum_b 2^b w[g][b]`` for every group, with
-  ``delta = [D > 1]``; minimise T.
+  ``delta = [D > 1]``; minimise T. With slow links the all-reduce runs at the slowest link used:
+  ``AR delta`` becomes a variable ``A >= AR delta`` and ``A >= AR u_c (ind + delta - 1)`` for every
+  slow class c and every indicator that places it (its pure group's ``u``, a mixed slot's
+  ``x[j][c]``). With healthy links the model is the one without link speeds, row for row.
 * **Memory** (hard): ``static + f act <= capacity`` for every in-flight count ``f <= min(P - j, k)``,
   through indicators ``h_f >= [k >= f]``; (stage, class, f) combinations that cannot overflow even at
   the widest possible stage are left out. Memory is checked exactly (floats) in the bottleneck

@@ -99,24 +99,30 @@ class LinkCore:
         attributable = {d for d, partners in sample.partners.items() if len(set(partners)) >= 2}
         if not fastest:
             return []
-        reference = statistics.median(fastest.values())
-        events: list[dict[str, Any]] = []
-        slow_now: set[int] = set()
-        for device, ms in sorted(fastest.items()):
-            significant = ms - reference > self.min_extra_ms
-            speed = min(1.0, reference / ms) if ms > 0 and device in attributable and significant else 1.0
-            if speed < self.slow_threshold:
-                slow_now.add(device)
-            history = self._history.setdefault(device, deque(maxlen=self.window))
-            history.append(speed)
-            events.extend(self._decide(device, statistics.median(history), sample.step))
-        # Healthy costs only: a slow link (flagged, or slow in this probe already) inflates them, and the
-        # planning model prices link speeds on top of the healthy costs itself.
+        median = statistics.median(fastest.values())
+        # Slow in this probe: attributable, over the probe's own median by a margin, and below the
+        # threshold against it (a load spike on the whole machine slows every device alike).
+        slow_now = {
+            d for d, ms in fastest.items()
+            if d in attributable and ms - median > self.min_extra_ms and median / ms < self.slow_threshold
+        }
+        # Healthy costs only: a slow link (flagged, or slow in this probe) inflates them, and the planning
+        # model prices link speeds on top of the healthy costs itself.
         healthy = [ms for d, ms in fastest.items() if d not in self._flagged and d not in slow_now]
         if healthy:
             self._round_trips.append(statistics.median(healthy))
         if not self._flagged and not slow_now and sample.allreduce_ms > 0:
             self._allreduce_ms = sample.allreduce_ms
+        # A link's speed is measured against the healthy round trip the planner is given as p2p_ms, so
+        # that p2p_ms / link_speed is the round trip this device was measured at.
+        reference = self.p2p_ms or median
+        events: list[dict[str, Any]] = []
+        for device, ms in sorted(fastest.items()):
+            significant = device in attributable and ms - median > self.min_extra_ms
+            speed = min(1.0, reference / ms) if ms > 0 and significant else 1.0
+            history = self._history.setdefault(device, deque(maxlen=self.window))
+            history.append(speed)
+            events.extend(self._decide(device, statistics.median(history), sample.step))
         return events
 
     def _decide(self, device: int, speed: float, step: int) -> list[dict[str, Any]]:

@@ -62,7 +62,7 @@ def measure(
     step: int,
     first_round: int,
     rounds: int = 3,
-    repeats: int = 3,
+    repeats: int = 2,
     device: torch.device | None = None,
 ) -> LinkSample:
     """Probes the links of the current default process group (collective: every rank calls it).

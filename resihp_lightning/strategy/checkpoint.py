@@ -121,8 +121,10 @@ def load_module_state(
             by_layer_key[layer_key] = value
     load_model_state(by_layer_key, local, strict=strict)
     # The module's other tensors: layers of other ranks (so it is complete) and anything outside the
-    # pipeline. Detached (LayerSpec) keys have no place in the module and are skipped.
-    rest = {k: v for k, v in by_module_key.items() if keys.to_layer(k) not in local}
+    # pipeline. Detached (LayerSpec) keys have no place in the module and are skipped, and so are
+    # layers on the meta device (loaded per stage: this rank does not keep them).
+    on_meta = {k for k, v in module.state_dict(keep_vars=True).items() if v.is_meta}
+    rest = {k: v for k, v in by_module_key.items() if keys.to_layer(k) not in local and k not in on_meta}
     with torch.no_grad():
         module.load_state_dict(rest, strict=False)
 

@@ -36,6 +36,17 @@ class ResiHPModuleMixin:
         """Groups of parameters that are one parameter (see :class:`ResiHPModule`); default: none."""
         return ()
 
+    def pipeline_load_layer(self, index: int, layer: nn.Module, device: Any) -> None:
+        """Gives a layer built on the meta device its values (see :class:`ResiHPModule`); default: refuse."""
+        raise self.misconfiguration_error(
+            f"pipeline_layers()[{index}] ({type(layer).__name__}) has tensors on the meta device and "
+            f"{type(self).__name__} does not define pipeline_load_layer(index, layer, device) to load them"
+        )
+
+    def pipeline_gather_weights(self) -> str | None:
+        """The module's choice for the strategy's ``gather_weights="auto"`` (see :class:`ResiHPModule`); default none."""
+        return None
+
     def pipeline_batch(self, batch: Any) -> tuple[Any, Any, Tensor | None]:
         """Default: ``batch`` is ``(inputs, labels)`` or, for ``trainer.predict``, a tensor of inputs."""
         if isinstance(batch, Tensor):
@@ -47,6 +58,24 @@ class ResiHPModuleMixin:
             )
         inputs, labels = batch
         return inputs, labels, None
+
+    def cpu(self) -> Any:
+        """As ``LightningModule.cpu()`` (Lightning calls it at teardown), except that tensors on the meta
+        device (layers other processes hold, with per-stage loading) stay there: they have no data to move."""
+        self._resihp_keep_meta = True
+        try:
+            return super().cpu()  # type: ignore[misc]
+        finally:
+            self._resihp_keep_meta = False
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        if getattr(self, "_resihp_keep_meta", False):
+            inner = fn
+
+            def fn(tensor: Any) -> Any:
+                return tensor if tensor.is_meta else inner(tensor)
+
+        return super()._apply(fn, recurse)  # type: ignore[misc]
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:  # pragma: no cover - run by the strategy
         raise self.misconfiguration_error("ResiHPModule.training_step is run by ResiHPStrategy; use Trainer(strategy='resihp')")
@@ -87,6 +116,21 @@ class ResiHPModule(ResiHPModuleMixin, LightningModule):
       LongTensor of per-document lengths: the workload the straggler detector needs). The default
       takes ``batch = (inputs, labels)``, or a tensor of inputs without labels (for prediction). A
       global batch holds M x micro_batch_size rows.
+    * ``pipeline_load_layer(self, index, layer, device) -> None`` (optional): layers may be built on
+      the meta device (``with torch.device("meta"): ...``: shapes, no storage), so that no process
+      holds weights it does not need. When the strategy builds a process's pipeline it calls this for
+      every ``nn.Module`` layer the process holds that still has tensors on meta; it must give those
+      tensors storage on ``device`` and their values (e.g. read that layer's tensors from a
+      checkpoint), keeping the ``Parameter`` objects (``torch.utils.swap_tensors``; see
+      :mod:`resihp_lightning.meta`). Layers a re-plan moves to a process are not loaded: they get
+      empty storage and their values (and optimizer state) from their previous holder, and a process
+      that gives a layer away puts it back on meta. Non-persistent buffers (rotary frequencies, ...)
+      travel nowhere, so they must be built on a real device. The other layers stay on meta in that
+      process's module; checkpoints and the end-of-``fit`` gather take them from their holders.
+    * ``pipeline_gather_weights(self) -> str | None`` (optional): what the strategy's
+      ``gather_weights="auto"`` (the default) means for this module: ``"all"``, ``"rank0"``, ``"none"``,
+      or ``None`` for the default ``"all"``. A module whose layers are loaded per stage returns
+      ``"none"``, so that no rank assembles the whole model at the end of ``fit``.
     * ``configure_optimizers`` as usual (one optimizer, optionally LR schedulers). Use
       ``self.parameters()``; the strategy keeps only the parameters of this rank's layers, and the
       optimizer and its schedulers keep working across re-plans.
@@ -104,7 +148,8 @@ class ResiHPModule(ResiHPModuleMixin, LightningModule):
     refused at setup (the strategy never calls them); ``self.log`` works inside ``pipeline_loss``.
 
     After ``trainer.fit`` the module holds the trained weights of every layer given as an
-    ``nn.Module`` (on the ranks named by the strategy's ``gather_weights`` option, default all), and
+    ``nn.Module`` (on the ranks named by the strategy's ``gather_weights`` option: by default all,
+    unless ``pipeline_gather_weights`` says otherwise), and
     checkpoints use the module's own ``state_dict`` keys, so ``Model.load_from_checkpoint(path)`` works
     in a plain process. ``LayerSpec`` layers exist only on the ranks that hold them; their tensors are
     saved under ``"pipeline_layers.<index>.<name>"``.
@@ -175,3 +220,17 @@ def tied_parameters(
             members.append((int(layer), name))
         out.append(tuple(members))
     return out
+
+
+def resolve_gather_weights(option: str, module: Any, error: type[Exception] = MisconfigurationException) -> str:
+    """The strategy's ``gather_weights`` for ``module``: ``"auto"`` becomes the module's
+    ``pipeline_gather_weights()`` (``"all"`` when it has no preference); other values stay."""
+    if option != "auto":
+        return option
+    getter = getattr(module, "pipeline_gather_weights", None)
+    preferred = getter() if getter is not None else None
+    if preferred is None:
+        return "all"
+    if preferred not in ("all", "rank0", "none"):
+        raise error(f"{type(module).__name__}.pipeline_gather_weights() returned {preferred!r}; allowed: 'all', 'rank0', 'none', None")
+    return str(preferred)

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from resihp_lightning import meta
 from resihp_lightning.placement import owners
 from resihp_lightning.plan import Plan
 from resihp_lightning.strategy.migration import layer_tensors
@@ -106,7 +107,8 @@ def sync_module_layers(
 
     Each layer comes from its holder in the plan's first replica. Floating tensors of an engine that
     casts the model travel as float32 (its fp32 master values; call :func:`restore_full_precision`
-    first so that the holders' own layers are float32 again).
+    first so that the holders' own layers are float32 again). A receiver's layer still on the meta
+    device (per-stage loading) first gets storage, on the device of this rank's own layers.
 
     Args:
         plan: the plan in force (device ids are ranks of the current process group).
@@ -118,6 +120,7 @@ def sync_module_layers(
         cast: whether the engine cast the model to bf16 / fp16.
     """
     everyone = receivers is None
+    device = next((t.device for t in trained.values()), torch.device("cpu"))
     for index, layer in enumerate(layers):
         if not keys.is_attached(index):
             continue
@@ -134,6 +137,7 @@ def sync_module_layers(
             continue
         if not everyone and rank not in receivers:
             continue
+        meta.allocate(layer, device)
         tensors = list(layer_tensors(layer).values())
         buffers = [torch.empty(t.shape, dtype=wire_dtype(t, cast), device=t.device) for t in tensors]
         if everyone:

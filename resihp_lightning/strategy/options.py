@@ -14,7 +14,7 @@ from resihp_lightning.strategy.fail_stop import FailStopConfig
 RESERVED_DEEPSPEED_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
 BACKENDS = ("gloo", "nccl")
 #: Who gets every layer's trained weights in the LightningModule at the end of ``fit``.
-GATHER_WEIGHTS = ("all", "rank0", "none")
+GATHER_WEIGHTS = ("auto", "all", "rank0", "none")
 
 
 @dataclass
@@ -34,9 +34,12 @@ class StrategyOptions:
         process_group_backend: ``"gloo"`` or ``"nccl"``; ``None`` picks nccl on CUDA, gloo otherwise.
         timeout: collective timeout.
         gather_weights: at the end of ``trainer.fit``, which ranks' LightningModule receives the
-            trained weights of every layer that is an attribute of it: ``"all"`` (default; each rank
-            already holds a full-size copy of those layers), ``"rank0"``, or ``"none"`` (each rank keeps
-            current values only for its own layers, and a warning says so).
+            trained weights of every layer that is an attribute of it: ``"all"`` (each rank already
+            holds a full-size copy of those layers), ``"rank0"``, ``"none"`` (each rank keeps current
+            values only for its own layers, and a warning says so), or ``"auto"`` (default): what the
+            module's ``pipeline_gather_weights()`` asks for, ``"all"`` when it has no preference (a
+            module that loads its layers per stage asks for ``"none"``). The strategy replaces
+            ``"auto"`` with the resolved value at setup.
         fail_stop: in-process recovery from dead or hung ranks (:class:`FailStopConfig`); ``None`` /
             ``False`` (default): off, a lost rank ends the job; ``True``: on with the defaults.
     """
@@ -48,7 +51,7 @@ class StrategyOptions:
     deepspeed_config: dict[str, Any] = field(default_factory=dict)
     process_group_backend: str | None = None
     timeout: timedelta = timedelta(minutes=30)
-    gather_weights: str = "all"
+    gather_weights: str = "auto"
     fail_stop: FailStopConfig | None = None
 
     def __post_init__(self) -> None:

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from resihp_lightning import meta
 from resihp_lightning._logging import get_logger
 from resihp_lightning.contract import MigrationRecord
 from resihp_lightning.errors import ConfigError
@@ -75,6 +76,9 @@ class RuntimeConfig:
         tied: groups of ``(layer, name)`` that are one parameter.
         commit: called at the optimizer step's commit point (plain fp32 optimizer; see
             :mod:`~resihp_lightning.strategy.fail_stop`); ``None``: no vote.
+        load_layer: ``load_layer(index, layer, device)`` gives an ``nn.Module`` layer built on the meta
+            device its values (the module's ``pipeline_load_layer``); called for every layer this
+            process holds that is still on meta when a pipe is built. ``None``: such a layer is refused.
     """
 
     layers: Sequence[Any]
@@ -84,6 +88,7 @@ class RuntimeConfig:
     device: torch.device
     tied: Sequence[tuple[tuple[int, str], ...]] = field(default_factory=tuple)
     commit: Callable[[], None] | None = None
+    load_layer: Callable[[int, nn.Module, torch.device], None] | None = None
 
 
 class PipelineRuntime:
@@ -117,6 +122,9 @@ class PipelineRuntime:
         if self._position is None:
             raise ValueError(f"device {device} is not in the plan a runtime starts with")
         self._loss_scale = 1.0
+        # Layers built on the meta device (per-stage loading): a layer this process gives away in a
+        # re-plan goes back to meta, so that a process holds the storage of its own layers only.
+        self._release_given_away = any(isinstance(layer, nn.Module) and meta.has_meta(layer) for layer in config.layers)
         self._pipe: BoundedPipelineModule | None = self._build_pipe(plan, reuse)
         self._held: dict[int, nn.Module] = {}  # this process's layers while it has no pipe (mid-move, idle)
         self._engine: Any = None
@@ -316,6 +324,8 @@ class PipelineRuntime:
         new_layers = {i: old_layers[i] if i in old_layers else materialize_layer(self.config.layers[i], skip_init=i in incoming)
                       for i in held}
         for i in held:
+            if i in incoming:  # a layer on the meta device gets storage for what arrives
+                meta.allocate(new_layers[i], self.config.device)
             new_layers[i].to(self.config.device)
         self._carrier.prepare_incoming([new_layers[i] for i in incoming])
         self._pipe, self._held = None, old_layers
@@ -332,8 +342,16 @@ class PipelineRuntime:
             # A peer failed mid-move: every process goes back to the old plan, whose holders still have
             # their layers (senders keep theirs), so that the recovery restores from a consistent state.
             self._plan, self._position = old, old_position
+            if self._release_given_away:  # storage given to layers that did not arrive
+                for i in incoming:
+                    if i not in old_layers and isinstance(self.config.layers[i], nn.Module):
+                        meta.release(new_layers[i])
             raise
         self._held = new_layers
+        if self._release_given_away:
+            for i, layer in old_layers.items():
+                if i not in new_layers and isinstance(self.config.layers[i], nn.Module):
+                    meta.release(layer)
         received_by_key = {f"{layer}.{name}": s for layer, per in received.items() for name, s in per.items()}
         if self._position is None:  # idle under ``plan``: nothing to build or train
             self._carrier.bind({}, {})
@@ -476,6 +494,10 @@ class PipelineRuntime:
         return list(items) if dtype == torch.float32 else batching.cast_inputs(items, dtype)
 
     def _build_pipe(self, plan: Plan, reuse: Mapping[int, nn.Module] | None) -> BoundedPipelineModule:
+        for index in position(plan, self.device).layers:
+            layer = reuse[index] if reuse is not None and index in reuse else self.config.layers[index]
+            if isinstance(layer, nn.Module) and meta.has_meta(layer):
+                self._load(index, layer)
         kwargs: dict[str, Any] = {}
         interval = (self.config.deepspeed_config.get("pipeline") or {}).get("activation_checkpoint_interval")
         if interval:
@@ -490,6 +512,20 @@ class PipelineRuntime:
                 reuse=reuse,
                 **kwargs,
             )
+
+    def _load(self, index: int, layer: nn.Module) -> None:
+        """Gives a layer still on the meta device its values through ``config.load_layer``."""
+        if self.config.load_layer is None:
+            raise ConfigError(
+                f"pipeline layer {index} ({type(layer).__name__}) has tensors on the meta device and nothing loads "
+                "them: define pipeline_load_layer(index, layer, device) on the module"
+            )
+        started = time.perf_counter()
+        self.config.load_layer(index, layer, self.config.device)
+        left = [slot.name for slot in meta.meta_slots(layer)]
+        if left:
+            raise ConfigError(f"pipeline_load_layer({index}, ...) left tensors on the meta device: {left[:5]}")
+        log.debug("loaded layer %d in %.3f s", index, time.perf_counter() - started)
 
     def _build_engine(self, broadcast: bool) -> None:
         """Builds the engine for the pipe in force (collective)."""

@@ -39,7 +39,7 @@ from resihp_lightning.strategy.engine import init_deepspeed_comm
 from resihp_lightning.strategy.fail_stop import FailStopConfig
 from resihp_lightning.strategy.launcher import without_observer
 from resihp_lightning.strategy.loss_logging import LossLogRecorder
-from resihp_lightning.strategy.module import check_contract, layer_specs, tied_parameters
+from resihp_lightning.strategy.module import check_contract, layer_specs, resolve_gather_weights, tied_parameters
 from resihp_lightning.strategy.module_weights import LayerKeys, restore_full_precision, sync_module_layers
 from resihp_lightning.strategy.options import StrategyOptions
 from resihp_lightning.strategy.plan_rules import check_plan, initial_plan, settle_micro_batches
@@ -76,7 +76,7 @@ class ResiHPStrategyMixin(ResilientStepsMixin):
         deepspeed_config: dict[str, Any] | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | float = timedelta(minutes=30),
-        gather_weights: str = "all",
+        gather_weights: str = "auto",
         fail_stop: FailStopConfig | dict | bool | None = None,
         options: StrategyOptions | None = None,
         accelerator: Any = None,
@@ -350,6 +350,7 @@ class ResiHPStrategyMixin(ResilientStepsMixin):
         self._specs = layer_specs(module, self.misconfiguration_error)
         self._keys = LayerKeys(module, self._specs)
         self._tied = self._tied_parameters(module)
+        self.options.gather_weights = resolve_gather_weights(self.options.gather_weights, module, self.misconfiguration_error)
         previous = self._runtime
         if previous is not None and previous.idle:  # set up again on a spare: nothing to build
             self.setup_precision_plugin()
@@ -368,6 +369,7 @@ class ResiHPStrategyMixin(ResilientStepsMixin):
             device=self.root_device,
             tied=tuple(self._tied),
             commit=self._job.commit if self._job is not None else None,
+            load_layer=getattr(module, "pipeline_load_layer", None),
         )
         ranks = self._job.rank_map() if self._job is not None else None
         self._runtime = PipelineRuntime(config, plan, self.device_id, ranks=ranks, reuse=reuse, profiler=profiler)
@@ -743,7 +745,8 @@ class ResiHPStrategy(ResiHPStrategyMixin, DDPStrategy):
         process_group_backend: ``"gloo"`` / ``"nccl"`` (default by device).
         timeout: collective timeout.
         gather_weights: which ranks' LightningModule receives every layer's trained weights at the end
-            of ``fit``: ``"all"`` (default), ``"rank0"`` or ``"none"``.
+            of ``fit``: ``"all"``, ``"rank0"``, ``"none"`` or ``"auto"`` (default: the module's
+            ``pipeline_gather_weights()``, else ``"all"``).
         fail_stop: in-process recovery from dead or hung ranks
             (:class:`~resihp_lightning.strategy.fail_stop.FailStopConfig`, ``True`` for the defaults;
             default off). See :mod:`~resihp_lightning.strategy.survivors`.

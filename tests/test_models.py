@@ -301,7 +301,9 @@ def _tied_rank(rank, world, path):
 
     losses = Losses()
     module = CausalLMPipelineModule(model_path=str(path), learning_rate=TIED_LR, weight_decay=0.1)
-    strategy = ResiHPStrategy(pipeline_degree=2, micro_batch_size=1)
+    # Loaded per stage; "all" gathers every layer into every rank's module at the end (the default for
+    # a per-stage module is "none").
+    strategy = ResiHPStrategy(pipeline_degree=2, micro_batch_size=1, gather_weights="all")
     trainer = pl.Trainer(
         accelerator="cpu", devices=world, strategy=strategy, max_steps=TIED_STEPS, logger=False,
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,

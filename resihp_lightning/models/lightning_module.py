@@ -24,11 +24,15 @@ from resihp_lightning.data.packed import to_pipeline_batch
 from resihp_lightning.data.tokenizer import Tokenizer
 from resihp_lightning.config import ScratchModelConfig
 from resihp_lightning.errors import ConfigError, invalid_option
+from resihp_lightning import meta
 from resihp_lightning.models.checkpoint import (
+    LOAD_MODES,
     SUPPORTED_MODEL_TYPES,
+    HFLayerLoader,
     build_pipeline_model,
     load_pipeline_model,
     save_hf_checkpoint,
+    save_sharded_hf_checkpoint,
     tiny_config,
 )
 from resihp_lightning.models.layers import causal_lm_loss
@@ -53,9 +57,21 @@ class CausalLMPipelineModule(ResiHPModule):
         weight_decay: AdamW weight decay, applied to matrices only (not to norms and biases).
         betas: AdamW betas.
         warmup_steps: linear learning-rate warm-up over this many optimizer steps (0: none).
+        load: how ``model_path`` is read. ``"per_stage"`` (default): the layers are built on the meta
+            device without reading any weight; under ResiHPStrategy each process then reads only the
+            tensors of the layers it holds (:meth:`pipeline_load_layer`), layers a re-plan moves come
+            from their previous holders, and a layer run outside the strategy is read on its first
+            forward (or all at once with :meth:`load_layers`). ``"whole"``: every process loads the
+            whole model with ``from_pretrained``. Ignored for a scratch model.
+
+    Per-stage loading and the end of ``fit``: such a module tells the strategy it prefers
+    ``gather_weights="none"`` (:meth:`pipeline_gather_weights`), so that no process assembles the
+    whole model; save the trained model with :meth:`save_hf_checkpoint` (called on every rank: each
+    stage writes its own shard) or Lightning checkpoints. Pass ``ResiHPStrategy(gather_weights="all")``
+    to get every layer into every rank's module anyway.
 
     Raises:
-        ConfigError: missing / unsupported checkpoint, or bad optimizer options.
+        ConfigError: missing / unsupported checkpoint, bad optimizer options or an unknown ``load``.
     """
 
     def __init__(
@@ -67,8 +83,11 @@ class CausalLMPipelineModule(ResiHPModule):
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.95),
         warmup_steps: int = 0,
+        load: str = "per_stage",
     ) -> None:
         super().__init__()
+        if load not in LOAD_MODES:
+            raise invalid_option("model.load", load, LOAD_MODES)
         if learning_rate <= 0:
             raise invalid_option("model.learning_rate", learning_rate, "a positive number")
         if warmup_steps < 0:
@@ -76,9 +95,9 @@ class CausalLMPipelineModule(ResiHPModule):
         scratch = scratch or ScratchModelConfig()
         self.save_hyperparameters({"model_path": model_path, "scratch": asdict(scratch), "seed": seed,
                                    "learning_rate": learning_rate, "weight_decay": weight_decay,
-                                   "betas": tuple(betas), "warmup_steps": warmup_steps})
+                                   "betas": tuple(betas), "warmup_steps": warmup_steps, "load": load})
         if model_path is not None:
-            model = load_pipeline_model(model_path)
+            model = load_pipeline_model(model_path, load=load)
         else:
             if scratch.model_type not in SUPPORTED_MODEL_TYPES:
                 raise invalid_option("model.scratch.model_type", scratch.model_type, SUPPORTED_MODEL_TYPES)
@@ -86,6 +105,15 @@ class CausalLMPipelineModule(ResiHPModule):
         self.model_path = model_path
         self.hf_config = model.config
         self.layers = nn.ModuleList(model.layers)
+        self._loader: HFLayerLoader | None = model.loader
+        if self._loader is not None:
+            for index, layer in enumerate(self.layers):
+                layer.register_forward_pre_hook(_LoadOnFirstUse(self._loader, index))
+
+    @property
+    def per_stage(self) -> bool:
+        """Whether the layers are read from ``model_path`` one at a time, where they are needed."""
+        return self._loader is not None
 
     @property
     def vocab_size(self) -> int:
@@ -110,6 +138,26 @@ class CausalLMPipelineModule(ResiHPModule):
         if not getattr(self.hf_config, "tie_word_embeddings", False):
             return ()
         return [("0.embed_tokens.weight", f"{len(self.layers) - 1}.lm_head.weight")]
+
+    def pipeline_load_layer(self, index: int, layer: nn.Module, device: torch.device | str) -> None:
+        """Reads layer ``index``'s tensors that are still on the meta device from ``model_path`` (only
+        that layer's), on ``device``; the strategy calls it for each layer a process holds."""
+        if self._loader is None:
+            super().pipeline_load_layer(index, layer, device)
+            return
+        self._loader.load_layer(index, layer, device)
+
+    def pipeline_gather_weights(self) -> str | None:
+        """``"none"`` for a per-stage model (no rank assembles it at the end of ``fit``), else no preference."""
+        return "none" if self.per_stage else None
+
+    def load_layers(self, device: torch.device | str = "cpu") -> None:
+        """Reads every layer still on the meta device (a per-stage model used as a whole, outside the strategy)."""
+        if self._loader is None:
+            return
+        for index, layer in enumerate(self.layers):
+            if meta.has_meta(layer):
+                self._loader.load_layer(index, layer, device)
 
     def pipeline_loss(self, outputs: Tensor, labels: Tensor) -> Tensor:
         """Token-mean cross-entropy of one micro-batch (labels already shifted, -100 ignored)."""
@@ -140,16 +188,69 @@ class CausalLMPipelineModule(ResiHPModule):
 
     # ----------------------------------------------------------------- checkpoints
     def save_hf_checkpoint(self, out_dir: str | Path, tokenizer_dir: str | Path | None = None) -> Path:
-        """Writes this module's weights as a Hugging Face checkpoint directory.
+        """Writes the model as a Hugging Face checkpoint directory (``from_pretrained`` opens it).
 
-        After ``trainer.fit`` under ResiHPStrategy (``gather_weights`` "all", or "rank0" on rank 0) the
-        module holds every layer's trained weights, so this can run on any rank that has them.
+        Under ResiHPStrategy (during or after ``trainer.fit`` / ``validate``, while the module is
+        attached to the trainer) this is collective: call it on every rank. Each stage of the first
+        replica writes its own layers' trained values (float32; the fp32 masters of a bf16 engine) to
+        one shard, and rank 0 writes the index, config, generation config and tokenizer
+        (:func:`~resihp_lightning.models.checkpoint.save_sharded_hf_checkpoint`); no rank assembles the
+        model. Outside the strategy it writes this module's own weights (reading any layer still on
+        the meta device from ``model_path`` first).
+
+        Args:
+            out_dir: output directory (created; weight files of an earlier save there are replaced).
+            tokenizer_dir: save this directory's HF tokenizer with the model; default ``model_path``.
         """
-        return save_hf_checkpoint(_layer_keyed(self.state_dict()), self.hf_config, out_dir, tokenizer_dir=tokenizer_dir)
+        tokenizer_dir = tokenizer_dir if tokenizer_dir is not None else self.model_path
+        runtime = self._resihp_runtime()
+        if runtime is None:
+            self.load_layers()
+            return save_hf_checkpoint(_layer_keyed(self.state_dict()), self.hf_config, out_dir, tokenizer_dir=tokenizer_dir)
+        if runtime.idle:  # a hot spare is outside the members' group; they write the model
+            return Path(out_dir)
+        trained = runtime.trained_tensors()  # collective over each stage's replicas under a DeepSpeed wrapper
+        position = runtime.position
+        writes = position.replica == 0
+        return save_sharded_hf_checkpoint(
+            trained if writes else {}, position.stage if writes else None, runtime.plan.pipeline_degree,
+            self.hf_config, out_dir, tokenizer_dir=tokenizer_dir, source_dir=self.model_path,
+        )
+
+    def _resihp_runtime(self) -> Any:
+        """The pipeline runtime of the ResiHPStrategy this module is attached to, or ``None``."""
+        trainer = getattr(self, "_trainer", None)
+        strategy = getattr(trainer, "strategy", None) if trainer is not None else None
+        return getattr(strategy, "runtime", None)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Stores the HF config so that :func:`export_hf_checkpoint` can write an HF model."""
         checkpoint[HF_CONFIG_KEY] = self.hf_config.to_dict()
+
+
+class _LoadOnFirstUse:
+    """Forward pre-hook of a per-stage layer: reads it from the checkpoint when it runs while still on
+    the meta device (a module used outside ResiHPStrategy); a no-op once it is loaded."""
+
+    def __init__(self, loader: HFLayerLoader, index: int) -> None:
+        self.loader = loader
+        self.index = index
+
+    def __call__(self, layer: nn.Module, args: tuple[Any, ...]) -> None:
+        if meta.has_meta(layer):
+            self.loader.load_layer(self.index, layer, _device_of(args))
+
+
+def _device_of(value: Any) -> torch.device:
+    """The device of the first tensor in ``value`` (nested tuples / lists), else the CPU."""
+    if isinstance(value, Tensor):
+        return value.device
+    if isinstance(value, (tuple, list)):
+        for item in value:
+            device = _device_of(item)
+            if device.type != "cpu":
+                return device
+    return torch.device("cpu")
 
 
 def _layer_keyed(state: Mapping[str, Tensor]) -> dict[str, Tensor]:

@@ -519,7 +519,9 @@ def evaluate(problem: Problem, plan: Plan, *, check: bool = True) -> Evaluation:
         stage_ms.append(tuple(times))
         memory_mb.append(tuple(memories))
         replica_ms.append(pipeline_ms(times, replica.micro_batches))
-    iteration = max(replica_ms) + problem.allreduce_for(plan.device_ids, plan.data_degree)
+    # The ring runs at its slowest member's link (Problem.allreduce_for, with the index at hand).
+    allreduce = problem.allreduce_ms * max(devices[i].link_slowdown for i in plan.device_ids) if plan.data_degree > 1 else 0.0
+    iteration = max(replica_ms) + allreduce
     return Evaluation(iteration, tuple(replica_ms), tuple(stage_ms), tuple(memory_mb), tuple(over))
 
 

@@ -47,7 +47,7 @@ def _rank(rank: int, world: int, log_dir: str) -> dict:
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
     detector = StragglerDetector(warmup_steps=1, fit_steps=3, link_probe_interval_steps=2, link_patience=2,
-                                 link_window=1)
+                                 link_window=1, link_min_extra_ms=5.0)  # 2 shared cores: ms-sized spikes
     callbacks = [
         FaultInjector([{"kind": "slow_link", "rank": SLOW_RANK, "delay_ms": DELAY_MS, "start_step": FAULT_STEP}]),
         detector,

@@ -189,6 +189,10 @@ def test_checkpoint_load_and_teardown_leave_layers_on_meta_alone(checkpoints):
         load_module_state(module, keys, whole.state_dict(), local, layer_keyed=False)
         module.cpu()  # Lightning's teardown: the meta layers stay where they are
     assert [meta.has_meta(layer) for layer in module.layers] == [True, False] + [True] * LLAMA_DECODERS
+    # Once layers are loaded one by one (the strategy's way), the others are not read behind its back.
+    with pytest.raises(ConfigError, match=r"layers \[0, 2, 3, 4, 5\].*held by other processes"):
+        module.load_layers()
+    assert not module.layers[0]._forward_pre_hooks
     # Layers moved away go back to meta; given storage again they keep their Parameter objects.
     params = [id(p) for p in module.layers[1].parameters()]
     meta.release(module.layers[1])

@@ -60,8 +60,8 @@ class CausalLMPipelineModule(ResiHPModule):
         load: how ``model_path`` is read. ``"per_stage"`` (default): the layers are built on the meta
             device without reading any weight; under ResiHPStrategy each process then reads only the
             tensors of the layers it holds (:meth:`pipeline_load_layer`), layers a re-plan moves come
-            from their previous holders, and a layer run outside the strategy is read on its first
-            forward (or all at once with :meth:`load_layers`). ``"whole"``: every process loads the
+            from their previous holders. Before the strategy has loaded any layer, a layer run outside
+            it is read on its first forward (or all at once with :meth:`load_layers`). ``"whole"``: every process loads the
             whole model with ``from_pretrained``. Ignored for a scratch model.
 
     Per-stage loading and the end of ``fit``: such a module tells the strategy it prefers
@@ -106,9 +106,14 @@ class CausalLMPipelineModule(ResiHPModule):
         self.hf_config = model.config
         self.layers = nn.ModuleList(model.layers)
         self._loader: HFLayerLoader | None = model.loader
-        if self._loader is not None:
-            for index, layer in enumerate(self.layers):
-                layer.register_forward_pre_hook(_LoadOnFirstUse(self._loader, index))
+        # Outside the strategy a layer still on meta is read on its first forward; once the strategy has
+        # loaded a process's layers the others belong to other processes (and get trained there), so
+        # the hooks go (no cost per forward) and nothing reads them from model_path behind its back.
+        self._strategy_loaded = False
+        self._lazy_hooks = [
+            layer.register_forward_pre_hook(_LoadOnFirstUse(self._loader, index))
+            for index, layer in enumerate(self.layers)
+        ] if self._loader is not None else []
 
     @property
     def per_stage(self) -> bool:
@@ -145,6 +150,11 @@ class CausalLMPipelineModule(ResiHPModule):
         if self._loader is None:
             super().pipeline_load_layer(index, layer, device)
             return
+        if not self._strategy_loaded:
+            self._strategy_loaded = True
+            for handle in self._lazy_hooks:
+                handle.remove()
+            self._lazy_hooks = []
         self._loader.load_layer(index, layer, device)
 
     def pipeline_gather_weights(self) -> str | None:
@@ -152,9 +162,22 @@ class CausalLMPipelineModule(ResiHPModule):
         return "none" if self.per_stage else None
 
     def load_layers(self, device: torch.device | str = "cpu") -> None:
-        """Reads every layer still on the meta device (a per-stage model used as a whole, outside the strategy)."""
+        """Reads every layer still on the meta device (a per-stage model used as a whole, outside the strategy).
+
+        Raises:
+            ConfigError: the strategy has loaded this process's layers: the ones still on meta are held
+                (and trained) by other processes, and reading them from ``model_path`` would mix
+                untrained layers into the model.
+        """
         if self._loader is None:
             return
+        on_meta = [i for i, layer in enumerate(self.layers) if meta.has_meta(layer)]
+        if on_meta and self._strategy_loaded:
+            raise ConfigError(
+                f"layers {on_meta} of this per-stage model are held by other processes of the ResiHPStrategy job; "
+                "save the trained model with save_hf_checkpoint() on every rank (under the strategy) or gather it "
+                "with ResiHPStrategy(gather_weights='all' / 'rank0')"
+            )
         for index, layer in enumerate(self.layers):
             if meta.has_meta(layer):
                 self._loader.load_layer(index, layer, device)
@@ -237,7 +260,7 @@ class _LoadOnFirstUse:
         self.index = index
 
     def __call__(self, layer: nn.Module, args: tuple[Any, ...]) -> None:
-        if meta.has_meta(layer):
+        if meta.has_meta(layer):  # the hook is removed once the strategy loads the layers
             self.loader.load_layer(self.index, layer, _device_of(args))
 
 

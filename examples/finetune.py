@@ -349,14 +349,8 @@ def run(raw: Namespace, extra_callbacks: Sequence[Any] = ()) -> Path:
     # Lightning's stateful form (not fit(ckpt_path=...)): ElasticRestart reads the path before the strategy's setup.
     trainer.ckpt_path = str(ckpt) if ckpt is not None else None
     trainer.fit(module, loader, val_loader)
-    if t.export_hf:
-        ckpt = run_dir / "final.ckpt"
-        trainer.save_checkpoint(ckpt)
-        trainer.strategy.checkpoint_io.teardown()  # an asynchronous write must be on disk before it is read
-        if trainer.global_rank == 0:
-            from resihp_lightning.models.lightning_module import export_hf_checkpoint
-
-            export_hf_checkpoint(ckpt, run_dir / "hf", tokenizer_dir=m.model_path)
+    if t.export_hf:  # every rank: each stage writes its own layers' shard, no rank assembles the model
+        module.save_hf_checkpoint(run_dir / "hf", tokenizer_dir=m.model_path)
     if trainer.global_rank == 0:
         from resihp_lightning.report import render
 

@@ -139,6 +139,13 @@ def test_a_per_stage_module_outside_the_strategy_loads_on_first_use_and_saves(ch
         ref = reference(input_ids=inputs[0][:1, :5]).logits[0]
     torch.testing.assert_close(logits[0, :5], ref, atol=1e-5, rtol=0)
 
+    # A state dict (Model.load_from_checkpoint, an exported file) fills layers still on meta: its values,
+    # not the checkpoint's.
+    trained = {k: v + 1 if v.is_floating_point() else v for k, v in module.state_dict().items()}
+    restored = CausalLMPipelineModule(model_path=str(path))
+    restored.load_state_dict(trained)
+    assert all(torch.equal(v, trained[k]) for k, v in restored.state_dict().items())
+
     # Outside the strategy save_hf_checkpoint writes the module's own weights (the tokenizer comes along).
     fresh = CausalLMPipelineModule(model_path=str(path))
     out = fresh.save_hf_checkpoint(tmp_path / "out")

@@ -182,6 +182,18 @@ class CausalLMPipelineModule(ResiHPModule):
             if meta.has_meta(layer):
                 self._loader.load_layer(index, layer, device)
 
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """As ``nn.Module.load_state_dict``; a layer still on the meta device whose tensors are all in
+        ``state_dict`` first gets storage, so that it takes those values (``Model.load_from_checkpoint``,
+        ``load_state_dict(torch.load(exported))``) instead of the copy being a silent no-op."""
+        if self._loader is not None and not assign:
+            for index, layer in enumerate(self.layers):
+                slots = meta.meta_slots(layer)
+                keys = [f"layers.{index}.{slot.name}" for slot in slots if slot.persistent]
+                if slots and keys and all(key in state_dict for key in keys):
+                    meta.allocate(layer, state_dict[keys[0]].device)
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
     def pipeline_loss(self, outputs: Tensor, labels: Tensor) -> Tensor:
         """Token-mean cross-entropy of one micro-batch (labels already shifted, -100 ignored)."""
         return causal_lm_loss(outputs, labels)

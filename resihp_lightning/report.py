@@ -18,7 +18,11 @@ The ideal is S/N x the best healthy throughput measured in the run, S being the 
 under the fault (N - 1 + 1/factor for one slowed device): what a perfect re-plan would reach. The
 best healthy throughput is the faster of the healthy phase (the starting plan) and the healed phase
 after the plan-back (the planner's plan for healthy devices), so a re-plan that also removes a
-bubble of the starting plan is not credited beyond what the planner's healthy plan reaches. Detection
+bubble of the starting plan is not credited beyond what the planner's healthy plan reaches. Only
+measured throughput enters the ideal. When the controller logged ``healthy_reference`` (its best
+plan for the devices all healthy, priced with the plan in force on the first healthy profile) and
+that plan was never measured, the report names it and its predicted speed-up over the healthy phase
+(a prediction: ``--strategy.start planned`` in the example measures it). Detection
 latency counts steps from the fault's first step to the first ``fail_slow_detected`` of that rank;
 recovery latency from the fault's ``end_step`` to the first ``fail_slow_recovered`` after it.
 
@@ -87,6 +91,8 @@ class Summary:
     recovered_step: int | None = None
     recovered_speed: float | None = None
     start_plan: dict[str, Any] | None = None
+    predicted_best_healthy: float | None = None  # tokens/s the planner's healthy plan would reach (predicted)
+    healthy_reference_plan: str | None = None
 
     @property
     def stop_fault(self) -> bool:
@@ -228,11 +234,26 @@ def summarize(run: Run, skip: int = 3) -> Summary:
                       if p.steps or p is summary.healthy or (p is summary.slowed and fault is not None)]
     candidates = [p for p in (summary.healthy, back) if p.tokens_per_s is not None]
     summary.best_healthy = max(candidates, key=lambda p: p.tokens_per_s) if candidates else None
+    _predict_best_healthy(summary, run.events)
     if summary.best_healthy is not None:
         best = summary.best_healthy.tokens_per_s
         factor = float(fault.get("factor", 1.0)) if fault is not None else 1.0
         summary.ideal_tokens_per_s = best * (world - 1 + 1.0 / factor) / world if fault is not None else best
     return summary
+
+
+def _predict_best_healthy(summary: Summary, events: list[dict[str, Any]]) -> None:
+    """The planner's best healthy plan's predicted throughput, when the run did not start under it: the
+    measured healthy phase (the plan in force then) scaled by the two plans' predicted times on the same
+    healthy problem (the controller's ``healthy_reference`` event). Reported, not used in the ideal."""
+    reference = next((e for e in events if e["event"] == "healthy_reference"), None)
+    measured = summary.healthy.tokens_per_s
+    if reference is None or measured is None or not reference.get("predicted_ms") or not reference.get("current_ms"):
+        return
+    if float(reference["predicted_ms"]) >= float(reference["current_ms"]):
+        return  # the plan the job ran healthy is (predicted) as fast as the planner's best
+    summary.predicted_best_healthy = measured * float(reference["current_ms"]) / float(reference["predicted_ms"])
+    summary.healthy_reference_plan = _event_plan_label(reference["plan"])
 
 
 def _start_plan(run_dir: Path) -> dict[str, Any] | None:
@@ -357,6 +378,11 @@ def format_table(summary: Summary) -> str:
             origin = ("the planner's healthy plan" if best.name != "healthy" or summary.start_plan is not None
                       else "the starting plan")
             lines.append(f"best healthy: {best.tokens_per_s:.0f} tokens/s ({best.name}, steps {best.span}, {origin})")
+        predicted = summary.predicted_best_healthy
+        healthy = summary.healthy.tokens_per_s
+        if predicted is not None and healthy and (best is None or best.name == "healthy"):
+            lines.append(f"planner's best healthy plan: {summary.healthy_reference_plan}, predicted "
+                         f"{predicted / healthy:.2f}x the starting plan's speed (not run; the ideal uses measured throughput)")
         if summary.migration_s is None:
             lines.append("re-plan: none applied")
         else:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from resihp_lightning.cli import main
-from resihp_lightning.report import load_run, summarize
+from resihp_lightning.report import format_table, load_run, summarize
 
 TOKENS = 4096
 
@@ -170,3 +170,30 @@ def test_a_plan_applied_without_a_migration_flag_in_the_steps_still_has_its_step
     path.write_text("".join(json.dumps({**r, "migrated": False}) + "\n" for r in records))
     summary = summarize(load_run(tmp_path / "run"))
     assert summary.applied_step == 16  # the event's step (not None)
+
+
+def test_the_planners_best_healthy_plan_is_reported_as_a_prediction_when_the_run_never_ran_it(tmp_path: Path) -> None:
+    """healthy_reference says 1x4 is predicted 10% faster than the 2x2 the job ran healthy: the report
+    names it with the predicted throughput; the ideal stays on measured throughput."""
+    _write_run(tmp_path / "run")
+    base = summarize(load_run(tmp_path / "run"))
+    two_by_two = {"replicas": [{"devices": [0, 1], "bounds": [0, 4, 8], "micro_batches": 4},
+                               {"devices": [2, 3], "bounds": [0, 4, 8], "micro_batches": 4}]}
+    one_by_four = {"replicas": [{"devices": [d], "bounds": [0, 8], "micro_batches": 2} for d in range(4)]}
+    reference = {"time": 1009.0, "step": 9, "event": "healthy_reference", "plan": one_by_four, "predicted_ms": 1000.0,
+                 "current_plan": two_by_two, "current_ms": 1100.0}
+    with (tmp_path / "run" / "events.jsonl").open("a") as handle:
+        handle.write(json.dumps(reference) + "\n")
+    summary = summarize(load_run(tmp_path / "run"))
+    healthy = summary.healthy.tokens_per_s
+    assert summary.predicted_best_healthy == pytest.approx(healthy * 1.1)
+    assert summary.ideal_tokens_per_s == pytest.approx(base.ideal_tokens_per_s)
+    assert summary.healthy_reference_plan == "1x4"
+    assert "planner's best healthy plan: 1x4, predicted 1.10x the starting plan's speed" in format_table(summary)
+    # A reference no faster than the plan the job ran changes nothing.
+    reference.update(predicted_ms=1100.0)
+    _write_run(tmp_path / "run3")
+    with (tmp_path / "run3" / "events.jsonl").open("a") as handle:
+        handle.write(json.dumps(reference) + "\n")
+    same = summarize(load_run(tmp_path / "run3"))
+    assert same.predicted_best_healthy is None and same.ideal_tokens_per_s == pytest.approx(base.ideal_tokens_per_s)

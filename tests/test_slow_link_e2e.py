@@ -89,6 +89,12 @@ def test_a_slow_link_is_named_and_planned_around(distributed, tmp_path):
     assert 0 < first["p2p_ms"] < DELAY_MS, first  # measured on the healthy links
     assert first["allreduce_ms"] > 0, first
 
+    # The healthy reference (the planner's best plan for these devices all healthy, priced with the plan
+    # in force on the same problem) is logged once, before the fault: the optimum is never slower.
+    (reference,) = of.get("healthy_reference", [None])
+    assert reference is not None and reference["step"] <= FAULT_STEP + 1, of.get("healthy_reference")
+    assert 0 < reference["predicted_ms"] <= reference["current_ms"] * (1 + 1e-9), reference
+
     applied = of.get("plan_applied", [])
     assert applied, f"the planner did not route around the slow link; events {events}"
     for event in applied:

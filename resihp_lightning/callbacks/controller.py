@@ -69,6 +69,7 @@ from resihp_lightning.config import PlannerConfig, config_from_dict
 from resihp_lightning.contract import MemoryGauge, Replannable, Survivable, provides, require
 from resihp_lightning.errors import ConfigError, PlanError, ResiHPError
 from resihp_lightning.plan import Plan, Problem, evaluate
+from resihp_lightning.solver import solve
 from resihp_lightning.telemetry import LayerCost
 
 log = get_logger(__name__)
@@ -108,6 +109,7 @@ class ReplanController(Callback):
         self._seen_version = 0
         self._profile: list[LayerCost] | None = None
         self._memory: dict[int, float] | None = None  # per-device budget (memory_mb "auto"), with the profile
+        self._healthy_logged = False  # rank 0 logged healthy_reference (the best plan for healthy devices)
         self._last_change_step: int | None = None
         self._chosen: Plan | None = None  # the last plan requested (applied or not)
         self._awaiting: Plan | None = None  # requested, not applied yet
@@ -272,7 +274,31 @@ class ReplanController(Callback):
         if done:
             self._profile = result[0]
             self._memory = dict(result[1]) if result[1] is not None else None
+            if self.rank == 0 and not self._healthy_logged:
+                self._healthy_logged = True
+                self._log_healthy_reference(strategy)
         return done
+
+    def _log_healthy_reference(self, strategy: Replannable) -> None:
+        """Rank 0, with the first healthy profile: the planner's best plan for these devices all healthy and
+        the plan in force, both priced on that problem (``healthy_reference``). A report compares a re-plan
+        with the best healthy plan, which the job may never have run (e.g. it started 2 x 2 and 1 x 4 has
+        no pipeline bubble). Solved here, once, within ``min(time_limit_s, 2 s)``."""
+        current: Plan = strategy.current_plan
+        micro = strategy.micro_batches or sum(r.micro_batches for r in current.replicas)
+        links = MeasuredLinks({}, self.detector.p2p_ms, self.detector.allreduce_ms)
+        step = self._step()
+        try:
+            problem = build_problem(self._profile, {}, current.device_ids, micro, self.config, self.planner,
+                                    per_replica_bounds=strategy.supports_per_replica_bounds, links=links,
+                                    memory_mb=self._memory)
+            best = solve(problem, dataclasses.replace(self.planner, time_limit_s=min(self.planner.time_limit_s, 2.0)))
+            current_ms = evaluate(problem, current, check=False).iteration_ms
+        except (ResiHPError, ValueError) as err:
+            log.info("no healthy reference at step %d: %s", step, err)
+            return
+        self._log("healthy_reference", step, plan=best, predicted_ms=best.iteration_ms, current_plan=current,
+                  current_ms=current_ms)
 
     def _submit(self, trainer: Any, step: int) -> None:
         """Rank 0: builds the problem for the speeds now and starts solving it in the background."""

@@ -16,6 +16,7 @@ fail_stop_detected rank, how (exited, silent = heartbeat, hung = progress, left 
 recovery_started   generation, members (the survivors), failed
 recovery_finished  generation, members, spares (idle), abort_s, regroup_s, plan_s, restore_s, redo_s, total_s, bytes_moved
 fail_stop_unrecoverable reason, exit_code
+healthy_reference  plan (the planner's best for the devices all healthy), predicted_ms, current_plan, current_ms
 plan_computed      plan (Plan JSON), predicted_ms, solve_seconds, status, speeds, link_speeds, p2p_ms, allreduce_ms
 plan_applied       plan, migration_seconds, bytes_moved (after a recovery also world, spares)
 plan_rejected      reason
@@ -53,6 +54,7 @@ EVENT_NAMES = (
     "recovery_started",
     "recovery_finished",
     "fail_stop_unrecoverable",
+    "healthy_reference",
     "plan_computed",
     "plan_applied",
     "plan_rejected",

@@ -99,6 +99,7 @@ def test_controller_state_is_plain_data_and_round_trips():
         "profile": [{"index": i, "compute_ms": 2.0, "static_mb": 50.0, "activation_mb": 1.0} for i in range(8)],
         "chosen": plan.to_dict(),
         "awaiting": True,
+        "retry_at": 21,
     }
     controller = ReplanController()
     controller.load_state_dict(state)
@@ -110,7 +111,7 @@ def test_controller_state_is_plain_data_and_round_trips():
     assert again.state_dict() == state
     assert ReplanController().state_dict() == {
         "last_change_step": None, "seen_version": 0, "migration_overhead_s": 1.0, "migration_bandwidth_mb_s": 1000.0,
-        "profile": None, "chosen": None, "awaiting": False,
+        "profile": None, "chosen": None, "awaiting": False, "retry_at": None,
     }
     assert LayerCost(**state["profile"][0]) == LayerCost(0, 2.0, 50.0, 1.0)
 

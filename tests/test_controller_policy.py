@@ -64,6 +64,9 @@ def test_decide_rules_in_order():
     assert not decide(100.0, 60.0, same_plan=True, **kw).apply
     cool = decide(100.0, 60.0, same_plan=False, **{**kw, "steps_since_change": 2})
     assert not cool.apply and "cooldown" in cool.reason
+    assert cool.retry_after_steps == CFG.cooldown_steps - 2  # held back only by the cooldown: solve again then
+    cool_small = decide(100.0, 99.0, same_plan=False, **{**kw, "steps_since_change": 2})
+    assert not cool_small.apply and cool_small.retry_after_steps is None  # would fail the gain rule anyway
     small = decide(100.0, 96.0, same_plan=False, **kw)
     assert not small.apply and "min_relative_gain" in small.reason
     short = decide(100.0, 60.0, same_plan=False, **{**kw, "remaining_steps": 50})  # 2 s saved < 2 x 2 s

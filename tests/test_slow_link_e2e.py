@@ -5,7 +5,8 @@ pipeline, its all-reduces and its link probes wait ``DELAY_MS``) from step ``FAU
 detector probes the links every 2 steps. The checks: the link is named (rank 2 and no other link; rank 2's
 compute is not taken for slow), the planner's problem carries the measured round trip and
 all-reduce and rank 2's link speed, and every plan applied gives the replica with the slow link fewer
-micro-batches than the other (or takes rank 2 out of the pipeline's boundaries).
+micro-batches than the other (or takes rank 2 out of the pipeline's boundaries). A second test kills
+another rank afterwards: the survivors are planned again with the known slow link.
 """
 
 from __future__ import annotations
@@ -28,23 +29,7 @@ def _rank(rank: int, world: int, log_dir: str) -> dict:
     from resihp_lightning.callbacks.replan_policy import ControllerConfig
     from resihp_lightning.config import PlannerConfig
     from resihp_lightning.plan import Plan
-    from resihp_lightning.strategy.module import ResiHPModule
     from resihp_lightning.strategy.strategy import ResiHPStrategy
-
-    class Stack(ResiHPModule):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.layers = nn.ModuleList([nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(DEPTH)])
-
-        def pipeline_layers(self):
-            return list(self.layers)
-
-        def pipeline_loss(self, outputs, labels):
-            return F.mse_loss(outputs, labels)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.01)
 
     detector = StragglerDetector(warmup_steps=1, fit_steps=3, link_probe_interval_steps=2, link_patience=2,
                                  link_window=1, link_min_extra_ms=5.0)  # 2 shared cores: ms-sized spikes
@@ -62,7 +47,7 @@ def _rank(rank: int, world: int, log_dir: str) -> dict:
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(M * MBS * STEPS, WIDTH, generator=gen)
     data = DataLoader(TensorDataset(x, torch.tanh(x)), batch_size=M * MBS, drop_last=True)
-    trainer.fit(Stack(), data)
+    trainer.fit(_stack_class()(), data)
     return {"links": detector.links.estimates, "p2p_ms": detector.p2p_ms}
 
 
@@ -106,3 +91,84 @@ def test_a_slow_link_is_named_and_planned_around(distributed, tmp_path):
     print(f"\nslow link named at step {detected[0]['step']} (link speed {detected[0]['link_speed']}); measured p2p "
           f"{first['p2p_ms']:.2f} ms, all-reduce {first['allreduce_ms']:.2f} ms; applied "
           f"{[(e['step'], e['plan']['replicas']) for e in applied]}; rejected {of.get('plan_rejected', [])}")
+
+
+KILL_STEP = 12
+
+
+def _survivors_rank(rank: int, world: int, run_dir: str) -> dict:
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from resihp_lightning.callbacks import FaultInjector, ReplanController, StragglerDetector
+    from resihp_lightning.callbacks.replan_policy import ControllerConfig
+    from resihp_lightning.config import PlannerConfig
+    from resihp_lightning.strategy.fail_stop import FailStopConfig
+    from resihp_lightning.strategy.strategy import ResiHPStrategy
+
+    detector = StragglerDetector(warmup_steps=1, fit_steps=3, link_probe_interval_steps=2, link_patience=2,
+                                 link_window=1, link_min_extra_ms=5.0)
+    callbacks = [
+        FaultInjector([{"kind": "slow_link", "rank": SLOW_RANK, "delay_ms": DELAY_MS, "start_step": FAULT_STEP},
+                       {"kind": "kill", "rank": 3, "start_step": KILL_STEP}]),
+        detector,
+        # Plans with two replicas or more (P in 1, 2 and no idle devices on 4): with one replica any death
+        # loses layers, and the job can only restart from a checkpoint.
+        ReplanController(ControllerConfig(migration_overhead_s=0.1, cooldown_steps=2),
+                         planner=PlannerConfig(solver="exact", allow_exclude=False, pipeline_degrees=(1, 2))),
+    ]
+    strategy = ResiHPStrategy(pipeline_degree=2, micro_batch_size=MBS, fail_stop=FailStopConfig())
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS + 6, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                         num_sanity_val_steps=0, callbacks=callbacks, default_root_dir=run_dir)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(M * MBS * (STEPS + 6), WIDTH, generator=gen)
+    trainer.fit(_stack_class()(), DataLoader(TensorDataset(x, torch.tanh(x)), batch_size=M * MBS, drop_last=True))
+    recovery = strategy.last_recovery
+    return {"recovered_at": None if recovery is None else recovery.step, "plan": strategy.current_plan.to_dict(),
+            "members": None if recovery is None else list(recovery.members)}
+
+
+def _stack_class():
+    from resihp_lightning.strategy.module import ResiHPModule
+
+    class Stack(ResiHPModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.layers = nn.ModuleList([nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(DEPTH)])
+
+        def pipeline_layers(self):
+            return list(self.layers)
+
+        def pipeline_loss(self, outputs, labels):
+            return F.mse_loss(outputs, labels)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    return Stack
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_after_a_lost_rank_the_survivors_are_planned_again_with_the_known_slow_link(tmp_path):
+    """The recovery plans for the survivors as if healthy; the controller then solves again with rank 2's
+    known link speed once the cooldown after the recovery ends (no new detection event needed)."""
+    from harness import run_job
+
+    from resihp_lightning.callbacks import read_events
+
+    outcome = run_job(_survivors_rank, 4, timeout=220, wait_for=[0, 1, 2], run_dir=str(tmp_path))
+    values = outcome.values()
+    assert sorted(values) == [0, 1, 2], outcome.describe()
+    recovered_at = values[0]["recovered_at"]
+    assert recovered_at == KILL_STEP and values[0]["members"] == [0, 1, 2], values[0]
+    events = read_events(tmp_path)
+    detected = [e for e in events if e["event"] == "slow_link_detected"]
+    assert detected and detected[0]["rank"] == SLOW_RANK and detected[0]["step"] < KILL_STEP, detected
+    after = [e for e in events if e["event"] == "plan_computed" and e["step"] > recovered_at]
+    assert after, f"no plan computed after the recovery; events {[(e['event'], e['step']) for e in events]}"
+    first = after[0]
+    assert {int(k) for k in first["link_speeds"]} == {SLOW_RANK}, first
+    assert set(d for r in first["plan"]["replicas"] for d in r["devices"]) <= {0, 1, 2}, first

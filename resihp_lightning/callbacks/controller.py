@@ -109,6 +109,7 @@ class ReplanController(Callback):
         self._seen_version = 0
         self._profile: list[LayerCost] | None = None
         self._memory: dict[int, float] | None = None  # per-device budget (memory_mb "auto"), with the profile
+        self._retry_at: int | None = None  # solve again at this step (a plan held back only by the cooldown)
         self._healthy_logged = False  # rank 0 logged healthy_reference (the best plan for healthy devices)
         self._last_change_step: int | None = None
         self._chosen: Plan | None = None  # the last plan requested (applied or not)
@@ -168,8 +169,10 @@ class ReplanController(Callback):
             if not self._take_profile(strategy):  # at the same step on every rank
                 return
         wait = 0.0
-        if self.detector.version != self._seen_version:
+        retry = self._retry_at is not None and step >= self._retry_at
+        if self.detector.version != self._seen_version or retry:
             self._seen_version = self.detector.version
+            self._retry_at = None
             if self._profile is None and not self._take_profile(strategy):
                 return
             if self.rank == 0:
@@ -183,6 +186,9 @@ class ReplanController(Callback):
             return
         self._inflight = False
         if message is None:
+            return
+        if "retry_at" in message:  # held back only by the cooldown: every rank solves again then
+            self._retry_at = int(message["retry_at"])
             return
         plan = Plan.from_dict(message)
         try:
@@ -205,6 +211,7 @@ class ReplanController(Callback):
             "profile": None if self._profile is None else [dataclasses.asdict(cost) for cost in self._profile],
             "chosen": None if self._chosen is None else self._chosen.to_dict(),
             "awaiting": self._awaiting is not None,
+            "retry_at": self._retry_at,
         }
 
     @override
@@ -220,12 +227,15 @@ class ReplanController(Callback):
         self._chosen = None if chosen is None else Plan.from_dict(chosen)
         self._awaiting = self._chosen if state_dict["awaiting"] else None
         self._restore = self._chosen
+        self._retry_at = state_dict.get("retry_at")  # absent in checkpoints from before the retry
 
     def _resync(self) -> None:
         """Inside a fail-stop recovery: every survivor takes the new rank 0's decision state.
 
         The survivors run the plan the recovery chose, so no chosen plan is awaited or put back, and
-        the recovery counts as a plan change for the cooldown.
+        the recovery counts as a plan change for the cooldown. The recovery planned for the survivors
+        as if they were healthy; when the detector knows a slow device or link among them, the
+        controller solves again with those speeds when the cooldown ends.
         """
         import torch.distributed as dist
 
@@ -235,6 +245,8 @@ class ReplanController(Callback):
         self._chosen = self._awaiting = self._restore = None
         self._last_change_step = self._step()
         self._inflight = False
+        if self.detector is not None and (self.detector.flagged or self.detector.link_speeds):
+            self._retry_at = self._last_change_step + self.config.cooldown_steps
 
     # ---------------------------------------------------------------------------- internals
     def _put_back_chosen(self, strategy: Replannable, step: int) -> None:
@@ -322,7 +334,8 @@ class ReplanController(Callback):
         self._planner.submit(self._problem, self.planner, tag=dict(self.detector.speeds))
 
     def _collect_on_rank0(self, trainer: Any, step: int, wait_s: float) -> Any:
-        """Rank 0: the verdict to broadcast: ``_PENDING``, a plan dict to apply, or ``None`` (no change)."""
+        """Rank 0: the verdict to broadcast: ``_PENDING``, a plan dict to apply, ``{"retry_at": step}``, or
+        ``None`` (no change)."""
         if self._problem is None or self._planner is None or not self._planner.busy:
             return None
         done, speeds, result = self._planner.poll(wait_s)
@@ -339,7 +352,8 @@ class ReplanController(Callback):
         return self._decide(trainer, step, self._problem, result, speeds)
 
     def _decide(self, trainer: Any, step: int, problem: Any, plan: Plan, speeds: dict[int, float]) -> dict[str, Any] | None:
-        """Rank 0: prices the plan in force and the new one under the same speeds; the plan dict to apply, or None."""
+        """Rank 0: prices the plan in force and the new one under the same speeds; the plan dict to apply,
+        ``{"retry_at": step}`` when only the cooldown held it back, or None."""
         strategy: Replannable = trainer.strategy
         current: Plan = strategy.current_plan
         self._log("plan_computed", step, plan=plan, predicted_ms=plan.iteration_ms,
@@ -368,7 +382,7 @@ class ReplanController(Callback):
         if not decision.apply:
             self._log("plan_rejected", step, reason=decision.reason, predicted_ms=plan.iteration_ms,
                       current_ms=current_ms)
-            return None
+            return None if decision.retry_after_steps is None else {"retry_at": step + decision.retry_after_steps}
         user_info(f"re-planning at step {step}: {decision.reason}")
         return plan.to_dict()
 

@@ -4,7 +4,8 @@
   measured per-layer costs, the detector's per-rank speeds and the job's options.
 * :func:`moved_mb` / :func:`estimate_migration_s`: what switching plans would move and cost.
 * :func:`decide`: whether a computed plan is worth applying. In order, a plan is rejected when it
-  is the plan in force, when the last change is fewer than ``cooldown_steps`` ago, when its
+  is the plan in force, when the last change is fewer than ``cooldown_steps`` ago (if it passes the
+  other rules, the controller solves again when the cooldown ends), when its
   predicted iteration time is not at least ``min_relative_gain`` below the current plan's
   (hysteresis: small predicted gains are noise and would make plans flap), or when the time it
   saves over the expected remaining steps does not exceed ``payback_factor`` times the estimated
@@ -113,6 +114,8 @@ class Decision:
         gain_ms: predicted saving per iteration (current - new).
         total_gain_s: predicted saving over the remaining steps.
         migration_s: estimated migration cost.
+        retry_after_steps: set when only the cooldown stood in the way: the plan passed every other
+            rule, so the controller solves again this many steps later (when the cooldown ends).
     """
 
     apply: bool
@@ -120,6 +123,7 @@ class Decision:
     gain_ms: float = 0.0
     total_gain_s: float = 0.0
     migration_s: float = 0.0
+    retry_after_steps: int | None = None
 
 
 @dataclass(frozen=True)
@@ -271,8 +275,12 @@ def decide(
     if same_plan:
         return Decision(False, "the plan in force is already the best plan", gain, 0.0, 0.0)
     if steps_since_change is not None and steps_since_change < config.cooldown_steps:
-        return Decision(False, f"cooldown: last change {steps_since_change} steps ago (< {config.cooldown_steps})",
-                        gain, 0.0, migration_s)
+        wait = config.cooldown_steps - steps_since_change
+        later = decide(current_ms, new_ms, same_plan=False, remaining_steps=remaining_steps - wait,
+                       migration_s=migration_s, steps_since_change=None, config=config)
+        return Decision(False, f"cooldown: last change {steps_since_change} steps ago (< {config.cooldown_steps})"
+                        + (f"; solving again in {wait} steps" if later.apply else ""),
+                        gain, 0.0, migration_s, retry_after_steps=wait if later.apply else None)
     relative = gain / current_ms if current_ms > 0 else 0.0
     if relative < config.min_relative_gain:
         return Decision(False, f"predicted gain {relative * 100:.1f}% is below min_relative_gain "

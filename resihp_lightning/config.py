@@ -41,6 +41,10 @@ class PlannerConfig:
             ``strategy.supports_per_replica_bounds``, i.e. the plain fp32 optimizer; else shared).
         allow_exclude: ``None`` keeps the problem's; ``True`` lets the plan leave devices unused.
         min_layers_per_stage: ``None`` keeps the problem's; otherwise the fewest layers per stage (>= 1).
+        min_data_degree: ``None`` keeps the problem's (1); otherwise the fewest replicas a plan may
+            have (>= 1). With ``ResiHPStrategy(fail_stop=...)`` set 2: a plan with one replica holds
+            each layer on one device only, so any later death loses layers and the job must restart
+            from a checkpoint instead of recovering in process.
     """
 
     solver: str = "cpsat"
@@ -53,6 +57,7 @@ class PlannerConfig:
     shared_partition: bool | None = None
     allow_exclude: bool | None = None
     min_layers_per_stage: int | None = None
+    min_data_degree: int | None = None
 
     def __post_init__(self) -> None:
         if self.solver not in SOLVERS:
@@ -78,12 +83,16 @@ class PlannerConfig:
             not isinstance(self.min_layers_per_stage, int) or self.min_layers_per_stage < 1
         ):
             raise invalid_option("planner.min_layers_per_stage", self.min_layers_per_stage, "an integer >= 1")
+        if self.min_data_degree is not None and (
+            not isinstance(self.min_data_degree, int) or isinstance(self.min_data_degree, bool) or self.min_data_degree < 1
+        ):
+            raise invalid_option("planner.min_data_degree", self.min_data_degree, "null or an integer >= 1")
 
     def apply_to(self, problem: Problem) -> Problem:
         """The problem with this config's model options (those not ``None``) written over its own."""
         changes = {
             name: getattr(self, name)
-            for name in ("pipeline_degrees", "shared_partition", "allow_exclude", "min_layers_per_stage")
+            for name in ("pipeline_degrees", "shared_partition", "allow_exclude", "min_layers_per_stage", "min_data_degree")
             if getattr(self, name) is not None
         }
         return replace(problem, **changes) if changes else problem

@@ -89,6 +89,8 @@ class Problem:
         shared_partition: all replicas use the same stage bounds (stock DeepSpeed requires it).
         allow_exclude: the plan may leave devices unused.
         min_layers_per_stage: the fewest layers a stage may hold.
+        min_data_degree: the fewest replicas D a plan may have. With fail-stop recovery in process, 2
+            keeps every layer on two devices, so that losing any one device loses no layer.
     """
 
     layers: tuple[Layer, ...]
@@ -100,6 +102,7 @@ class Problem:
     shared_partition: bool = True
     allow_exclude: bool = False
     min_layers_per_stage: int = 1
+    min_data_degree: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
@@ -139,12 +142,10 @@ class Problem:
             value = getattr(self, name)
             if not _is_real(value) or value < 0 or math.isinf(value):
                 raise ProblemError(f"{name} must be a finite number >= 0, got {value!r}")
-        if (
-            not isinstance(self.min_layers_per_stage, int)
-            or isinstance(self.min_layers_per_stage, bool)
-            or self.min_layers_per_stage < 1
-        ):
-            raise ProblemError(f"min_layers_per_stage must be an integer >= 1, got {self.min_layers_per_stage!r}")
+        for name in ("min_layers_per_stage", "min_data_degree"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ProblemError(f"{name} must be an integer >= 1, got {value!r}")
         if self.pipeline_degrees is not None:
             if not self.pipeline_degrees:
                 raise ProblemError("pipeline_degrees is empty; give at least one degree or leave it out")
@@ -177,7 +178,8 @@ class Problem:
         return {d.id: d for d in self.devices}
 
     def candidate_shapes(self) -> list[tuple[int, int]]:
-        """Every (P, D) a plan may take: P allowed, P*D devices available, D <= M, P <= L / min layers.
+        """Every (P, D) a plan may take: P allowed, P*D devices available, min_data_degree <= D <= M,
+        P <= L / min layers.
 
         Without ``allow_exclude`` P*D must equal the device count; with it, P*D may be smaller.
         """
@@ -189,8 +191,8 @@ class Problem:
             if p > max_p or p > n:
                 continue
             if self.allow_exclude:
-                shapes.extend((p, d) for d in range(1, min(n // p, m) + 1))
-            elif n % p == 0 and n // p <= m:
+                shapes.extend((p, d) for d in range(self.min_data_degree, min(n // p, m) + 1))
+            elif n % p == 0 and self.min_data_degree <= n // p <= m:
                 shapes.append((p, n // p))
         return shapes
 
@@ -471,6 +473,8 @@ def validate(problem: Problem, plan: Plan, *, check_memory: bool = True) -> None
     total = sum(r.micro_batches for r in plan.replicas)
     if total != problem.micro_batches:
         raise PlanError(f"replicas run {total} micro-batches in all; the problem's global batch is {problem.micro_batches}")
+    if plan.data_degree < problem.min_data_degree:
+        raise PlanError(f"the plan has {plan.data_degree} replica(s); the problem's min_data_degree is {problem.min_data_degree}")
     if problem.pipeline_degrees is not None and p not in problem.pipeline_degrees:
         raise PlanError(f"pipeline degree {p} is not among the allowed pipeline_degrees {list(problem.pipeline_degrees)}")
     if problem.shared_partition and not plan.shared_bounds:

@@ -245,3 +245,31 @@ def test_link_speed_json_round_trip() -> None:
     assert [d.get("link_speed") for d in data["devices"]] == [None, None, 0.1, None]  # the default is left out
     assert Problem.from_json(problem.to_json()) == problem
     assert "link_speed" not in Problem.from_dict(DESIGN_EXAMPLE).to_json()
+
+
+def test_min_data_degree_keeps_every_layer_on_two_devices_in_every_backend():
+    """The unconstrained optimum runs one replica (the all-reduce is dear); with
+    min_data_degree=2 every backend returns the best plan with two replicas or more, and validate
+    refuses a one-replica plan."""
+    from resihp_lightning.errors import PlanError
+    from resihp_lightning.plan import Device, Layer, Plan, Problem, evaluate, validate
+    from resihp_lightning.solver import solve
+    from resihp_lightning.config import PlannerConfig
+
+    layers = tuple(Layer(10.0) for _ in range(8))
+    devices = tuple(Device(i) for i in range(4))
+    free = Problem(layers, devices, micro_batches=8, p2p_ms=1.0, allreduce_ms=500.0, allow_exclude=True)
+    two = Problem(layers, devices, micro_batches=8, p2p_ms=1.0, allreduce_ms=500.0, allow_exclude=True, min_data_degree=2)
+    unconstrained = solve(free, PlannerConfig(solver="exact"))
+    assert unconstrained.data_degree == 1
+    with pytest.raises(PlanError, match="min_data_degree is 2"):
+        validate(two, unconstrained)
+    plans = [solve(two, PlannerConfig(solver=name)) for name in ("exact", "cpsat", "pulp")]
+    for plan in plans:
+        assert plan.data_degree >= 2 and plan.status == "optimal", plan
+        assert plan.iteration_ms == pytest.approx(plans[0].iteration_ms)
+        assert evaluate(two, plan).iteration_ms == pytest.approx(plan.iteration_ms)
+    assert two.to_dict()["min_data_degree"] == 2 and Problem.from_dict(two.to_dict()) == two
+    assert PlannerConfig(min_data_degree=2).apply_to(free).min_data_degree == 2
+    with pytest.raises(Exception, match=r"planner.min_data_degree.*integer >= 1"):
+        PlannerConfig(min_data_degree=0)

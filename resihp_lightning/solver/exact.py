@@ -400,6 +400,7 @@ def infeasible_reason(problem: Problem) -> str:
             f"{problem.micro_batches} micro-batches, min_layers_per_stage={problem.min_layers_per_stage}, "
             f"pipeline_degrees={list(problem.pipeline_degrees) if problem.pipeline_degrees else 'any'}"
             + ("" if problem.allow_exclude else ", allow_exclude=false")
+            + (f", min_data_degree={problem.min_data_degree}" if problem.min_data_degree > 1 else "")
         )
     biggest = max(problem.devices, key=lambda dv: dv.memory_mb)
     heaviest = max(problem.layers, key=lambda la: la.static_mb + la.activation_mb)

@@ -1,7 +1,7 @@
 """Slow-link benchmark: what a link probe costs, how fast and how well a slow link is named, and what
 planning around it wins.
 
-Four gloo processes train 8 ``Linear(WIDTH) + tanh`` layers (M = 8 micro-batches of 32 rows, SGD)
+Four gloo processes train 8 ``Linear(WIDTH) + tanh`` layers (the control tests' model, ``tests/test_control_e2e.build_stack``; M = 8 micro-batches of 32 rows, SGD)
 under a 2 x 2 plan with ``StragglerDetector(link_probe_interval_steps=2)`` and ``ReplanController``.
 From step ``FAULT_STEP`` the injector delays every send and all-reduce of rank 2 by ``delay_ms``
 (``FaultInjector`` ``slow_link``). Per delay it reports:
@@ -38,33 +38,17 @@ FAULT_STEP = 6
 def _rank(rank: int, world: int, log_dir: str, delay_ms: float, steps: int) -> dict:
     import lightning.pytorch as pl
     import torch
-    from torch import nn
-    from torch.nn import functional as F
     from torch.utils.data import DataLoader, TensorDataset
 
     from resihp_lightning.callbacks import FaultInjector, ReplanController, StragglerDetector
     from resihp_lightning.callbacks.replan_policy import ControllerConfig
     from resihp_lightning.config import PlannerConfig
     from resihp_lightning.plan import Plan
-    from resihp_lightning.strategy.module import ResiHPModule
     from resihp_lightning.strategy.strategy import ResiHPStrategy
+    from test_control_e2e import build_stack
 
     torch.set_num_threads(1)
-
-    class Stack(ResiHPModule):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.layers = nn.ModuleList([nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(DEPTH)])
-
-        def pipeline_layers(self):
-            return list(self.layers)
-
-        def pipeline_loss(self, outputs, labels):
-            return F.mse_loss(outputs, labels)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.01)
+    Stack = build_stack(WIDTH, DEPTH)  # Linear + tanh layers, SGD: the control tests' model
 
     probe_ms: list[float] = []
     steps_seen: list[dict] = []

@@ -14,7 +14,9 @@ from one *reference* run's measured layer profile (``strategy.layer_profile()``,
 input), with ``p2p_ms`` / ``allreduce_ms`` and a per-iteration ``overhead`` (optimizer step, loss
 logging, the callbacks' collectives: what the planning model leaves out) calibrated on two
 reference plans (the first pipeline and the first replica layout) of the same round. The other
-four plans are predicted out of sample; the reference rows are marked. Measured: the median of the
+four plans are predicted out of sample; the reference rows are marked. A second table puts the 1F1B
+event simulator (:func:`~resihp_lightning.solver.simulator.simulate`) in place of the formula,
+calibrated the same way (it differs only where a replica's stages are unequal). Measured: the median of the
 strategy's step time (``step_ms`` in ``steps.jsonl``, rank 0) from step 3 on.
 
 Packed sequence lengths (issue 17, item 5): the planning model prices every micro-batch at the
@@ -150,14 +152,18 @@ def run_plan(plan: dict, steps: int, out: Path, data: Path | None = None) -> dic
             "plan": plan_obj, "dir": str(run_dir)}
 
 
-def predict(profile: list[dict], plan: Plan, p2p_ms: float, allreduce_ms: float, overhead_ms: float) -> float:
+def predict(profile: list[dict], plan: Plan, p2p_ms: float, allreduce_ms: float, overhead_ms: float,
+            simulated: bool = False) -> float:
+    """The planning model's time (``simulated``: the 1F1B event simulator's) plus the overhead."""
     from resihp_lightning.callbacks.replan_policy import ControllerConfig, build_problem
     from resihp_lightning.plan import evaluate
+    from resihp_lightning.solver.simulator import simulate
     from resihp_lightning.telemetry import LayerCost
 
     problem = build_problem([LayerCost(**c) for c in profile], {}, [0, 1], MICRO,
-                            ControllerConfig(p2p_ms=p2p_ms, allreduce_ms=allreduce_ms))
-    return evaluate(problem, plan).iteration_ms + overhead_ms
+                            ControllerConfig(p2p_ms=p2p_ms, allreduce_ms=allreduce_ms, memory_mb=None))
+    model_ms = simulate(problem, plan).makespan_ms if simulated else evaluate(problem, plan).iteration_ms
+    return model_ms + overhead_ms
 
 
 def predict_steps(result: dict, profile: list[dict], model, reference, allreduce_ms: float, overhead_ms: float) -> dict:
@@ -188,7 +194,7 @@ def workload_model(result: dict):
     return model, reference
 
 
-def calibrate(profile: list[dict], pipe: dict, reps: dict) -> tuple[float, float, float]:
+def calibrate(profile: list[dict], pipe: dict, reps: dict, simulated: bool = False) -> tuple[float, float, float]:
     """(p2p_ms, allreduce_ms, overhead_ms) from the two reference runs.
 
     The overhead (per iteration, the same under every plan) and the all-reduce cannot be told apart
@@ -197,8 +203,8 @@ def calibrate(profile: list[dict], pipe: dict, reps: dict) -> tuple[float, float
     (activation transfers overlap the other stage's compute on gloo); the all-reduce is what the
     replica reference adds beyond compute and overhead.
     """
-    overhead = pipe["step_ms"] - predict(profile, pipe["plan"], 0.0, 0.0, 0.0)
-    allreduce = max(reps["step_ms"] - predict(profile, reps["plan"], 0.0, 0.0, overhead), 0.0)
+    overhead = pipe["step_ms"] - predict(profile, pipe["plan"], 0.0, 0.0, 0.0, simulated)
+    allreduce = max(reps["step_ms"] - predict(profile, reps["plan"], 0.0, 0.0, overhead, simulated), 0.0)
     return 0.0, allreduce, overhead
 
 
@@ -218,6 +224,7 @@ def main() -> None:
     load = " ".join(f"{v:.1f}" for v in os.getloadavg())
     started = time.perf_counter()
     rows: dict[str, list[tuple[float, float]]] = {name: [] for name in PLANS}
+    simulated_rows: dict[str, list[tuple[float, float]]] = {name: [] for name in PLANS}
     per_step: dict[str, list[tuple[float, float, float]]] = {name: [] for name in PLANS}  # (flat, lengths, measured)
     for round_ in range(args.rounds):
         results = {name: run_plan(plan, args.steps, out, data) for name, plan in PLANS.items()}
@@ -226,26 +233,27 @@ def main() -> None:
         print(f"round {round_ + 1}: calibrated p2p {p2p:.1f} ms, all-reduce {allreduce:.1f} ms, overhead "
               f"{overhead:.1f} ms; layer ms {[round(c['compute_ms'], 1) for c in profile]}", flush=True)
         model, reference = workload_model(results[REFERENCES[1]])
+        sim_p2p, sim_allreduce, sim_overhead = calibrate(profile, results[REFERENCES[0]], results[REFERENCES[1]], True)
         for name, result in results.items():
             flat = predict(profile, result["plan"], p2p, allreduce, overhead)
             rows[name].append((flat, result["step_ms"]))
+            sim = predict(profile, result["plan"], sim_p2p, sim_allreduce, sim_overhead, simulated=True)
+            simulated_rows[name].append((sim, result["step_ms"]))
             for step, with_lengths in predict_steps(result, profile, model, reference, allreduce, overhead).items():
                 per_step[name].append((flat, with_lengths, result["per_step"][step]))
     print(f"\n{args.rounds} rounds x {len(PLANS)} plans, {args.steps} steps each, 2 processes, "
           f"{'length-skewed data' if data else 'the demo data'}; load before "
           f"{load}, after {' '.join(f'{v:.1f}' for v in os.getloadavg())}; {time.perf_counter() - started:.0f} s\n")
-    print("| plan | predicted ms | measured ms (median step, per round) | error (per round) | |")
-    print("|---|---|---|---|---|")
-    errors = []
-    for name, values in rows.items():
-        errs = [(p - m) / m * 100 for p, m in values]
-        if name not in REFERENCES:
-            errors.extend(abs(e) for e in errs)
-        print(f"| {name} | {', '.join(f'{p:.0f}' for p, _ in values)} | {', '.join(f'{m:.0f}' for _, m in values)} | "
-              f"{', '.join(f'{e:+.1f}%' for e in errs)} | {'calibration' if name in REFERENCES else ''} |")
+    errors = _print_rows(rows, "predicted ms")
     if errors:
         print(f"\nout-of-sample error: median {statistics.median(errors):.1f}%, max {max(errors):.1f}% "
               f"({len(errors)} predictions)")
+    print("\nthe same with the 1F1B event simulator (solver/simulator.py, forward 1/3 of a layer's time) in place "
+          "of the formula, calibrated the same way:\n")
+    sim_errors = _print_rows(simulated_rows, "simulated ms")
+    if sim_errors:
+        print(f"\nsimulator out-of-sample error: median {statistics.median(sim_errors):.1f}%, max {max(sim_errors):.1f}% "
+              f"({len(sim_errors)} predictions)")
     print("\nper-step error (|predicted - measured| / measured, median over steps 3.., all rounds); 'level removed':"
           " each run's predictions scaled so that their median is the run's measured median, which leaves"
           " only how well they follow the steps' differences:\n")
@@ -261,6 +269,20 @@ def main() -> None:
         print(f"| {name} | {len(values)} | " + " | ".join(f"{statistics.median(e):.1f}%" for e in row) + " |")
     if columns[0]:
         print(f"| all | {len(columns[0])} | " + " | ".join(f"{statistics.median(e):.1f}%" for e in columns) + " |")
+
+
+def _print_rows(rows: dict[str, list[tuple[float, float]]], predicted: str) -> list[float]:
+    """Prints one table row per plan (predicted and measured per round); returns the out-of-sample |errors| in %."""
+    print(f"| plan | {predicted} | measured ms (median step, per round) | error (per round) | |")
+    print("|---|---|---|---|---|")
+    errors = []
+    for name, values in rows.items():
+        errs = [(p - m) / m * 100 for p, m in values]
+        if name not in REFERENCES:
+            errors.extend(abs(e) for e in errs)
+        print(f"| {name} | {', '.join(f'{p:.0f}' for p, _ in values)} | {', '.join(f'{m:.0f}' for _, m in values)} | "
+              f"{', '.join(f'{e:+.1f}%' for e in errs)} | {'calibration' if name in REFERENCES else ''} |")
+    return errors
 
 
 def _step_errors(values: list[tuple[float, float, float]], rounds: int) -> list[list[float]]:

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
-from torch.nn import functional as F
+
+from test_control_e2e import build_stack
 
 WORLD, WIDTH, DEPTH, MBS, M = 4, 128, 8, 8, 8
 SLOW_RANK, DELAY_MS = 2, 25.0
@@ -47,7 +47,7 @@ def _rank(rank: int, world: int, log_dir: str) -> dict:
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(M * MBS * STEPS, WIDTH, generator=gen)
     data = DataLoader(TensorDataset(x, torch.tanh(x)), batch_size=M * MBS, drop_last=True)
-    trainer.fit(_stack_class()(), data)
+    trainer.fit(build_stack(WIDTH, DEPTH)(), data)
     return {"links": detector.links.estimates, "p2p_ms": detector.p2p_ms}
 
 
@@ -75,10 +75,10 @@ def test_a_slow_link_is_named_and_planned_around(distributed, tmp_path):
     assert first["allreduce_ms"] > 0, first
 
     # The healthy reference (the planner's best plan for these devices all healthy, priced with the plan
-    # in force on the same problem) is logged once, before the fault: the optimum is never slower.
-    (reference,) = of.get("healthy_reference", [None])
-    assert reference is not None and reference["step"] <= FAULT_STEP + 1, of.get("healthy_reference")
-    assert 0 < reference["predicted_ms"] <= reference["current_ms"] * (1 + 1e-9), reference
+    # in force on the same problem) is logged once, with the first profile: the optimum is never slower.
+    references = of.get("healthy_reference", [])
+    assert len(references) == 1, references
+    assert 0 < references[0]["predicted_ms"] <= references[0]["current_ms"] * (1 + 1e-9), references
 
     applied = of.get("plan_applied", [])
     assert applied, f"the planner did not route around the slow link; events {events}"
@@ -123,31 +123,10 @@ def _survivors_rank(rank: int, world: int, run_dir: str) -> dict:
                          num_sanity_val_steps=0, callbacks=callbacks, default_root_dir=run_dir)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(M * MBS * (STEPS + 6), WIDTH, generator=gen)
-    trainer.fit(_stack_class()(), DataLoader(TensorDataset(x, torch.tanh(x)), batch_size=M * MBS, drop_last=True))
+    trainer.fit(build_stack(WIDTH, DEPTH)(), DataLoader(TensorDataset(x, torch.tanh(x)), batch_size=M * MBS, drop_last=True))
     recovery = strategy.last_recovery
     return {"recovered_at": None if recovery is None else recovery.step, "plan": strategy.current_plan.to_dict(),
             "members": None if recovery is None else list(recovery.members)}
-
-
-def _stack_class():
-    from resihp_lightning.strategy.module import ResiHPModule
-
-    class Stack(ResiHPModule):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.layers = nn.ModuleList([nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(DEPTH)])
-
-        def pipeline_layers(self):
-            return list(self.layers)
-
-        def pipeline_loss(self, outputs, labels):
-            return F.mse_loss(outputs, labels)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.01)
-
-    return Stack
 
 
 @pytest.mark.multiprocess

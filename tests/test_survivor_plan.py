@@ -28,3 +28,20 @@ def test_a_tie_keeps_every_survivor_working():
     profile = [LayerCost(i, 1.0, 1.0, 0.0) for i in range(8)]
     plan = survivor_plan(profile, [0, 2, 3], micro_batches=4, per_replica_bounds=True, solver="exact")
     assert sorted(plan.device_ids) == [0, 2, 3], plan
+
+
+def test_a_survivor_with_less_memory_gets_a_plan_that_fits_it():
+    """Per-device budgets (what the recovery gathers from every survivor): device 1 can hold two layers'
+    state only, so no plan gives it more; with equal budgets the plan is free to."""
+    from resihp_lightning.plan import Device, Layer, Problem, evaluate
+
+    profile = [LayerCost(i, 10.0, 100.0, 1.0) for i in range(8)]
+    members = [0, 1, 3]
+    budgets = {0: 1e6, 1: 230.0, 3: 1e6}
+    plan = survivor_plan(profile, members, micro_batches=6, per_replica_bounds=True, solver="exact", memory_mb=budgets)
+    problem = Problem(tuple(Layer(10.0, 100.0, 1.0) for _ in range(8)), tuple(Device(d, 1.0, budgets[d]) for d in members), 6)
+    assert evaluate(problem, plan).fits_memory, plan
+    held_by_1 = [r.bounds[j + 1] - r.bounds[j] for r in plan.replicas for j, d in enumerate(r.devices) if d == 1]
+    assert all(n <= 2 for n in held_by_1), plan
+    unconstrained = survivor_plan(profile, members, micro_batches=6, per_replica_bounds=True, solver="exact")
+    assert unconstrained.iteration_ms < plan.iteration_ms  # the budget costs time: it did bind

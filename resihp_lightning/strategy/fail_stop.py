@@ -213,9 +213,13 @@ def survivor_plan(
     micro_batches: int,
     per_replica_bounds: bool,
     solver: str,
-    memory_mb: float | None = None,
+    memory_mb: float | Mapping[int, float] | None = None,
 ) -> Plan:
     """The best plan for the survivors (speeds taken as equal; the controller refines later).
+
+    ``memory_mb``: every survivor's budget (one number for all, or per device id; ``None``: unlimited).
+    The survivors take over the lost ranks' layers, so a plan that does not fit a device's memory is
+    never chosen (``InfeasibleError`` when none fits).
 
     The plan may leave survivors idle (``allow_exclude``) when that is faster, e.g. seven survivors
     whose memory needs two stages run 2 x 3 with one spare instead of a 7 x 1 pipeline.
@@ -227,10 +231,14 @@ def survivor_plan(
     from resihp_lightning.solver import solve
 
     costs = fill_missing_costs(profile)
-    memory = math.inf if memory_mb is None else float(memory_mb)
+    if isinstance(memory_mb, Mapping):
+        memory = {int(d): float(mb) for d, mb in memory_mb.items()}
+    else:
+        fixed = math.inf if memory_mb is None else float(memory_mb)
+        memory = {int(d): fixed for d in members}
     problem = Problem(
         layers=tuple(Layer(c.compute_ms, c.static_mb, c.activation_mb) for c in costs),
-        devices=tuple(Device(d, 1.0, memory) for d in members),
+        devices=tuple(Device(d, 1.0, memory.get(int(d), math.inf)) for d in members),
         micro_batches=micro_batches,
         shared_partition=not per_replica_bounds,
         allow_exclude=True,

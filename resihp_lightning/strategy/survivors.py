@@ -30,6 +30,7 @@ from resihp_lightning.placement import lost_layers
 from resihp_lightning.plan import Plan
 from resihp_lightning.resilience.errors import PeerFailure, ResilienceError
 from resihp_lightning.resilience.world import ElasticWorld
+from resihp_lightning.strategy.device_memory import memory_budget_mb
 from resihp_lightning.strategy.engine import init_deepspeed_comm
 from resihp_lightning.strategy.fail_stop import FailStopConfig, RecoveryClock, RecoveryRecord, StepCommit, survivor_plan
 from resihp_lightning.strategy.runtime import PipelineRuntime
@@ -297,10 +298,13 @@ class SurvivingJob:
         import torch.distributed as dist
 
         profile = runtime.layer_profile()  # collective: each layer's costs from a survivor that held it
+        budgets: list[Any] = [None] * dist.get_world_size()  # the survivors take over layers: plan within memory
+        dist.all_gather_object(budgets, (self.device_id, memory_budget_mb(runtime.config.device)))
         box: list[Any] = [None]
         if self.rank == 0:
             try:
-                box[0] = survivor_plan(profile, members, micro_batches, runtime.per_replica_bounds, self.config.solver).to_dict()
+                box[0] = survivor_plan(profile, members, micro_batches, runtime.per_replica_bounds, self.config.solver,
+                                       memory_mb=dict(budgets)).to_dict()
             except Exception as err:  # noqa: BLE001 - every survivor must learn it, not wait in the broadcast
                 box[0] = {"error": f"{type(err).__name__}: {err}"}
         dist.broadcast_object_list(box, src=0)

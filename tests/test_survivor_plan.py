@@ -45,3 +45,16 @@ def test_a_survivor_with_less_memory_gets_a_plan_that_fits_it():
     assert all(n <= 2 for n in held_by_1), plan
     unconstrained = survivor_plan(profile, members, micro_batches=6, per_replica_bounds=True, solver="exact")
     assert unconstrained.iteration_ms < plan.iteration_ms  # the budget costs time: it did bind
+
+
+def test_survivors_keep_two_replicas_where_one_fits_and_fall_back_with_a_warning(recwarn):
+    # Three survivors, 8 equal layers: without the constraint the best plan could pipeline (3x1); with
+    # min_data_degree=2 every layer stays on two devices.
+    profile = [LayerCost(i, 10.0, 100.0, 0.0) for i in range(8)]
+    plan = survivor_plan(profile, [0, 1, 2], micro_batches=6, per_replica_bounds=True, solver="exact", min_data_degree=2)
+    assert plan.data_degree >= 2, plan
+    # Memory for 4 layers per device: two replicas would need 8 layers on a device; the survivors pipeline.
+    tight = survivor_plan(profile, [0, 1, 2], micro_batches=6, per_replica_bounds=True, solver="exact",
+                          memory_mb=450.0, min_data_degree=2)
+    assert tight.data_degree == 1 and tight.pipeline_degree >= 2, tight
+    assert any("no plan with 2 replicas fits the 3 survivors" in str(w.message) for w in recwarn.list)

@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from resihp_lightning._logging import user_warn
 from resihp_lightning.config import SOLVERS, PlannerConfig
 from resihp_lightning.errors import PlanError, invalid_option
 from resihp_lightning.plan import Device, Layer, Plan, Problem
@@ -42,6 +43,9 @@ class FailStopConfig:
             was reported dead.
         regroup_timeout_s: bound of one regroup.
         solver: planner backend for the survivors' plan (``exact`` is instant at small scale).
+        min_data_degree: the fewest replicas the survivors' plan should keep (>= 1; default 2), so that
+            the next death also loses no layer. Where no such plan fits (too few survivors, memory),
+            the survivors run the best plan with fewer replicas and a warning says so.
         exit_code: process exit status when recovery is impossible (a layer lost with every holder,
             the store lost, this rank evicted).
         store_port: the rendezvous store host's port. ``None`` (one machine): a free port, found by the
@@ -56,6 +60,7 @@ class FailStopConfig:
     join_timeout_s: float = 30.0
     regroup_timeout_s: float = 120.0
     solver: str = "exact"
+    min_data_degree: int = 2
     exit_code: int = UNRECOVERABLE_EXIT_CODE
     store_port: int | None = None
 
@@ -74,6 +79,8 @@ class FailStopConfig:
             raise invalid_option("fail_stop.progress_timeout_s", self.progress_timeout_s, "null or seconds >= 2 x interval_s")
         if self.join_timeout_s >= self.regroup_timeout_s:
             raise invalid_option("fail_stop.join_timeout_s", self.join_timeout_s, f"< regroup_timeout_s ({self.regroup_timeout_s:g})")
+        if not isinstance(self.min_data_degree, int) or isinstance(self.min_data_degree, bool) or self.min_data_degree < 1:
+            raise invalid_option("fail_stop.min_data_degree", self.min_data_degree, "an integer >= 1")
         if not isinstance(self.exit_code, int) or not 1 <= self.exit_code <= 255:
             raise invalid_option("fail_stop.exit_code", self.exit_code, "an integer 1..255")
         if self.store_port is not None and (not isinstance(self.store_port, int) or not 1 <= self.store_port <= 65535):
@@ -214,12 +221,14 @@ def survivor_plan(
     per_replica_bounds: bool,
     solver: str,
     memory_mb: float | Mapping[int, float] | None = None,
+    min_data_degree: int = 1,
 ) -> Plan:
     """The best plan for the survivors (speeds taken as equal; the controller refines later).
 
     ``memory_mb``: every survivor's budget (one number for all, or per device id; ``None``: unlimited).
     The survivors take over the lost ranks' layers, so a plan that does not fit a device's memory is
-    never chosen (``InfeasibleError`` when none fits).
+    never chosen (``InfeasibleError`` when none fits). ``min_data_degree``: the plan keeps at least this
+    many replicas where one fits (else the best plan with fewer, and a warning).
 
     The plan may leave survivors idle (``allow_exclude``) when that is faster, e.g. seven survivors
     whose memory needs two stages run 2 x 3 with one spare instead of a 7 x 1 pipeline.
@@ -244,7 +253,15 @@ def survivor_plan(
         allow_exclude=True,
     )
     config = PlannerConfig(solver=solver)
-    plan = solve(problem, config)
+    wanted = dataclasses.replace(problem, min_data_degree=min_data_degree)
+    try:
+        plan, problem = solve(wanted, config), wanted
+    except ResiHPError:
+        if min_data_degree <= 1:
+            raise
+        user_warn(f"ResiHPStrategy: no plan with {min_data_degree} replicas fits the {len(members)} survivors; "
+                  "they run with fewer, so a further death may lose layers (recovery then needs a restart)")
+        plan = solve(problem, config)
     if len(plan.device_ids) < len(members):
         # Idle survivors only where that is strictly faster: on a tie, every device keeps working.
         try:

@@ -304,7 +304,7 @@ class SurvivingJob:
         if self.rank == 0:
             try:
                 box[0] = survivor_plan(profile, members, micro_batches, runtime.per_replica_bounds, self.config.solver,
-                                       memory_mb=dict(budgets)).to_dict()
+                                       memory_mb=dict(budgets), min_data_degree=self.config.min_data_degree).to_dict()
             except Exception as err:  # noqa: BLE001 - every survivor must learn it, not wait in the broadcast
                 box[0] = {"error": f"{type(err).__name__}: {err}"}
         dist.broadcast_object_list(box, src=0)

@@ -14,6 +14,7 @@ import random
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from resihp_lightning.errors import ConfigError
 
@@ -55,8 +56,13 @@ def _read_text(path: Path) -> str | None:
     return data.decode("utf-8", errors="replace")
 
 
-def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
-    with path.open(encoding="utf-8") as f:
+def iter_records(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(line number, object)`` for every non-blank line of a JSONL file.
+
+    Raises:
+        ConfigError: naming the file and line, for a line that is not a JSON object.
+    """
+    with Path(path).open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -64,9 +70,16 @@ def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ConfigError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-            if not isinstance(record, dict) or not isinstance(record.get(field), str):
-                raise ConfigError(f"{path}:{lineno}: expected an object with a string field {field!r}")
-            yield record[field]
+            if not isinstance(record, dict):
+                raise ConfigError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
+            yield lineno, record
+
+
+def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
+    for lineno, record in iter_records(path):
+        if not isinstance(record.get(field), str):
+            raise ConfigError(f"{path}:{lineno}: expected an object with a string field {field!r}")
+        yield record[field]
 
 
 def iter_documents(

@@ -37,14 +37,14 @@ per-document attention of raw text, and labels ``-100`` on everything that is no
 
 from __future__ import annotations
 
-import json
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from resihp_lightning._logging import get_logger
+from resihp_lightning.data.corpus import iter_records
 from resihp_lightning.data.tokenizer import Tokenizer
 from resihp_lightning.errors import ConfigError, invalid_option
 
@@ -174,25 +174,6 @@ def jsonl_files(source: str | Path, max_files: int | None = None) -> list[Path]:
     if not files:
         raise ConfigError(f"no .jsonl files under {str(path)!r}")
     return files if max_files is None else files[:max_files]
-
-
-def iter_records(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    """``(line number, object)`` for every non-blank line of a JSONL file.
-
-    Raises:
-        ConfigError: naming the file and line, for a line that is not a JSON object.
-    """
-    with Path(path).open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-            if not isinstance(record, dict):
-                raise ConfigError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
-            yield lineno, record
 
 
 def record_format(record: Mapping[str, Any], fields: InstructionFields = InstructionFields()) -> str | None:

@@ -13,6 +13,8 @@ reported as the migration time):
 * healed (no re-plan during the fault), or healed, before plan-back / healed, after plan-back (the
   first plan applied after the healing).
 
+The fault is the first ``slow`` one, or a link fault (``slow_link`` / ``delay_p2p``: detection is then
+the first ``slow_link_detected`` of its rank, and there is no S/N ideal, since the compute is whole).
 Throughput of a phase = its tokens / its wall time (everything the job spent, callbacks included).
 The ideal is S/N x the best healthy throughput measured in the run, S being the sum of device speeds
 under the fault (N - 1 + 1/factor for one slowed device): what a perfect re-plan would reach. The
@@ -42,6 +44,8 @@ STEPS_FILE = "steps.jsonl"
 EVENTS_FILE = "events.jsonl"
 #: Fault kinds that end or freeze a rank (fail-stop).
 STOP_KINDS = ("kill", "hang")
+#: Fault kinds that slow a rank's links (its sends / all-reduces), not its compute.
+LINK_KINDS = ("slow_link", "delay_p2p")
 TABLE_FILE = "report.txt"
 START_PLAN_FILE = "initial_plan.json"
 PNG_FILE = "timeline.png"
@@ -174,7 +178,8 @@ def summarize(run: Run, skip: int = 3) -> Summary:
     """
     steps = sorted(run.steps, key=lambda r: r["step"])
     world = max(int(steps[0].get("P", 1)) * int(steps[0].get("D", 1)), 1)
-    faults = [e for e in run.events if e["event"] == "fault_injected" and e.get("kind", "slow") == "slow"]
+    faults = [e for e in run.events
+              if e["event"] == "fault_injected" and e.get("kind", "slow") in ("slow", *LINK_KINDS)]
     stops = [e for e in run.events if e["event"] == "fault_injected" and e.get("kind") in STOP_KINDS]
     if not faults and stops:
         return _summarize_fail_stop(run, steps, world, stops[0], skip)
@@ -186,10 +191,12 @@ def summarize(run: Run, skip: int = 3) -> Summary:
     summary.start_plan = _start_plan(run.path)
     event_step = None  # the first plan_applied event's step, when steps.jsonl shows no migration for it
     if fault is not None:
-        detections = [e for e in run.events if e["event"] == "fail_slow_detected" and e.get("rank") == fault["rank"]
+        detected_event = "slow_link_detected" if fault.get("kind") in LINK_KINDS else "fail_slow_detected"
+        detections = [e for e in run.events if e["event"] == detected_event and e.get("rank") == fault["rank"]
                       and e["step"] is not None and e["step"] >= fault_step]
         if detections:
-            summary.detected_step, summary.detected_speed = detections[0]["step"], detections[0].get("speed")
+            first = detections[0]
+            summary.detected_step, summary.detected_speed = first["step"], first.get("speed", first.get("link_speed"))
         applied = [e for e in run.events if e["event"] == "plan_applied" and e["step"] is not None
                    and e["step"] >= (summary.detected_step or fault_step)]
         if applied:
@@ -200,10 +207,12 @@ def summarize(run: Run, skip: int = 3) -> Summary:
             event_step = first["step"]
         if end_step is not None:
             summary.healed_step = int(end_step)
-            recovered = [e for e in run.events if e["event"] == "fail_slow_recovered" and e.get("rank") == fault["rank"]
+            recovered_event = "slow_link_recovered" if fault.get("kind") in LINK_KINDS else "fail_slow_recovered"
+            recovered = [e for e in run.events if e["event"] == recovered_event and e.get("rank") == fault["rank"]
                          and e["step"] is not None and e["step"] >= int(end_step)]
             if recovered:
-                summary.recovered_step, summary.recovered_speed = recovered[0]["step"], recovered[0].get("speed")
+                summary.recovered_step = recovered[0]["step"]
+                summary.recovered_speed = recovered[0].get("speed", recovered[0].get("link_speed"))
     migrated = [r["step"] for r in steps if r.get("migrated")]
     if fault_step is not None:
         def in_fault(s: int) -> bool:
@@ -237,8 +246,11 @@ def summarize(run: Run, skip: int = 3) -> Summary:
     _predict_best_healthy(summary, run.events)
     if summary.best_healthy is not None:
         best = summary.best_healthy.tokens_per_s
-        factor = float(fault.get("factor", 1.0)) if fault is not None else 1.0
-        summary.ideal_tokens_per_s = best * (world - 1 + 1.0 / factor) / world if fault is not None else best
+        if fault is not None and fault.get("kind") in LINK_KINDS:
+            summary.ideal_tokens_per_s = None  # a slow link leaves the compute whole: no S/N ideal
+        else:
+            factor = float(fault.get("factor", 1.0)) if fault is not None else 1.0
+            summary.ideal_tokens_per_s = best * (world - 1 + 1.0 / factor) / world if fault is not None else best
     return summary
 
 
@@ -331,6 +343,14 @@ def _format_fail_stop(summary: Summary) -> list[str]:
     return lines
 
 
+def _fault_label(fault: dict[str, Any]) -> str:
+    """``2.0x slowdown on rank 1`` / ``slow link on rank 2 (+20 ms per send)``."""
+    if fault.get("kind") in LINK_KINDS:
+        what = "slow link" if fault.get("kind") == "slow_link" else "delayed sends"
+        return f"{what} on rank {fault.get('rank')} (+{fault.get('delay_ms', '?')} ms per send)"
+    return f"{fault.get('factor', '?')}x slowdown on rank {fault.get('rank')}"
+
+
 def _fmt(value: float | None, spec: str = ".0f") -> str:
     return "-" if value is None else format(value, spec)
 
@@ -348,7 +368,7 @@ def format_table(summary: Summary) -> str:
         survivors = len(summary.recovery["members"]) if summary.recovery is not None else summary.world_size - 1
         rows.append((f"ideal ({survivors}/{summary.world_size} of healthy)", "-", _fmt(ideal),
                      f"{ideal / healthy * 100:.0f}%" if ideal and healthy else "-"))
-    elif summary.fault is not None:
+    elif summary.fault is not None and ideal is not None:
         ideal_note = f"ideal (S/N of best healthy, S = {summary.world_size - 1} + 1/{summary.fault.get('factor', 1):g})"
         rows.append((ideal_note, "-", _fmt(ideal), f"{ideal / healthy * 100:.0f}%" if ideal and healthy else "-"))
     width = max(len(r[0]) for r in rows)
@@ -360,11 +380,12 @@ def format_table(summary: Summary) -> str:
     elif fault is None:
         lines.append("no fault injected")
     else:
-        lines.append(f"fault: {fault.get('factor', '?')}x slowdown on rank {fault.get('rank')} from step {fault['start_step']}")
+        lines.append(f"fault: {_fault_label(fault)} from step {fault['start_step']}")
         if summary.detected_step is None:
             lines.append("detection: none")
         else:
-            speed = f", speed estimate {summary.detected_speed:.2f}" if summary.detected_speed is not None else ""
+            what = "link speed" if fault.get("kind") in LINK_KINDS else "speed estimate"
+            speed = f", {what} {summary.detected_speed:.2f}" if summary.detected_speed is not None else ""
             lines.append(f"detection: step {summary.detected_step}, latency {summary.detection_latency} steps{speed}")
         if summary.healed_step is not None:
             if summary.recovered_step is None:
@@ -422,7 +443,7 @@ def plot(run: Run, summary: Summary, out: str | os.PathLike[str]) -> Path:
                       f"rank {summary.fault.get('rank')} {summary.fault.get('kind')}ed"))
     elif summary.fault is not None:
         marks.append((int(summary.fault["start_step"]), "tab:red", "--",
-                      f"fault: {summary.fault.get('factor', '?')}x on rank {summary.fault.get('rank')}"))
+                      f"fault: {_fault_label(summary.fault)}"))
     if summary.detected_step is not None and not summary.stop_fault:
         marks.append((summary.detected_step, "tab:orange", "-.", f"detected (+{summary.detection_latency} steps)"))
     if summary.healed_step is not None:

@@ -46,9 +46,10 @@ def test_one_slow_link_is_named_after_patience_and_cleared_when_it_heals():
     assert core.update(_sample(10, 4, slow=set())) == []
     assert core.p2p_ms == pytest.approx(2.0) and core.allreduce_ms == pytest.approx(5.0)
     assert core.update(_sample(20, 4, slow={2}, first_round=3, allreduce_ms=30.0)) == []  # one probe: not yet
+    assert core.undecided  # the detector probes again at the next step to confirm
     events = core.update(_sample(30, 4, slow={2}, first_round=6, allreduce_ms=30.0))
     assert [(e["event"], e["rank"]) for e in events] == [("slow_link_detected", 2)]
-    assert core.flagged == [2]
+    assert core.flagged == [2] and not core.undecided
     assert core.speeds[2] == pytest.approx(0.2, abs=0.01)  # 2 ms healthy vs 10 ms round trip
     assert core.p2p_ms == pytest.approx(2.0)  # the healthy devices' round trips
     assert core.allreduce_ms == pytest.approx(5.0)  # measured while no link was flagged

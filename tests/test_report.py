@@ -197,3 +197,18 @@ def test_the_planners_best_healthy_plan_is_reported_as_a_prediction_when_the_run
         handle.write(json.dumps(reference) + "\n")
     same = summarize(load_run(tmp_path / "run3"))
     assert same.predicted_best_healthy is None and same.ideal_tokens_per_s == pytest.approx(base.ideal_tokens_per_s)
+
+
+def test_a_slow_link_fault_is_reported_with_its_link_detection_and_no_compute_ideal(tmp_path: Path) -> None:
+    _write_run(tmp_path / "run")
+    path = tmp_path / "run" / "events.jsonl"
+    events = [json.loads(line) for line in path.read_text().splitlines()]
+    events[0] = {**events[0], "kind": "slow_link", "delay_ms": 20.0, "factor": 2.0}
+    events[1] = {"time": 1013.0, "step": 13, "event": "slow_link_detected", "rank": 1, "link_speed": 0.04}
+    path.write_text("".join(json.dumps(e) + "\n" for e in events))
+    summary = summarize(load_run(tmp_path / "run"))
+    assert summary.detected_step == 13 and summary.detected_speed == 0.04 and summary.detection_latency == 3
+    assert summary.applied_step == 15 and summary.ideal_tokens_per_s is None
+    text = format_table(summary)
+    assert "fault: slow link on rank 1 (+20.0 ms per send) from step 10" in text
+    assert "detection: step 13, latency 3 steps, link speed 0.04" in text and "ideal" not in text

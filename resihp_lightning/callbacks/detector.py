@@ -146,8 +146,11 @@ class StragglerDetector(Callback):
             self._next_report = stats.step
         if stats.step >= self._next_report:
             self.report(trainer, stats.step)
+        # Every link_probe_interval_steps; and at the next step while a flag change awaits confirmation
+        # (the link core is the same on every rank, so every rank probes at the same step).
         interval = self.config.link_probe_interval_steps
-        if self._probe_links and stats.step >= self.config.warmup_steps and stats.step % interval == 0:
+        due = stats.step % interval == 0 if interval else False
+        if self._probe_links and stats.step >= self.config.warmup_steps and (due or self.links.undecided):
             self.probe_links(trainer)
 
     def probe_links(self, trainer: Any) -> None:

@@ -75,6 +75,20 @@ class LinkCore:
         return sorted(self._flagged)
 
     @property
+    def undecided(self) -> bool:
+        """Whether some device is part-way to a flag change: its streak has begun, or its last probe read
+        on the other side of its flag than the pooled estimate says (probe again soon to confirm it)."""
+        for device, history in self._history.items():
+            if self._streak.get(device, 0) > 0:
+                return True
+            if history:
+                flagged = device in self._flagged
+                latest_slow = history[-1] < (self.recovery_threshold if flagged else self.slow_threshold)
+                if latest_slow != flagged:
+                    return True
+        return False
+
+    @property
     def p2p_ms(self) -> float | None:
         """Measured healthy round trip of one micro-batch's boundary activation (``None`` before a probe)."""
         return statistics.median(self._round_trips) if self._round_trips else None

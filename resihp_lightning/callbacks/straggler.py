@@ -101,7 +101,8 @@ class DetectorConfig:
         speed_change_threshold: re-report a flagged rank when its estimate stays this fraction away
             from the reported speed for ``patience`` steps.
         min_cohort: the fewest ranks (itself included) that make a cohort.
-        link_probe_interval_steps: probe the links every this many steps after the warm-up (0 = off):
+        link_probe_interval_steps: probe the links every this many steps after the warm-up (0 = off),
+            and at every step while a link's flag change awaits its ``link_patience`` confirmations:
             round trips between pairs of ranks and one all-reduce, timed at a step boundary
             (``strategy.measure_links()``); they name slow links and give the planner measured
             ``p2p_ms`` / ``allreduce_ms`` (:mod:`.links`).
@@ -133,7 +134,7 @@ class DetectorConfig:
     significance: float = 4.0
     speed_change_threshold: float = 0.1
     min_cohort: int = 2
-    link_probe_interval_steps: int = 10
+    link_probe_interval_steps: int = 5
     link_probe_rounds: int = 3
     link_slow_threshold: float = 0.7
     link_recovery_threshold: float = 0.9

@@ -65,7 +65,7 @@ def _job(
     trainer = pl.Trainer(
         accelerator="cpu", devices=world, strategy=strategy, max_steps=steps, logger=False,
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-        callbacks=[recorder, *_callbacks(between)],
+        callbacks=[recorder, *_callbacks(between)], default_root_dir=run_dir,  # the callbacks' events.jsonl
     )
     model = build_class()()
     trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=M * MBS))

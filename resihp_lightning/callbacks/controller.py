@@ -239,9 +239,7 @@ class ReplanController(Callback):
         """
         import torch.distributed as dist
 
-        box = [self.state_dict() if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(box, src=0)
-        self.load_state_dict(box[0])
+        self.load_state_dict(broadcast_from_zero(self.state_dict() if dist.get_rank() == 0 else None))
         self._chosen = self._awaiting = self._restore = None
         self._last_change_step = self._step()
         self._inflight = False

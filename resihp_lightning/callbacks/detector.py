@@ -37,7 +37,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from resihp_lightning._logging import get_logger, user_info
-from resihp_lightning.callbacks.collectives import all_gather_objects
+from resihp_lightning.callbacks.collectives import all_gather_objects, broadcast_from_zero
 from resihp_lightning.callbacks.events import EventLog
 from resihp_lightning.callbacks.links import LinkCore
 from resihp_lightning.callbacks.straggler import (
@@ -148,9 +148,8 @@ class StragglerDetector(Callback):
             self.report(trainer, stats.step)
         # Every link_probe_interval_steps; and at the next step while a flag change awaits confirmation
         # (the link core is the same on every rank, so every rank probes at the same step).
-        interval = self.config.link_probe_interval_steps
-        due = stats.step % interval == 0 if interval else False
-        if self._probe_links and stats.step >= self.config.warmup_steps and (due or self.links.undecided):
+        if (self._probe_links and stats.step >= self.config.warmup_steps
+                and (stats.step % self.config.link_probe_interval_steps == 0 or self.links.undecided)):
             self.probe_links(trainer)
 
     def probe_links(self, trainer: Any) -> None:
@@ -240,10 +239,9 @@ class StragglerDetector(Callback):
         """
         import torch.distributed as dist
 
-        box = [{"core": self.core.state_dict(), "links": self.links.state_dict(), "last_step": self._last_step, "next_report": self._next_report,
-                "interval": self._interval} if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(box, src=0)
-        state = box[0]
+        mine = {"core": self.core.state_dict(), "links": self.links.state_dict(), "last_step": self._last_step,
+                "next_report": self._next_report, "interval": self._interval}
+        state = broadcast_from_zero(mine if dist.get_rank() == 0 else None)
         self.core.load_state_dict(state["core"])
         self.links.load_state_dict(state["links"])
         self._last_step, self._next_report, self._interval = state["last_step"], state["next_report"], state["interval"]

@@ -98,13 +98,6 @@ class LinkCore:
         """Measured all-reduce of the largest per-rank gradient while no link was flagged (``None`` before)."""
         return self._allreduce_ms
 
-    def forget(self, device: int) -> None:
-        """Drops a device that left the job (it is no longer probed)."""
-        self._history.pop(device, None)
-        self._streak.pop(device, None)
-        if self._flagged.pop(device, None) is not None:
-            self.version += 1
-
     # ------------------------------------------------------------------------------ update
     def update(self, sample: LinkSample) -> list[dict[str, Any]]:
         """Folds one probe in; returns the events it caused (``slow_link_detected`` / ``slow_link_recovered``)."""
@@ -114,12 +107,11 @@ class LinkCore:
         if not fastest:
             return []
         median = statistics.median(fastest.values())
-        # Slow in this probe: attributable, over the probe's own median by a margin, and below the
-        # threshold against it (a load spike on the whole machine slows every device alike).
-        slow_now = {
-            d for d, ms in fastest.items()
-            if d in attributable and ms - median > self.min_extra_ms and median / ms < self.slow_threshold
-        }
+        # A reading counts only when attributable and over the probe's own median by a margin; it is slow
+        # in this probe when also below the threshold against that median (a load spike on the whole
+        # machine slows every device alike).
+        significant = {d for d, ms in fastest.items() if d in attributable and ms - median > self.min_extra_ms}
+        slow_now = {d for d in significant if median / fastest[d] < self.slow_threshold}
         # Healthy costs only: a slow link (flagged, or slow in this probe) inflates them, and the planning
         # model prices link speeds on top of the healthy costs itself.
         healthy = [ms for d, ms in fastest.items() if d not in self._flagged and d not in slow_now]
@@ -132,8 +124,7 @@ class LinkCore:
         reference = self.p2p_ms or median
         events: list[dict[str, Any]] = []
         for device, ms in sorted(fastest.items()):
-            significant = device in attributable and ms - median > self.min_extra_ms
-            speed = min(1.0, reference / ms) if ms > 0 and significant else 1.0
+            speed = min(1.0, reference / ms) if device in significant else 1.0
             history = self._history.setdefault(device, deque(maxlen=self.window))
             history.append(speed)
             events.extend(self._decide(device, statistics.median(history), sample.step))

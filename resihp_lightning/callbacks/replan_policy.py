@@ -204,7 +204,7 @@ def build_problem(
     links = links or MeasuredLinks()
     link_speeds = quantize_link_speeds(links.speeds, config.speed_quantum)
     devices = tuple(
-        Device(int(rank), quantized.get(rank, 1.0), budgets.get(int(rank), math.inf), link_speed=link_speeds.get(rank, 1.0))
+        Device(rank, quantized.get(rank, 1.0), budgets.get(rank, math.inf), link_speed=link_speeds.get(rank, 1.0))
         for rank in ranks
     )
     problem = Problem(

@@ -55,8 +55,7 @@ class Datasets:
 
 
 def _describe(ds: PackedDataset, fmt: str) -> str:
-    what = "examples" if fmt in INSTRUCTION_FORMATS else "documents"
-    text = f"{len(ds)} rows of {ds.seq_len} tokens, {ds.num_docs} {what} ({fmt}), {ds.num_tokens} tokens"
+    text = f"{len(ds)} rows of {ds.seq_len} tokens, {ds.num_docs} {_unit(fmt)} ({fmt}), {ds.num_tokens} tokens"
     if ds.targets is not None:
         text += f", {int(ds.targets.sum())} target tokens"
     return text

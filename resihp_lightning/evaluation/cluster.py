@@ -98,7 +98,7 @@ class Cluster:
         """All of the device's GPUs are alive."""
         return all(state.alive[g] for g in range(device * self.tp, (device + 1) * self.tp))
 
-    def allreduce_ms(self, state: GpuState, view: View | None = None) -> float:
+    def allreduce_ms(self, state: GpuState) -> float:
         """The all-reduce at the slowest network link among nodes with a live GPU (physics, not view)."""
         per_node = state.gpus_per_node
         factor = max((f for n, f in enumerate(state.comm) if any(state.alive[n * per_node:(n + 1) * per_node])), default=1.0)
@@ -107,7 +107,7 @@ class Cluster:
     def problem(self, devices: tuple[Device, ...], state: GpuState, view: View, *, shared: bool = True,
                 pipeline_degrees: tuple[int, ...] | None = None) -> Problem:
         return Problem(self.profile.layers, devices, self.micro_batches, p2p_ms=self.profile.p2p_ms,
-                       allreduce_ms=self.allreduce_ms(state, view), pipeline_degrees=pipeline_degrees,
+                       allreduce_ms=self.allreduce_ms(state), pipeline_degrees=pipeline_degrees,
                        shared_partition=shared, allow_exclude=True)
 
     # ---------------------------------------------------------------------------------- solves
@@ -123,12 +123,11 @@ class Cluster:
         if not devices:
             return None
         order = sorted(devices, key=lambda d: (-d.speed, -d.memory_mb, d.id))
-        allreduce = self.allreduce_ms(state, view)
+        allreduce = self.allreduce_ms(state)
         key = (tuple((d.speed, d.memory_mb) for d in order), shared, pipeline_degrees, allreduce)
         if key not in self._solves:
             canonical = tuple(replace(d, id=i) for i, d in enumerate(order))
             problem = self.problem(canonical, state, view, shared=shared, pipeline_degrees=pipeline_degrees)
-            problem = replace(problem, allreduce_ms=allreduce)
             self.solve_count += 1
             try:
                 self._solves[key] = solve(problem, self.planner)

@@ -111,8 +111,7 @@ class CausalLMPipelineModule(ResiHPModule):
         # the hooks go (no cost per forward) and nothing reads them from model_path behind its back.
         self._strategy_loaded = False
         self._lazy_hooks = [
-            layer.register_forward_pre_hook(_LoadOnFirstUse(self._loader, index))
-            for index, layer in enumerate(self.layers)
+            _LoadOnFirstUse(self._loader, index, layer).handle for index, layer in enumerate(self.layers)
         ] if self._loader is not None else []
 
     @property
@@ -265,15 +264,17 @@ class CausalLMPipelineModule(ResiHPModule):
 
 class _LoadOnFirstUse:
     """Forward pre-hook of a per-stage layer: reads it from the checkpoint when it runs while still on
-    the meta device (a module used outside ResiHPStrategy); a no-op once it is loaded."""
+    the meta device (a module used outside ResiHPStrategy), then removes itself (no check per forward)."""
 
-    def __init__(self, loader: HFLayerLoader, index: int) -> None:
+    def __init__(self, loader: HFLayerLoader, index: int, layer: nn.Module) -> None:
         self.loader = loader
         self.index = index
+        self.handle = layer.register_forward_pre_hook(self)
 
     def __call__(self, layer: nn.Module, args: tuple[Any, ...]) -> None:
-        if meta.has_meta(layer):  # the hook is removed once the strategy loads the layers
+        if meta.has_meta(layer):
             self.loader.load_layer(self.index, layer, _device_of(args))
+        self.handle.remove()
 
 
 def _device_of(value: Any) -> torch.device:

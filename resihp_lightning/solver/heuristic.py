@@ -302,9 +302,10 @@ def heuristic_search(model: Model, best: Best) -> None:
         for grid in _candidate_grids(model, p, d, used):
             if problem.shared_partition:
                 found = _shared_candidates(model, p, d, grid)
+                allreduce = model.grid_allreduce(grid, d)
                 for value, bounds, kinds, _ in found:
                     if value[0] < best.value:
-                        _offer_shared(model, best, kinds, bounds, d, model.grid_allreduce(grid, d))
+                        _offer_shared(model, best, kinds, bounds, d, allreduce)
                 quick.extend(found)
             else:
                 quick.append(((_per_replica_layout(model, p, d, grid, best, polish=False), 0.0), grid, None, (p, d)))

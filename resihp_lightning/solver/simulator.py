@@ -203,13 +203,12 @@ def simulate(problem: Problem, plan: Plan, *, forward_fraction: float = 1.0 / 3.
             work = sum(layers[l].compute_ms for l in replica.stage_layers(j))
             device = problem.device(device_id)
             compute.append(work / device.speed)
-            links.append(1.0 / device.link_speed if device.link_speed < 1.0 else 1.0)
+            links.append(device.link_slowdown)
         total, busy = simulate_replica(compute, replica.micro_batches, problem.p2p_ms, forward_fraction, r, events, links)
         replica_ms.append(total)
         busy_ms.append(tuple(busy))
         idle_ms.append(tuple(total - b for b in busy))
-    slowest = max((1.0 / problem.device(i).link_speed if problem.device(i).link_speed < 1.0 else 1.0) for i in plan.device_ids)
-    allreduce = problem.allreduce_ms * slowest if plan.data_degree > 1 else 0.0
+    allreduce = problem.allreduce_for(plan.device_ids, plan.data_degree)
     return Simulation(
         max(replica_ms) + allreduce,
         tuple(replica_ms),

@@ -9,6 +9,8 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 
+from resihp_lightning.strategy.options import GATHER_WEIGHTS
+
 REQUIRED = ("pipeline_layers", "pipeline_loss")
 #: Lightning step methods the strategy runs itself; a module must not override them.
 STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
@@ -231,6 +233,8 @@ def resolve_gather_weights(option: str, module: Any, error: type[Exception] = Mi
     preferred = getter() if getter is not None else None
     if preferred is None:
         return "all"
-    if preferred not in ("all", "rank0", "none"):
-        raise error(f"{type(module).__name__}.pipeline_gather_weights() returned {preferred!r}; allowed: 'all', 'rank0', 'none', None")
+    allowed = tuple(choice for choice in GATHER_WEIGHTS if choice != "auto")
+    if preferred not in allowed:
+        raise error(f"{type(module).__name__}.pipeline_gather_weights() returned {preferred!r}; allowed: "
+                    f"{', '.join(repr(choice) for choice in allowed)}, None")
     return str(preferred)

@@ -11,7 +11,8 @@ with the wrong strategy fails at once instead of silently doing nothing.
 * :class:`LinkProber`: ``measure_links()`` (the detector's link probe: slow links, measured
   ``p2p_ms`` / ``allreduce_ms`` for the planner);
 * :class:`MemoryGauge`: ``device_memory_mb()`` (the controller's per-device memory budget);
-* :class:`Survivable`: in-process fail-stop recovery's record and listeners (the recovery reporter).
+* :class:`Survivable`: in-process fail-stop recovery's record and listeners (the recovery reporter),
+  and the :class:`DeviceConditions` it plans the survivors with (kept current by the controller).
 
 :class:`MigrationRecord` is what ``strategy.last_migration`` holds after a plan was applied.
 """
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from resihp_lightning.errors import ConfigError
@@ -52,6 +53,26 @@ class MigrationRecord:
     transfer_seconds: float = 0.0
     rebuild_seconds: float = 0.0
     state_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class DeviceConditions:
+    """The devices as the detector last knew them, in the planner's terms (device id -> value).
+
+    The controller hands them to the strategy at every step, so that a fail-stop recovery plans the
+    survivors with the slow devices and links already known instead of as if every survivor were healthy.
+
+    Attributes:
+        speeds: compute speed of each slow device (others 1.0), as the controller plans with them.
+        link_speeds: link speed of each device with a slow link (others 1.0).
+        p2p_ms: stage-boundary transfer per micro-batch (measured, or the controller's setting).
+        allreduce_ms: gradient all-reduce per iteration (measured, or the controller's setting).
+    """
+
+    speeds: Mapping[int, float] = field(default_factory=dict)
+    link_speeds: Mapping[int, float] = field(default_factory=dict)
+    p2p_ms: float = 0.0
+    allreduce_ms: float = 0.0
 
 
 @runtime_checkable
@@ -184,3 +205,6 @@ class Survivable(Protocol):
     def recovery_listeners(self) -> list[Any]:
         """Called (no arguments) on every survivor inside a recovery, in registration order, after the new
         group formed: a callback re-synchronises its cross-rank state there (collectives allowed)."""
+
+    device_conditions: DeviceConditions
+    """What a recovery plans the survivors with (healthy by default; the controller keeps it current)."""

@@ -58,3 +58,33 @@ def test_survivors_keep_two_replicas_where_one_fits_and_fall_back_with_a_warning
                           memory_mb=450.0, min_data_degree=2)
     assert tight.data_degree == 1 and tight.pipeline_degree >= 2, tight
     assert any("no plan with 2 replicas fits the 3 survivors" in str(w.message) for w in recwarn.list)
+
+
+def test_the_survivors_are_planned_with_the_known_slow_device_and_link():
+    """``conditions`` (what the controller knew before the failure): the slow device's replica runs fewer
+    micro-batches than the others, a device with a slow link is left idle rather than joining the
+    all-reduce, and the measured all-reduce is priced. Without them every survivor gets an even share."""
+    from resihp_lightning.contract import DeviceConditions
+    from resihp_lightning.plan import evaluate
+
+    profile = [LayerCost(i, 10.0, 1.0, 0.0) for i in range(8)]
+    members = [0, 1, 2, 4]
+
+    def share_of(plan, device):
+        return sum(r.micro_batches for r in plan.replicas if device in r.devices)
+
+    healthy = survivor_plan(profile, members, micro_batches=12, per_replica_bounds=True, solver="exact")
+    assert healthy.data_degree == 4 and {share_of(healthy, d) for d in members} == {3}, healthy
+
+    slow = DeviceConditions(speeds={1: 0.5})
+    plan = survivor_plan(profile, members, micro_batches=12, per_replica_bounds=True, solver="exact", conditions=slow)
+    assert share_of(plan, 1) < min(share_of(plan, d) for d in plan.device_ids if d != 1), plan
+
+    link = DeviceConditions(link_speeds={2: 0.01}, p2p_ms=1.0, allreduce_ms=5.0)
+    plan = survivor_plan(profile, members, micro_batches=12, per_replica_bounds=True, solver="exact", conditions=link)
+    assert 2 not in plan.device_ids, plan
+    problem = Problem(tuple(Layer(10.0, 1.0, 0.0) for _ in range(8)),
+                      tuple(Device(d, 1.0, link_speed=0.01 if d == 2 else 1.0) for d in members), 12,
+                      p2p_ms=1.0, allreduce_ms=5.0, shared_partition=False, allow_exclude=True)
+    assert abs(evaluate(problem, plan).iteration_ms - plan.iteration_ms) < 1e-6  # priced on that problem
+    assert evaluate(problem, healthy).iteration_ms > plan.iteration_ms * 1.5  # the healthy plan pays the slow link

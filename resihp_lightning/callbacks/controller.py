@@ -63,6 +63,7 @@ from resihp_lightning.callbacks.replan_policy import (
     build_problem,
     calibrate,
     decide,
+    device_conditions,
     estimate_migration_s,
 )
 from resihp_lightning.config import PlannerConfig, config_from_dict
@@ -120,6 +121,7 @@ class ReplanController(Callback):
         self._inflight = False  # a solve was started and its verdict not broadcast yet (every rank knows)
         self._planner: BackgroundPlanner | None = None  # rank 0's worker process
         self._problem: Problem | None = None  # rank 0: what the pending solve answers
+        self._survivable = False  # the strategy recovers from lost ranks (it takes the device conditions)
 
     # ---------------------------------------------------------------------------- callbacks
     @override
@@ -139,7 +141,8 @@ class ReplanController(Callback):
         self._step = lambda: trainer.global_step
         if self.rank == 0 and self._planner is None:
             self._planner = BackgroundPlanner()  # its start-up overlaps the detector's warm-up
-        if provides(trainer.strategy, Survivable) and self._resync not in trainer.strategy.recovery_listeners:
+        self._survivable = provides(trainer.strategy, Survivable)
+        if self._survivable and self._resync not in trainer.strategy.recovery_listeners:
             trainer.strategy.recovery_listeners.append(self._resync)
 
     @override
@@ -155,8 +158,12 @@ class ReplanController(Callback):
         self.rank = trainer.global_rank  # it changes when lost ranks' survivors regroup
         if self.events is not None:
             self.events.rank = self.rank
-        if self.detector is None or strategy.collectives_interrupted:
-            return  # setup did not run, or the survivors of a lost rank meet again at the next step
+        if self.detector is None:
+            return  # setup did not run
+        if self._survivable:  # a recovery plans the survivors with what is known now
+            strategy.device_conditions = device_conditions(self.detector.speeds, self._measured_links(), self.config)
+        if strategy.collectives_interrupted:
+            return  # the survivors of a lost rank meet again at the next step
         step = trainer.global_step
         self._note_applied(strategy, step)
         self._put_back_chosen(strategy, step)
@@ -232,10 +239,9 @@ class ReplanController(Callback):
     def _resync(self) -> None:
         """Inside a fail-stop recovery: every survivor takes the new rank 0's decision state.
 
-        The survivors run the plan the recovery chose, so no chosen plan is awaited or put back, and
-        the recovery counts as a plan change for the cooldown. The recovery planned for the survivors
-        as if they were healthy; when the detector knows a slow device or link among them, the
-        controller solves again with those speeds when the cooldown ends.
+        The survivors run the plan the recovery chose (with the slow devices and links known, from
+        ``strategy.device_conditions``), so no chosen plan is awaited or put back, and the recovery
+        counts as a plan change for the cooldown.
         """
         import torch.distributed as dist
 
@@ -243,8 +249,6 @@ class ReplanController(Callback):
         self._chosen = self._awaiting = self._restore = None
         self._last_change_step = self._step()
         self._inflight = False
-        if self.detector is not None and (self.detector.flagged or self.detector.link_speeds):
-            self._retry_at = self._last_change_step + self.config.cooldown_steps
 
     # ---------------------------------------------------------------------------- internals
     def _put_back_chosen(self, strategy: Replannable, step: int) -> None:
@@ -296,7 +300,7 @@ class ReplanController(Callback):
         no pipeline bubble). Solved here, once, within ``min(time_limit_s, 2 s)``."""
         current: Plan = strategy.current_plan
         micro = strategy.micro_batches or sum(r.micro_batches for r in current.replicas)
-        links = MeasuredLinks({}, self.detector.p2p_ms, self.detector.allreduce_ms)
+        links = dataclasses.replace(self._measured_links(), speeds={})
         step = self._step()
         try:
             problem = build_problem(self._profile, {}, current.device_ids, micro, self.config, self.planner,
@@ -320,10 +324,9 @@ class ReplanController(Callback):
         micro = strategy.micro_batches or sum(r.micro_batches for r in current.replicas)
         self._problem = None
         try:
-            links = MeasuredLinks(self.detector.link_speeds, self.detector.p2p_ms, self.detector.allreduce_ms)
             self._problem = build_problem(self._profile, self.detector.speeds, ranks, micro, self.config, self.planner,
                                           per_replica_bounds=strategy.supports_per_replica_bounds, allow_exclude=idle,
-                                          links=links, memory_mb=self._memory)
+                                          links=self._measured_links(), memory_mb=self._memory)
         except ResiHPError as err:
             self._log("plan_rejected", step, reason=f"planner failed: {err}")
             return
@@ -397,6 +400,9 @@ class ReplanController(Callback):
         seconds, moved = record.seconds, float(record.bytes_moved)
         self._log("plan_applied", step, plan=plan, migration_seconds=seconds, bytes_moved=int(moved))
         self._overhead_s, self._bandwidth = calibrate(seconds, moved / 2**20, self._overhead_s, self._bandwidth)
+
+    def _measured_links(self) -> MeasuredLinks:
+        return MeasuredLinks(self.detector.link_speeds, self.detector.p2p_ms, self.detector.allreduce_ms)
 
     def _remaining(self, trainer: Any, step: int) -> int:
         max_steps = trainer.max_steps

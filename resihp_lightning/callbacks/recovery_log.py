@@ -3,7 +3,8 @@
 The strategy recovers by itself (``ResiHPStrategy(fail_stop=...)``); this callback makes it visible.
 After the step that was redone on the survivors it writes, on the rank that is 0 in the new group:
 ``fail_stop_detected`` (one per lost rank, with how it was found), ``recovery_started``,
-``plan_applied`` (the survivors' plan) and ``recovery_finished`` (the time breakdown). When the job
+``plan_applied`` (the survivors' plan, with the slow devices' ``speeds`` and ``link_speeds`` it was
+made with) and ``recovery_finished`` (the time breakdown). When the job
 cannot recover, ``fail_stop_unrecoverable`` is written (by every survivor, rank 0 may be the lost
 one) just before the process exits with the strategy's restart status.
 """
@@ -56,7 +57,8 @@ class FailStopReporter(Callback):
         members = list(record.members)
         self.events.log("recovery_started", step, generation=record.generation, members=members, failed=record.failed)
         self.events.log("plan_applied", step, plan=record.plan, migration_seconds=record.restore_s,
-                        bytes_moved=record.bytes_moved, world=len(members), spares=list(record.spares))
+                        bytes_moved=record.bytes_moved, world=len(members), spares=list(record.spares),
+                        speeds=dict(record.conditions.speeds), link_speeds=dict(record.conditions.link_speeds))
         self.events.log(
             "recovery_finished", step, generation=record.generation, members=members, spares=list(record.spares),
             abort_s=record.abort_s,

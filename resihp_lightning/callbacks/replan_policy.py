@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from resihp_lightning.config import PlannerConfig, config_from_dict
+from resihp_lightning.contract import DeviceConditions
 from resihp_lightning.errors import invalid_option
 from resihp_lightning.placement import plan_transfers
 from resihp_lightning.plan import Device, Layer, Plan, Problem
@@ -156,6 +157,19 @@ def quantize_link_speeds(speeds: Mapping[int, float], quantum: float) -> dict[in
     return out
 
 
+def device_conditions(speeds: Mapping[int, float], links: MeasuredLinks | None, config: ControllerConfig) -> DeviceConditions:
+    """The devices' speeds, links and transfer costs as the planner takes them: speeds and link speeds
+    quantized by ``config.speed_quantum``, and ``p2p_ms`` / ``allreduce_ms`` from ``config`` where it sets
+    them, else as measured (0 before the first measurement)."""
+    links = links or MeasuredLinks()
+    return DeviceConditions(
+        speeds=quantize_speeds(speeds, config.speed_quantum),
+        link_speeds=quantize_link_speeds(links.speeds, config.speed_quantum),
+        p2p_ms=config.p2p_ms if config.p2p_ms is not None else (links.p2p_ms or 0.0),
+        allreduce_ms=config.allreduce_ms if config.allreduce_ms is not None else (links.allreduce_ms or 0.0),
+    )
+
+
 def build_problem(
     profile: Sequence[LayerCost],
     speeds: Mapping[int, float],
@@ -195,24 +209,22 @@ def build_problem(
     if not any(compute):
         compute = [1.0] * len(ordered)  # nothing measured yet: layers assumed equal
     layers = tuple(Layer(compute[i], max(c.static_mb, 0.0), max(c.activation_mb, 0.0)) for i, c in enumerate(ordered))
-    quantized = quantize_speeds(speeds, config.speed_quantum)
+    known = device_conditions(speeds, links, config)
     if config.memory_mb == "auto":
         budgets = {int(d): float(mb) for d, mb in (memory_mb or {}).items()}
     else:
         fixed = math.inf if config.memory_mb is None else float(config.memory_mb)
         budgets = {rank: fixed for rank in ranks}
-    links = links or MeasuredLinks()
-    link_speeds = quantize_link_speeds(links.speeds, config.speed_quantum)
     devices = tuple(
-        Device(rank, quantized.get(rank, 1.0), budgets.get(rank, math.inf), link_speed=link_speeds.get(rank, 1.0))
+        Device(rank, known.speeds.get(rank, 1.0), budgets.get(rank, math.inf), link_speed=known.link_speeds.get(rank, 1.0))
         for rank in ranks
     )
     problem = Problem(
         layers=layers,
         devices=devices,
         micro_batches=int(micro_batches),
-        p2p_ms=config.p2p_ms if config.p2p_ms is not None else (links.p2p_ms or 0.0),
-        allreduce_ms=config.allreduce_ms if config.allreduce_ms is not None else (links.allreduce_ms or 0.0),
+        p2p_ms=known.p2p_ms,
+        allreduce_ms=known.allreduce_ms,
         shared_partition=not per_replica_bounds,
         allow_exclude=allow_exclude,
     )

@@ -21,6 +21,7 @@ from typing import Any
 
 from resihp_lightning._logging import user_warn
 from resihp_lightning.config import SOLVERS, PlannerConfig
+from resihp_lightning.contract import DeviceConditions
 from resihp_lightning.errors import PlanError, invalid_option
 from resihp_lightning.plan import Device, Layer, Plan, Problem
 from resihp_lightning.telemetry import LayerCost
@@ -141,6 +142,7 @@ class RecoveryRecord:
         restore_s: engine rebuilt and the layers new to each survivor received (``bytes_moved``).
         redo_s: the interrupted step run again on the survivors.
         spares: live processes the plan leaves idle (original ranks).
+        conditions: the known slow devices and links the survivors' plan was made with.
     """
 
     step: int
@@ -156,6 +158,7 @@ class RecoveryRecord:
     bytes_moved: int
     redo_s: float = 0.0
     spares: tuple[int, ...] = ()
+    conditions: DeviceConditions = field(default_factory=DeviceConditions)
 
     @property
     def abort_s(self) -> float:
@@ -222,9 +225,13 @@ def survivor_plan(
     solver: str,
     memory_mb: float | Mapping[int, float] | None = None,
     min_data_degree: int = 1,
+    conditions: DeviceConditions | None = None,
 ) -> Plan:
-    """The best plan for the survivors (speeds taken as equal; the controller refines later).
+    """The best plan for the survivors.
 
+    ``conditions``: the slow devices and links known before the failure, and the measured transfer
+    costs (``strategy.device_conditions``, which the controller keeps current); ``None``: every
+    survivor healthy and transfers free.
     ``memory_mb``: every survivor's budget (one number for all, or per device id; ``None``: unlimited).
     The survivors take over the lost ranks' layers, so a plan that does not fit a device's memory is
     never chosen (``InfeasibleError`` when none fits). ``min_data_degree``: the plan keeps at least this
@@ -245,10 +252,14 @@ def survivor_plan(
     else:
         fixed = math.inf if memory_mb is None else float(memory_mb)
         memory = {int(d): fixed for d in members}
+    known = conditions or DeviceConditions()
     problem = Problem(
         layers=tuple(Layer(c.compute_ms, c.static_mb, c.activation_mb) for c in costs),
-        devices=tuple(Device(d, 1.0, memory.get(int(d), math.inf)) for d in members),
+        devices=tuple(Device(d, known.speeds.get(d, 1.0), memory.get(int(d), math.inf),
+                             link_speed=known.link_speeds.get(d, 1.0)) for d in members),
         micro_batches=micro_batches,
+        p2p_ms=known.p2p_ms,
+        allreduce_ms=known.allreduce_ms,
         shared_partition=not per_replica_bounds,
         allow_exclude=True,
     )

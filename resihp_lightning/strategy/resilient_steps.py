@@ -11,7 +11,7 @@ With ``fail_stop`` on, the strategy holds a :class:`~resihp_lightning.strategy.s
 * at the end of fit the spares join the members for the weight sync (:meth:`_sync_with_spares`).
 
 The strategy declares the state used here in its ``__init__`` (``_job``, ``_runtime``, ``_pending``,
-``_interrupted``, ``_step_result``, ``_last_migration``, ``_num_micro``).
+``_interrupted``, ``_step_result``, ``_last_migration``, ``_num_micro``, ``device_conditions``).
 """
 
 from __future__ import annotations
@@ -185,7 +185,8 @@ class ResilientStepsMixin:
         step = self.lightning_module.trainer.global_step
         call = self._job.mirror.calls
         self._last_migration = self._job.recover(
-            failure, self._require_runtime(), self._num_micro, step, self._note_ranks, finished=(call, finished)
+            failure, self._require_runtime(), self._num_micro, step, self._note_ranks, finished=(call, finished),
+            conditions=self.device_conditions,
         )
         self._pending = None
         record = self._job.last_recovery

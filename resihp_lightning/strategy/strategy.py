@@ -28,7 +28,7 @@ from typing_extensions import override
 
 from resihp_lightning import _registration
 from resihp_lightning._logging import quiet_agreed_errors, user_warn
-from resihp_lightning.contract import MigrationRecord
+from resihp_lightning.contract import DeviceConditions, MigrationRecord
 from resihp_lightning.errors import PlanError
 from resihp_lightning.placement import row_offset
 from resihp_lightning.resilience.errors import PeerFailure
@@ -122,6 +122,8 @@ class ResiHPStrategyMixin(ResilientStepsMixin):
         self._job: SurvivingJob | None = None  # the job's recoverable groups when fail_stop is on
         self._interrupted = False  # a peer was lost after this step's update: skip its other collectives
         self._step_result: dict[str, Any] | None = None  # this training step's committed result (fail_stop)
+        #: The slow devices and links a fail-stop recovery plans the survivors with (the controller sets it).
+        self.device_conditions = DeviceConditions()
 
     @classmethod
     @override

@@ -24,7 +24,7 @@ from dataclasses import replace
 from typing import Any, NoReturn, TypeVar
 
 from resihp_lightning._logging import get_logger
-from resihp_lightning.contract import MigrationRecord
+from resihp_lightning.contract import DeviceConditions, MigrationRecord
 from resihp_lightning.errors import ConfigError, PlanError
 from resihp_lightning.placement import lost_layers
 from resihp_lightning.plan import Plan
@@ -152,6 +152,7 @@ class SurvivingJob:
         step: int,
         on_regrouped: Callable[[], None],
         finished: tuple[int, Any] | None = None,
+        conditions: DeviceConditions | None = None,
     ) -> MigrationRecord:
         """Regroups the survivors, plans for them and restores the layers each one now needs.
 
@@ -168,6 +169,8 @@ class SurvivingJob:
                 this process already committed it (a failure in a collective after the update; else
                 ``None``). The survivors take it from a member of the old group (:meth:`take_finished`):
                 a spare taken in must not redo a step the members completed.
+            conditions: the slow devices and links known before the failure (``strategy.device_conditions``);
+                the new rank 0's are used for the plan.
         """
         world = self.world
         before, held_by, aborted_at = world.job_processes, self.members, world.current.aborted_at
@@ -183,7 +186,8 @@ class SurvivingJob:
         lost = lost_layers(runtime.plan, members)
         if lost:
             self.unrecoverable(step, f"layers {lost} had no live holder (every replica holding them failed)")
-        plan = self._agree_plan(runtime, members, micro_batches)
+        conditions = conditions or DeviceConditions()
+        plan = self._agree_plan(runtime, members, micro_batches, conditions)
         clock.mark("plan")
         try:
             record = runtime.recover(plan, self.rank_map(), between=lambda: self._leave_out_idle(plan, on_regrouped))
@@ -208,6 +212,7 @@ class SurvivingJob:
             plan_s=clock.marks["plan"],
             restore_s=clock.marks["restore"],
             bytes_moved=record.bytes_moved,
+            conditions=conditions,
         )
         log.warning("recovered from %s at step %d: %d survivors under %s", failure, step, len(members), plan.layout_key())
         return record
@@ -293,8 +298,10 @@ class SurvivingJob:
         result, self._finished = self._finished[1], None
         return result
 
-    def _agree_plan(self, runtime: PipelineRuntime, members: tuple[int, ...], micro_batches: int) -> Plan:
-        """Rank 0 of the new group plans from the measured layer costs; every survivor gets its plan."""
+    def _agree_plan(self, runtime: PipelineRuntime, members: tuple[int, ...], micro_batches: int,
+                    conditions: DeviceConditions) -> Plan:
+        """Rank 0 of the new group plans from the measured layer costs and the known device conditions;
+        every survivor gets its plan."""
         import torch.distributed as dist
 
         profile = runtime.layer_profile()  # collective: each layer's costs from a survivor that held it
@@ -304,7 +311,8 @@ class SurvivingJob:
         if self.rank == 0:
             try:
                 box[0] = survivor_plan(profile, members, micro_batches, runtime.per_replica_bounds, self.config.solver,
-                                       memory_mb=dict(budgets), min_data_degree=self.config.min_data_degree).to_dict()
+                                       memory_mb=dict(budgets), min_data_degree=self.config.min_data_degree,
+                                       conditions=conditions).to_dict()
             except Exception as err:  # noqa: BLE001 - every survivor must learn it, not wait in the broadcast
                 box[0] = {"error": f"{type(err).__name__}: {err}"}
         dist.broadcast_object_list(box, src=0)

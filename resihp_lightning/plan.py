@@ -550,6 +550,21 @@ def stage_p2p_ms(p2p_ms: float, slowdown: float, stage: int, num_stages: int) ->
     return send + receive
 
 
+#: The four stage positions the transfer cost depends on: (stage, num_stages) of an only, first, last
+#: and middle stage; :func:`stage_position` gives a stage's index into this table.
+STAGE_POSITIONS = ((0, 1), (0, 2), (1, 2), (1, 3))
+
+
+def stage_position(stage: int, num_stages: int) -> int:
+    """Index into :data:`STAGE_POSITIONS`: 0 only, 1 first, 2 last, 3 middle."""
+    return 2 * (stage > 0) + (stage < num_stages - 1)
+
+
+def stage_p2p_by_position(p2p_ms: float, slowdown: float) -> tuple[float, ...]:
+    """:func:`stage_p2p_ms` for each of :data:`STAGE_POSITIONS` (the solvers' per-class table)."""
+    return tuple(stage_p2p_ms(p2p_ms, slowdown, j, p) for j, p in STAGE_POSITIONS)
+
+
 def pipeline_ms(stage_ms: Sequence[float], micro_batches: int) -> float:
     """T_r of one replica: fill and drain plus (m - 1) steady-state steps of the slowest stage."""
     return sum(stage_ms) + (micro_batches - 1) * max(stage_ms)

@@ -45,7 +45,6 @@ what the reported gap uses.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from resihp_lightning.solver.bounds import shape_lower_bound

@@ -12,7 +12,16 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from resihp_lightning.plan import EPS, Plan, Problem, Replica, device_classes, prefix_sums, stage_p2p_ms
+from resihp_lightning.plan import (
+    EPS,
+    Plan,
+    Problem,
+    Replica,
+    device_classes,
+    prefix_sums,
+    stage_p2p_by_position,
+    stage_position,
+)
 
 
 class Model:
@@ -31,20 +40,16 @@ class Model:
         for a in range(self.L - 1, -1, -1):
             self.cheapest[a] = min(self.cheapest[a + 1], problem.layers[a].compute_ms)
         self._layer_bound_memo: dict[tuple[tuple[float, ...], int], float] = {}
-        # Per class, the transfer time of a stage by its position: [only, first, last, middle]
-        # (index ``2 * (j > 0) + (j < P - 1)``), from plan.stage_p2p_ms so that it rounds alike.
-        p2p = problem.p2p_ms
+        # Per class, the transfer time of a stage by its position (plan.STAGE_POSITIONS: only, first,
+        # last, middle), from plan.stage_p2p_ms so that it rounds alike.
         self.link = [c.link_slowdown for c in self.classes]
-        self._p2p = [
-            (stage_p2p_ms(p2p, u, 0, 1), stage_p2p_ms(p2p, u, 0, 2), stage_p2p_ms(p2p, u, 1, 2), stage_p2p_ms(p2p, u, 1, 3))
-            for u in self.link
-        ]
+        self._p2p = [stage_p2p_by_position(problem.p2p_ms, u) for u in self.link]
         #: Some class has a slow link (u > 1); False means the model is the one without link speeds.
         self.slow_links = any(u > 1.0 for u in self.link)
 
     def stage_p2p(self, cls: int, j: int, p: int) -> float:
         """Transfer time of stage j of P on class ``cls`` (:func:`~resihp_lightning.plan.stage_p2p_ms`)."""
-        return self._p2p[cls][2 * (j > 0) + (j < p - 1)]
+        return self._p2p[cls][stage_position(j, p)]
 
     def max_stage_p2p(self, cls: int) -> float:
         """The most transfer time a stage on class ``cls`` can pay (a middle stage's)."""
@@ -111,7 +116,7 @@ class Model:
 
     def stage_time(self, a: int, b: int, cls: int, j: int, p: int) -> float:
         """t of stage j of P holding layers a..b-1 on class ``cls`` (as :func:`~resihp_lightning.plan.evaluate`)."""
-        return (self.pc[b] - self.pc[a]) / self.classes[cls].speed + self._p2p[cls][2 * (j > 0) + (j < p - 1)]
+        return (self.pc[b] - self.pc[a]) / self.classes[cls].speed + self._p2p[cls][stage_position(j, p)]
 
     def stage_cap(self, a: int, b: int, cls: int, in_flight_max: int) -> int:
         """The most micro-batches stage [a, b) fits on class ``cls`` (``M`` when memory never binds)."""

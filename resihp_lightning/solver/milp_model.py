@@ -72,7 +72,8 @@ from resihp_lightning.plan import (
     even_bounds,
     even_split,
     prefix_sums,
-    stage_p2p_ms,
+    stage_p2p_by_position,
+    stage_position,
 )
 from resihp_lightning.solver.bottleneck import min_max_partition
 from resihp_lightning.solver.bounds import shape_lower_bound
@@ -267,13 +268,10 @@ class MilpModel:
         self.acoef = [round(a * MEMORY_SCALE) for a in act]
         p2p = self.p2p_units = round(pb.p2p_ms * ts)
         ar = self.ar_units = round(pb.allreduce_ms * ts)
-        # Transfer units per class and stage position [only, first, last, middle]
-        # (plan.stage_p2p_ms; with a healthy link: 0, p2p, 0, p2p).
+        # Transfer units per class and stage position (plan.STAGE_POSITIONS: only, first, last, middle;
+        # with a healthy link: 0, p2p, 0, p2p).
         self.link = [c.link_slowdown for c in classes]
-        self.p2p_pos = [
-            [round(stage_p2p_ms(pb.p2p_ms, u, j, q) * ts) for j, q in ((0, 1), (0, 2), (1, 2), (1, 3))]
-            for u in self.link
-        ]
+        self.p2p_pos = [[round(ms * ts) for ms in stage_p2p_by_position(pb.p2p_ms, u)] for u in self.link]
         # The all-reduce per class when it is the slowest link used (with healthy links all ar).
         self.ar_class = [round(pb.allreduce_ms * u * ts) for u in self.link]
         big_t = max(row[L] for row in self.tcoef) + max(pos[3] for pos in self.p2p_pos)  # the longest a stage can take
@@ -482,7 +480,7 @@ class MilpModel:
     def extra(self, c: int, j: int) -> int:
         """Transfer units of stage j on class c (:func:`~resihp_lightning.plan.stage_p2p_ms`, rounded)."""
         p = self.pipeline_degree
-        return self.p2p_pos[c][2 * (j > 0) + (j < p - 1)]
+        return self.p2p_pos[c][stage_position(j, p)]
 
     def _build_allreduce(self) -> None:
         """``A >= ar_c [D > 1] [class c used]`` for every class: the ring runs at its slowest link.

@@ -380,11 +380,11 @@ def _load() -> str:
     return " ".join(f"{v:.1f}" for v in os.getloadavg()) if hasattr(os, "getloadavg") else "?"
 
 
-def demo_estimates(factors: list[float], steps: int, out_dir: Path) -> None:
+def demo_estimates(factors: list[float], steps: int, out_dir: Path, layout: list[str]) -> None:
     import tempfile
 
     rank, start = 1, 14
-    print(f"| factor | truth 1/factor | detected at step (latency) | estimate at detection | error | settled estimate "
+    print("| factor | truth 1/factor | detected at step (latency) | estimate at detection | error | settled estimate "
           f"(median from detection) | error | reported at the end | error | load before / after | wall s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for factor in factors:
@@ -392,7 +392,7 @@ def demo_estimates(factors: list[float], steps: int, out_dir: Path) -> None:
         before = _load()
         trace, events, wall = _launch(run_dir, ["--replan", "false", "--trainer.max_steps", str(steps),
                                                 "--fault.factor", str(factor), "--fault.rank", str(rank),
-                                                "--fault.start_step", str(start)])
+                                                "--fault.start_step", str(start), *layout])
         truth = 1.0 / factor
         found = [e for e in events if e["event"] == "fail_slow_detected" and e["rank"] == rank]
         if not found:
@@ -439,6 +439,10 @@ def main() -> None:
     parser.add_argument("--heal", action="store_true", help="with --demo: the healing case")
     parser.add_argument("--factors", type=str, default="1.5,2,3")
     parser.add_argument("--out", type=str, default=str(ROOT / "runs"))
+    parser.add_argument("--devices", type=int, default=None,
+                        help="with --demo: processes (default: the example's 4; 2 = one per core here)")
+    parser.add_argument("--pipeline-degree", type=int, default=None,
+                        help="with --demo: stages per replica (default: the example's 2)")
     if len(sys.argv) > 1 and sys.argv[1] == "--demo-job":
         demo_job(sys.argv[2:])
         return
@@ -449,7 +453,10 @@ def main() -> None:
         if args.heal:
             demo_heal(args.steps if args.steps != 70 else 44, out)
         else:
-            demo_estimates([float(f) for f in args.factors.split(",")], args.steps if args.steps != 70 else 34, out)
+            layout = [] if args.devices is None else ["--trainer.devices", str(args.devices)]
+            layout += [] if args.pipeline_degree is None else ["--strategy.pipeline_degree", str(args.pipeline_degree)]
+            demo_estimates([float(f) for f in args.factors.split(",")], args.steps if args.steps != 70 else 34, out,
+                           layout)
         return
     if args.closed_loop:
         closed_loop(args.steps if args.steps != 70 else 40)

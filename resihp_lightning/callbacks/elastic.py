@@ -43,7 +43,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from resihp_lightning._logging import user_info, user_warn
-from resihp_lightning.callbacks.collectives import all_gather_objects, broadcast_from_zero
+from resihp_lightning.collectives import all_gather_objects, broadcast_from_zero
 from resihp_lightning.callbacks.controller import ReplanController
 from resihp_lightning.callbacks.detector import StragglerDetector
 from resihp_lightning.callbacks.events import EventLog

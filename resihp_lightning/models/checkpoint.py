@@ -52,6 +52,7 @@ import torch
 from torch import nn
 
 from resihp_lightning import meta
+from resihp_lightning.collectives import all_gather_objects, broadcast_from_zero
 from resihp_lightning.errors import ConfigError, invalid_option
 from resihp_lightning.models.attention import PACKED_ATTENTION
 from resihp_lightning.models.layers import DecoderPipe, EmbeddingPipe, HeadPipe
@@ -391,15 +392,14 @@ def save_hf_checkpoint(
         state = dict(layers_or_state)
     else:
         state = pipeline_state_dict(layers_or_state)
-    cfg = copy.deepcopy(config)
-    cfg._attn_implementation = None
-    weights = hf_state_dict(state, cfg.num_hidden_layers)
-    if getattr(cfg, "tie_word_embeddings", False):
+    weights = hf_state_dict(state, config.num_hidden_layers)  # type: ignore[attr-defined]
+    keep_tied = False
+    if getattr(config, "tie_word_embeddings", False):
         embed, head = weights["model.embed_tokens.weight"], weights.get("lm_head.weight")
-        if head is None or torch.equal(embed, head):
+        keep_tied = head is None or torch.equal(embed, head)
+        if keep_tied:
             weights.pop("lm_head.weight", None)
-        else:
-            cfg.tie_word_embeddings = False
+    cfg = _config_to_save(config, keep_tied)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
     weights = {k: v.detach().cpu().contiguous() for k, v in weights.items()}
@@ -412,11 +412,7 @@ def save_hf_checkpoint(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
-    if tokenizer_dir is not None:
-        from resihp_lightning.data.tokenizer import has_hf_tokenizer, load_tokenizer
-
-        if has_hf_tokenizer(tokenizer_dir):
-            load_tokenizer(tokenizer_dir).save_pretrained(out)  # type: ignore[attr-defined]
+    _save_tokenizer(tokenizer_dir, out)
     return out
 
 
@@ -426,21 +422,36 @@ def _digest(tensor: torch.Tensor) -> tuple[str, tuple[int, ...], str]:
     return (str(data.dtype), tuple(data.shape), hashlib.sha256(data.view(torch.uint8).numpy()).hexdigest())
 
 
-def _agree(error: str | None, src: int | None = 0) -> None:
-    """Collective: raises the same :class:`ConfigError` on every rank when ``error`` (rank ``src``'s, or
-    any rank's when ``src`` is ``None``) is set, so that no rank waits for a peer that gave up."""
-    import torch.distributed as dist
-
-    if src is None:
-        errors: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-        first = next((e for e in errors if e is not None), None)
+def _agree(error: str | None, any_rank: bool = False) -> None:
+    """Collective: raises the same :class:`ConfigError` on every rank when ``error`` (rank 0's, or any
+    rank's with ``any_rank``) is set, so that no rank waits for a peer that gave up."""
+    if any_rank:
+        first = next((e for e in all_gather_objects(error) if e is not None), None)
     else:
-        box: list[Any] = [error]
-        dist.broadcast_object_list(box, src=src)
-        first = box[0]
+        first = broadcast_from_zero(error)
     if first is not None:
         raise ConfigError(first)
+
+
+def _config_to_save(config: object, keep_tied: bool) -> Any:
+    """A copy of the HF config as saved: attention implementation reset, untied when the head's matrix
+    differs from the embedding's (``keep_tied`` False)."""
+    cfg = copy.deepcopy(config)
+    cfg._attn_implementation = None
+    if getattr(cfg, "tie_word_embeddings", False) and not keep_tied:
+        cfg.tie_word_embeddings = False
+    return cfg
+
+
+def _save_tokenizer(tokenizer_dir: str | Path | None, out: Path) -> None:
+    """Saves ``tokenizer_dir``'s Hugging Face tokenizer into ``out`` (nothing when it has none: the
+    byte-level fallback has no files)."""
+    if tokenizer_dir is None:
+        return
+    from resihp_lightning.data.tokenizer import has_hf_tokenizer, load_tokenizer
+
+    if has_hf_tokenizer(tokenizer_dir):
+        load_tokenizer(tokenizer_dir).save_pretrained(out)  # type: ignore[attr-defined]
 
 
 def _prepare_output(out: Path, source_dir: str | Path | None) -> None:
@@ -520,9 +531,7 @@ def save_sharded_hf_checkpoint(
     digests: dict[str, Any] = {}
     if tied:
         digests = {k: _digest(weights[k]) for k in ("model.embed_tokens.weight", "lm_head.weight") if k in weights}
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, digests)
-    merged = {k: v for part in gathered for k, v in part.items()}
+    merged = {k: v for part in all_gather_objects(digests) for k, v in part.items()}
     keep_tied = tied and merged.get("lm_head.weight", merged.get("model.embed_tokens.weight")) == merged.get(
         "model.embed_tokens.weight"
     )
@@ -544,7 +553,7 @@ def save_sharded_hf_checkpoint(
             del data
         except OSError as exc:
             error = f"cannot write {str(out / name)!r}: {exc}"
-    _agree(error, src=None)
+    _agree(error, any_rank=True)
     parts: list[Any] = [None] * dist.get_world_size() if rank == 0 else None  # type: ignore[assignment]
     dist.gather_object(written, parts, dst=0)
 
@@ -572,10 +581,7 @@ def _write_index_and_config(
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     weight_map = {key: name for name, keys in sorted(files.items()) for key in keys}
-    cfg = copy.deepcopy(config)
-    cfg._attn_implementation = None
-    if getattr(cfg, "tie_word_embeddings", False) and not keep_tied:
-        cfg.tie_word_embeddings = False
+    cfg = _config_to_save(config, keep_tied)
     cfg.dtype = torch.float32
     with torch.device("meta"):
         expected = set(AutoModelForCausalLM.from_config(copy.deepcopy(cfg)).state_dict())
@@ -595,8 +601,4 @@ def _write_index_and_config(
     else:
         generation = GenerationConfig.from_model_config(cfg)
     generation.save_pretrained(out)
-    if tokenizer_dir is not None:
-        from resihp_lightning.data.tokenizer import has_hf_tokenizer, load_tokenizer
-
-        if has_hf_tokenizer(tokenizer_dir):
-            load_tokenizer(tokenizer_dir).save_pretrained(out)  # type: ignore[attr-defined]
+    _save_tokenizer(tokenizer_dir, out)

@@ -1,4 +1,5 @@
-"""The callbacks' two object collectives; a single process (no process group) answers for itself."""
+"""Two object collectives over the default group (the callbacks' state sync, the sharded save's agreement);
+a single process (no process group) answers for itself."""
 
 from __future__ import annotations
 

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from resihp_lightning.data.corpus import iter_documents
 from resihp_lightning.data.instruction import (
     INSTRUCTION_FORMATS,
     InstructionFields,
@@ -28,7 +27,7 @@ from resihp_lightning.data.instruction import (
     load_examples,
     resolve_format,
 )
-from resihp_lightning.data.packed import PackedDataset, build_packed_dataset, tokenize_documents
+from resihp_lightning.data.packed import PackedDataset, read_text_documents
 from resihp_lightning.data.tokenizer import Tokenizer
 from resihp_lightning.errors import ConfigError, invalid_option
 
@@ -126,23 +125,18 @@ def build_datasets(
     if val_source is not None and val_fraction:
         raise ConfigError("give data.val_source or data.val_fraction, not both")
     fmt = resolve_format(source, format, fields)
-    if fmt == "text" and not val_fraction:  # exactly the raw-text path of build_packed_dataset
-        train = build_packed_dataset(tokenizer, seq_len, source=source, max_files=max_files, max_tokens=max_tokens,
-                                     max_docs=max_docs, text_field=fields.text, shuffle_seed=shuffle_seed)
-        out = Datasets(train=train, val=None, format=fmt)
-    else:
-        docs, masks, stats = _read(tokenizer, seq_len, source, fmt, fields, truncation, max_files, max_tokens, shuffle_seed)
-        val, notes = None, ([] if stats is None else [stats.summary(seq_len)])
-        if val_fraction:
-            held = holdout_indices(len(docs), val_fraction, shuffle_seed)
-            val = _pack([d for i, d in enumerate(docs) if i in held],
-                        None if masks is None else [m for i, m in enumerate(masks) if i in held], seq_len, tokenizer, None)
-            notes.append(f"{len(held)} of {len(docs)} {_unit(fmt)} held out for validation (data.val_fraction={val_fraction:g})")
-            docs = [d for i, d in enumerate(docs) if i not in held]
-            masks = None if masks is None else [m for i, m in enumerate(masks) if i not in held]
-        train = _pack(docs, masks, seq_len, tokenizer, max_docs)
-        out = Datasets(train=train, val=val, format=fmt, val_format=fmt if val is not None else None, stats=stats,
-                       notes=notes)
+    docs, masks, stats = _read(tokenizer, seq_len, source, fmt, fields, truncation, max_files, max_tokens, shuffle_seed)
+    val, notes = None, ([] if stats is None else [stats.summary(seq_len)])
+    if val_fraction:
+        held = holdout_indices(len(docs), val_fraction, shuffle_seed)
+        val = _pack([d for i, d in enumerate(docs) if i in held],
+                    None if masks is None else [m for i, m in enumerate(masks) if i in held], seq_len, tokenizer, None)
+        notes.append(f"{len(held)} of {len(docs)} {_unit(fmt)} held out for validation (data.val_fraction={val_fraction:g})")
+        docs = [d for i, d in enumerate(docs) if i not in held]
+        masks = None if masks is None else [m for i, m in enumerate(masks) if i not in held]
+    train = _pack(docs, masks, seq_len, tokenizer, max_docs)
+    out = Datasets(train=train, val=val, format=fmt, val_format=fmt if val is not None else None, stats=stats,
+                   notes=notes)
     if val_source is not None:
         val_fmt = resolve_format(val_source, format, fields)
         docs, masks, stats = _read(tokenizer, seq_len, val_source, val_fmt, fields, truncation, None, None, shuffle_seed)
@@ -168,12 +162,7 @@ def _read(
 ) -> tuple[list[list[int]], list[list[bool]] | None, InstructionStats | None]:
     """Token ids per document, target flags per document (``None`` for text) and instruction stats."""
     if fmt == "text":
-        texts = iter_documents(source, max_files=max_files, text_field=fields.text, shuffle_seed=shuffle_seed)
-        docs = tokenize_documents(texts, tokenizer, max_tokens=max_tokens)
-        if not docs:
-            where = "the standard library" if source is None else repr(str(source))
-            raise ConfigError(f"the dataset is empty: no text found in {where}")
-        return docs, None, None
+        return read_text_documents(tokenizer, source, max_files, max_tokens, fields.text, shuffle_seed), None, None
     if source is None:
         raise ConfigError(f"data.format={fmt} needs data.source (a .jsonl file or a folder of them)")
     examples, stats = load_examples(source, tokenizer, seq_len, format=fmt, fields=fields, truncation=truncation,

@@ -216,12 +216,29 @@ def build_packed_dataset(
     """
     if max_tokens is not None and max_tokens < 1:
         raise invalid_option("data.max_tokens", max_tokens, "a positive integer or null")
+    docs = read_text_documents(tokenizer, source, max_files, max_tokens, text_field, shuffle_seed)
+    return PackedDataset(docs, seq_len=seq_len, pad_token_id=tokenizer.pad_token_id, max_docs=max_docs)
+
+
+def read_text_documents(
+    tokenizer: Tokenizer,
+    source: str | Path | None,
+    max_files: int | None,
+    max_tokens: int | None,
+    text_field: str,
+    shuffle_seed: int | None,
+) -> list[list[int]]:
+    """A raw-text corpus's documents as token ids (EOS appended; see :func:`build_packed_dataset`).
+
+    Raises:
+        ConfigError: missing source, malformed JSONL, or no text at all.
+    """
     texts = iter_documents(source, max_files=max_files, text_field=text_field, shuffle_seed=shuffle_seed)
     docs = tokenize_documents(texts, tokenizer, max_tokens=max_tokens)
     if not docs:
         where = "the standard library" if source is None else repr(str(source))
         raise ConfigError(f"the dataset is empty: no text found in {where}")
-    return PackedDataset(docs, seq_len=seq_len, pad_token_id=tokenizer.pad_token_id, max_docs=max_docs)
+    return docs
 
 
 def collate_packed(rows: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -472,6 +472,11 @@ class StragglerCore:
         in the same step removes them; what is left is how much slower the rank is than the devices
         the planner would move its work to, which is what the planner's speeds mean. Without other
         ranks (or when every other rank is flagged) the reference is 1.0.
+
+        What it cannot remove is contention that differs *between* ranks: with two processes per
+        core the slowed rank's compute, timed while the others wait on it, is relieved more than
+        theirs, and a 3x fault reads 0.35-0.39 instead of 0.33. With one process per device (or per
+        core) the estimate is within about 5% of 1/factor for 1.5x, 2x and 3x (benchmarks/README.md).
         """
         flagged = {rank for rank, state in self._states.items() if state.flagged}
         pool = sorted(v for r, v in raws.items() if r not in flagged)  # O(N log N) for any number of ranks

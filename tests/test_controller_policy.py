@@ -75,6 +75,27 @@ def test_decide_rules_in_order():
     assert good.apply and good.gain_ms == 40.0 and good.total_gain_s == pytest.approx(40.0)
 
 
+def test_a_plan_in_force_that_breaks_the_planners_rules_is_priced_and_left():
+    """A 3 x 1 start with planner.min_data_degree 2: the plan in force has a real predicted time (it used to
+    be priced at inf, logged as "saves inf ms per step (nan%)"), and the decision names the broken rule and
+    applies the planner's plan even for a small gain; the cooldown still holds it back."""
+    from resihp_lightning.callbacks.controller import price_plan_in_force
+    from resihp_lightning.solver import solve
+
+    problem = build_problem(_profile(6), {1: 0.5}, [0, 1, 2], 8, CFG, PlannerConfig(min_data_degree=2))
+    start = Plan.from_dict({"replicas": [{"devices": [0, 1, 2], "bounds": [0, 2, 4, 6], "micro_batches": 8}]})
+    current_ms, breaks = price_plan_in_force(problem, start)
+    assert current_ms == pytest.approx(evaluate(problem, start, check=False).iteration_ms) and current_ms < float("inf")
+    assert breaks is not None and "min_data_degree" in breaks
+    planned = solve(problem)
+    assert price_plan_in_force(problem, planned) == (pytest.approx(planned.iteration_ms), None)
+    kw = dict(same_plan=False, remaining_steps=1000, migration_s=2.0, config=CFG, current_breaks=breaks)
+    small_gain = decide(current_ms, current_ms * 0.99, steps_since_change=None, **kw)
+    assert small_gain.apply and "breaks the planner's rules" in small_gain.reason and "inf" not in small_gain.reason
+    cooling = decide(current_ms, current_ms * 0.99, steps_since_change=1, **kw)
+    assert not cooling.apply and cooling.retry_after_steps == CFG.cooldown_steps - 1
+
+
 def test_controller_config_is_validated():
     with pytest.raises(ConfigError, match="controller.min_relative_gain"):
         ControllerConfig(min_relative_gain=1.5)

@@ -69,7 +69,7 @@ from resihp_lightning.callbacks.replan_policy import (
 from resihp_lightning.config import PlannerConfig, config_from_dict
 from resihp_lightning.contract import MemoryGauge, Replannable, Survivable, provides, require
 from resihp_lightning.errors import ConfigError, PlanError, ResiHPError
-from resihp_lightning.plan import Plan, Problem, evaluate
+from resihp_lightning.plan import Plan, Problem, evaluate, validate
 from resihp_lightning.solver import solve
 from resihp_lightning.telemetry import LayerCost
 
@@ -368,17 +368,14 @@ class ReplanController(Callback):
             self._log("plan_rejected", step, reason=f"device {device} would need {used:.0f} MB of its {capacity:.0f} MB",
                       predicted_ms=plan.iteration_ms)
             return None
-        try:
-            current_ms = evaluate(problem, current).iteration_ms
-        except PlanError:
-            current_ms = float("inf")  # the plan in force no longer fits (should not happen)
+        current_ms, breaks = price_plan_in_force(problem, current)
         static = [layer.static_mb for layer in problem.layers]
         migration = estimate_migration_s(current, plan, static, overhead_s=self._overhead_s,
                                          bandwidth_mb_s=self._bandwidth)
         since = None if self._last_change_step is None else step - self._last_change_step
         decision = decide(current_ms, plan.iteration_ms, same_plan=plan.layout_key() == current.layout_key(),
                           remaining_steps=self._remaining(trainer, step), migration_s=migration,
-                          steps_since_change=since, config=self.config)
+                          steps_since_change=since, config=self.config, current_breaks=breaks)
         self.decisions.append(decision)
         if not decision.apply:
             self._log("plan_rejected", step, reason=decision.reason, predicted_ms=plan.iteration_ms,
@@ -413,6 +410,22 @@ class ReplanController(Callback):
     def _log(self, event: str, step: int, **fields: Any) -> None:
         if self.rank == 0 and self.events is not None:
             self.events.log(event, step, **fields)
+
+
+def price_plan_in_force(problem: Problem, plan: Plan) -> tuple[float, str | None]:
+    """The plan in force's predicted iteration time on ``problem``, and why it breaks the problem's rules
+    (``None`` when it keeps them). A plan the job runs has a time even when it breaks a rule the planner
+    was given later (e.g. a 3 x 1 start with ``planner.min_data_degree: 2``); it is ``inf`` only when it
+    cannot be priced at all (a device the problem does not have)."""
+    try:
+        validate(problem, plan, check_memory=False)
+        breaks = None
+    except PlanError as err:
+        breaks = str(err)
+    try:
+        return evaluate(problem, plan, check=False).iteration_ms, breaks
+    except (KeyError, IndexError, ValueError):
+        return float("inf"), breaks
 
 
 #: What rank 0 broadcasts while the background solve is still running.

@@ -271,6 +271,7 @@ def decide(
     migration_s: float,
     steps_since_change: int | None,
     config: ControllerConfig,
+    current_breaks: str | None = None,
 ) -> Decision:
     """Whether to apply a computed plan (rules in the module docstring).
 
@@ -282,6 +283,9 @@ def decide(
         migration_s: estimated cost of switching.
         steps_since_change: steps since the last applied change (``None``: never changed).
         config: thresholds.
+        current_breaks: why the plan in force breaks the problem's rules (e.g. fewer replicas than
+            ``planner.min_data_degree``), or ``None``. Such a plan is left for the computed one
+            whatever the gain (the cooldown still applies).
     """
     gain = current_ms - new_ms
     if same_plan:
@@ -289,11 +293,16 @@ def decide(
     if steps_since_change is not None and steps_since_change < config.cooldown_steps:
         wait = config.cooldown_steps - steps_since_change
         later = decide(current_ms, new_ms, same_plan=False, remaining_steps=remaining_steps - wait,
-                       migration_s=migration_s, steps_since_change=None, config=config)
+                       migration_s=migration_s, steps_since_change=None, config=config,
+                       current_breaks=current_breaks)
         return Decision(False, f"cooldown: last change {steps_since_change} steps ago (< {config.cooldown_steps})"
                         + (f"; solving again in {wait} steps" if later.apply else ""),
                         gain, 0.0, migration_s, retry_after_steps=wait if later.apply else None)
     relative = gain / current_ms if current_ms > 0 else 0.0
+    if current_breaks is not None:
+        return Decision(True, f"the plan in force breaks the planner's rules ({current_breaks}); the new plan is "
+                        f"predicted at {new_ms:.1f} ms per step vs {current_ms:.1f} ms", gain,
+                        gain / 1000.0 * max(remaining_steps, 0), migration_s)
     if relative < config.min_relative_gain:
         return Decision(False, f"predicted gain {relative * 100:.1f}% is below min_relative_gain "
                         f"{config.min_relative_gain * 100:.1f}%", gain, 0.0, migration_s)

@@ -127,7 +127,11 @@ def test_losing_rank_0_then_another_rank_goes_on_exactly():
 @pytest.mark.multiprocess
 @pytest.mark.timeout(200)
 def test_a_frozen_rank_is_evicted_and_the_job_goes_on_exactly():
-    """SIGSTOP: the process is alive but silent; it is evicted after the heartbeat timeout."""
+    """SIGSTOP: the process is alive but silent; it is evicted after the heartbeat timeout, and the
+    survivors' leader SIGKILLs it (``fail_stop.kill_evicted``): a frozen process would otherwise hold its
+    device and, when it is Lightning's launching process, keep the job's command from ever ending."""
+    import signal
+
     from harness import run_job
 
     outcome = run_job(_job, 4, timeout=180, wait_for=[0, 2, 3], victims={1: 2}, steps=STEPS, how="stop", pipeline_degree=2)
@@ -135,6 +139,8 @@ def test_a_frozen_rank_is_evicted_and_the_job_goes_on_exactly():
     record = outcome.values()[0]["recovery"]
     assert record.members == (0, 2, 3) and 1 in record.failed
     assert record.detected_at - outcome.ranks[1].last_words["died_at"] < 3.0
+    frozen = outcome.ranks[1]
+    assert frozen.status == "died" and frozen.exitcode == -signal.SIGKILL, outcome.describe()  # not the harness
 
 
 @pytest.mark.multiprocess
@@ -163,6 +169,7 @@ def test_fail_stop_options_are_checked_by_name():
         ({"solver": "magic"}, r"`fail_stop.solver`; allowed: 'cpsat', 'pulp', 'exact'"),
         ({"exit_code": 0}, r"`fail_stop.exit_code`"),
         ({"store_port": 70000}, r"`fail_stop.store_port`"),
+        ({"kill_evicted": "yes"}, r"`fail_stop.kill_evicted`; allowed: true or false"),
         ({"join_timeout_s": 200.0}, r"`fail_stop.join_timeout_s`; allowed: < regroup_timeout_s"),
         ({"detect_s": 1.0}, r"`fail_stop.detect_s`"),
     ):

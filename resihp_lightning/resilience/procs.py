@@ -92,3 +92,16 @@ class ProcessIdentity:
         if state in ("Z", "X", "x"):
             return False
         return not (self.start and start != self.start)
+
+    def kill(self) -> bool:
+        """Sends SIGKILL when this process runs on this machine (pid and start time checked first, so a
+        recycled pid is never hit). Returns whether a signal was sent."""
+        import signal
+
+        if not self.comparable() or not self.alive():
+            return False
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except OSError:
+            return False
+        return True

@@ -119,6 +119,9 @@ class WorldConfig:
             stretch of compute between two collectives.
         regroup_timeout_s: bound of one :meth:`ElasticWorld.regroup` call, retries included.
         min_world_size: a regroup that leaves fewer members raises :class:`RegroupError`.
+        kill_evicted: the regroup's leader sends SIGKILL to each process the survivors left out
+            (hung or silent) that runs on its machine, so that it neither holds its device nor keeps
+            its launcher waiting (a frozen Lightning launcher process never exits otherwise).
         track_new_groups: wrap torch's group creation so that every group of a generation is
             tracked for abort.
         reset_deepspeed: forget DeepSpeed's cached groups at each regroup.
@@ -131,6 +134,7 @@ class WorldConfig:
     join_timeout_s: float = 30.0
     regroup_timeout_s: float = 120.0
     min_world_size: int = 1
+    kill_evicted: bool = True
     track_new_groups: bool = True
     reset_deepspeed: bool = True
     store: StoreConfig = field(default_factory=StoreConfig)
@@ -575,6 +579,7 @@ class ElasticWorld:
             if members[0] == self.original_rank:
                 for rank in sorted(set(candidates) - set(members)):
                     self._try(lambda r=rank: self.store.mark_left(r, "evicted"))  # type: ignore[union-attr]
+                    self._kill_evicted(rank)
             if len(members) < cfg.min_world_size:
                 self._teardown(old)
                 raise RegroupError(
@@ -589,6 +594,15 @@ class ElasticWorld:
                 continue
             self.history[-1].update(agreed_at=agreed_at, regroup_started=started)
             return self.current
+
+    def _kill_evicted(self, rank: int) -> None:
+        """SIGKILLs the evicted ``rank`` when it still runs on this machine (``kill_evicted``)."""
+        if not self.config.kill_evicted or self.detector is None:
+            return
+        identity = self.detector.identities.get(rank)
+        if identity is not None and identity.kill():
+            log.warning("rank %d: killed evicted rank %d (pid %d), which was still running here",
+                        self.original_rank, rank, identity.pid)
 
     def reshape(self, members: Sequence[int]) -> Generation:
         """Replaces a healthy generation by one over exactly ``members`` (main thread, planned).

@@ -49,6 +49,9 @@ class FailStopConfig:
             the survivors run the best plan with fewer replicas and a warning says so.
         exit_code: process exit status when recovery is impossible (a layer lost with every holder,
             the store lost, this rank evicted).
+        kill_evicted: SIGKILL a hung or silent rank the survivors left out when it runs on the machine
+            of the survivors' leader (pid and start time checked), so that it releases its device and
+            its launcher can exit; ``false`` leaves it frozen (e.g. to attach a debugger to it).
         store_port: the rendezvous store host's port. ``None`` (one machine): a free port, found by the
             job's processes through a file in the temporary directory. Several machines need a fixed
             port; the host then runs on node 0 at ``$MASTER_ADDR`` (that machine is a single point of
@@ -63,6 +66,7 @@ class FailStopConfig:
     solver: str = "exact"
     min_data_degree: int = 2
     exit_code: int = UNRECOVERABLE_EXIT_CODE
+    kill_evicted: bool = True
     store_port: int | None = None
 
     def __post_init__(self) -> None:
@@ -82,6 +86,8 @@ class FailStopConfig:
             raise invalid_option("fail_stop.join_timeout_s", self.join_timeout_s, f"< regroup_timeout_s ({self.regroup_timeout_s:g})")
         if not isinstance(self.min_data_degree, int) or isinstance(self.min_data_degree, bool) or self.min_data_degree < 1:
             raise invalid_option("fail_stop.min_data_degree", self.min_data_degree, "an integer >= 1")
+        if not isinstance(self.kill_evicted, bool):
+            raise invalid_option("fail_stop.kill_evicted", self.kill_evicted, "true or false")
         if not isinstance(self.exit_code, int) or not 1 <= self.exit_code <= 255:
             raise invalid_option("fail_stop.exit_code", self.exit_code, "an integer 1..255")
         if self.store_port is not None and (not isinstance(self.store_port, int) or not 1 <= self.store_port <= 65535):
@@ -116,6 +122,7 @@ class FailStopConfig:
             collective_timeout_s=collective_timeout_s,
             join_timeout_s=self.join_timeout_s,
             regroup_timeout_s=self.regroup_timeout_s,
+            kill_evicted=self.kill_evicted,
             detector=DetectorConfig(
                 interval_s=self.interval_s, timeout_s=self.detect_timeout_s, progress_timeout_s=self.progress_timeout_s
             ),

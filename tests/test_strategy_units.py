@@ -113,6 +113,26 @@ def test_split_batch_checks_the_module_output():
         batching.split_batch(Module(((torch.zeros(4, 2), torch.zeros(3, 2)), torch.zeros(4), None)), None)
 
 
+def test_the_default_pipeline_batch_takes_pairs_and_inputs_alone():
+    """(inputs, labels) for training; for trainer.predict the inputs alone, as a tensor or as the
+    one-element batch a DataLoader over TensorDataset(x) yields (it was refused); anything else is named."""
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from resihp_lightning import ResiHPModule
+
+    module = ResiHPModule()
+    x, y = torch.randn(6, 3), torch.randn(6, 3)
+    inputs, labels, lens = module.pipeline_batch((x, y))
+    assert inputs is x and labels is y and lens is None
+    from_dataset = next(iter(DataLoader(TensorDataset(x), batch_size=6)))
+    inputs, labels, _ = module.pipeline_batch(from_dataset)
+    assert torch.equal(inputs, x) and labels is None
+    assert module.pipeline_batch(x)[0] is x
+    with pytest.raises(MisconfigurationException, match="expects batches of \\(inputs, labels\\)"):
+        module.pipeline_batch((x, y, y))
+
+
 @pytest.mark.parametrize(
     "kwargs, option",
     [

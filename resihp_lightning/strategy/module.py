@@ -50,12 +50,16 @@ class ResiHPModuleMixin:
         return None
 
     def pipeline_batch(self, batch: Any) -> tuple[Any, Any, Tensor | None]:
-        """Default: ``batch`` is ``(inputs, labels)`` or, for ``trainer.predict``, a tensor of inputs."""
+        """Default: ``batch`` is ``(inputs, labels)`` or, for ``trainer.predict``, the inputs alone: a tensor
+        or a one-element sequence holding it (what a ``DataLoader`` over ``TensorDataset(x)`` yields)."""
         if isinstance(batch, Tensor):
             return batch, None, None
+        if isinstance(batch, (tuple, list)) and len(batch) == 1 and isinstance(batch[0], Tensor):
+            return batch[0], None, None
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:
             raise self.misconfiguration_error(
-                "the default ResiHPModule.pipeline_batch expects batches of (inputs, labels); "
+                "the default ResiHPModule.pipeline_batch expects batches of (inputs, labels), or inputs alone for "
+                "trainer.predict; "
                 "override pipeline_batch(batch) -> (inputs, labels, seq_lens) for other batch layouts"
             )
         inputs, labels = batch

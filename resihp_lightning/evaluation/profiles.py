@@ -31,10 +31,10 @@ its memory is ``tp`` GPUs' memory, and its point-to-point traffic uses ``tp`` ne
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from resihp_lightning.errors import ConfigError, invalid_option
-from resihp_lightning.plan import Device, Layer, Problem
+from resihp_lightning.plan import Layer
 
 MB = 1e6
 GB = 1e9
@@ -108,7 +108,6 @@ class HardwareSpec:
         nvlink_gbps: NVLink bandwidth per direction per GPU, GB/s (A100: 300).
         network_gbps: network bandwidth per GPU, GB/s (one 200 Gb/s HDR InfiniBand NIC per GPU: 25).
         link_efficiency: the fraction of a link's bandwidth a transfer reaches.
-        gpus_per_node: GPUs sharing one node (a communication slowdown hits a node).
     """
 
     peak_tflops: float = 312.0
@@ -117,7 +116,6 @@ class HardwareSpec:
     nvlink_gbps: float = 300.0
     network_gbps: float = 25.0
     link_efficiency: float = 0.8
-    gpus_per_node: int = 8
 
     def __post_init__(self) -> None:
         for name in ("peak_tflops", "memory_gb", "nvlink_gbps", "network_gbps"):
@@ -179,7 +177,6 @@ class ModelProfile:
         allreduce_ms: data-parallel gradient all-reduce for a stage of 1 / ``reference_stages`` of
             the parameters (the planner's model has one all-reduce time for every layout).
         reference_stages: the pipeline degree ``allreduce_ms`` assumes.
-        layer_flops: forward FLOPs of one decoder layer per micro-batch (linear, attention).
     """
 
     model: ModelSpec
@@ -189,7 +186,6 @@ class ModelProfile:
     p2p_ms: float
     allreduce_ms: float
     reference_stages: int
-    layer_flops: tuple[float, float] = field(default=(0.0, 0.0))
 
     @property
     def tokens_per_micro_batch(self) -> int:
@@ -204,9 +200,6 @@ class ModelProfile:
         """M for a job of ``num_devices`` planner devices."""
         return self.workload.micro_batches_per_device * num_devices
 
-    def problem(self, devices: tuple[Device, ...], micro_batches: int, **options) -> Problem:
-        """A planning problem over ``devices`` (options go to :class:`Problem`)."""
-        return Problem(self.layers, devices, micro_batches, p2p_ms=self.p2p_ms, allreduce_ms=self.allreduce_ms, **options)
 
 
 def layer_forward_flops(model: ModelSpec, workload: WorkloadSpec) -> tuple[float, float]:
@@ -273,4 +266,4 @@ def build_profile(
     grad_bytes = 2.0 * model.total_params() / reference_stages  # bf16 gradients of one stage
     # Ring all-reduce, bandwidth term 2 (D-1)/D ~ 2, over the group's tp links.
     allreduce_ms = 2.0 * grad_bytes / network * 1000.0
-    return ModelProfile(model, hardware, workload, layers, p2p_ms, allreduce_ms, reference_stages, (linear, attention))
+    return ModelProfile(model, hardware, workload, layers, p2p_ms, allreduce_ms, reference_stages)

@@ -179,8 +179,16 @@ def _unknown_key(message: str) -> str | None:
     return match.group(1) if match else None
 
 
+def _first_process() -> bool:
+    """Lightning's launcher parent (no LOCAL_RANK yet) or torchrun's rank 0."""
+    return os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("RANK", "0") == "0"
+
+
 def _fail(message: str) -> None:
-    print(f"{PROG}: error: {message}", file=sys.stderr)
+    """Exits with status 2; the message is printed once, by the first process (a configuration error,
+    e.g. a ``pipeline_degree`` that does not divide the world, is raised on every rank alike)."""
+    if _first_process():
+        print(f"{PROG}: error: {message}", file=sys.stderr)
     sys.exit(2)
 
 
@@ -260,8 +268,7 @@ def run(raw: Namespace, extra_callbacks: Sequence[Any] = ()) -> Path:
             f"the dataset has {len(dataset)} rows of {d.seq_len} tokens, fewer than one global batch "
             f"(strategy.micro_batches x micro_batch_size = {rows}); add data or lower data.seq_len"
         )
-    # Lightning's launcher parent (no LOCAL_RANK yet) or torchrun's rank 0.
-    if os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("RANK", "0") == "0":
+    if _first_process():
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(build_parser().dump(raw))
         print("\n".join(data.summary()), flush=True)

@@ -1,0 +1,90 @@
+"""Tensor-parallel decoder layers (``models/tensor_parallel.py``) against the unsplit layer, on 2 real
+gloo processes: the same outputs, the same input gradient, and each member's weight gradients equal to
+its share of the unsplit layer's (Llama with grouped-query attention; Qwen2 with q/k/v biases)."""
+
+from __future__ import annotations
+
+import pytest
+
+TOL = 1e-5
+
+
+def _rank(rank: int, world: int, model_type: str) -> dict:
+    import copy
+
+    import torch
+    import torch.distributed as dist
+
+    from resihp_lightning.errors import ConfigError
+    from resihp_lightning.models.attention import positions_from_seq_lens
+    from resihp_lightning.models.checkpoint import build_pipeline_model, tiny_config
+    from resihp_lightning.models.tensor_parallel import split_decoder_layer
+
+    dist.init_process_group("gloo")
+    config = tiny_config(model_type, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96)
+    dense = build_pipeline_model(config, seed=3).layers[1]  # a DecoderPipe, the same on both ranks
+    split = copy.deepcopy(dense)
+    split_decoder_layer(split.layer, dist.group.WORLD)
+
+    gen = torch.Generator().manual_seed(7)
+    seq_lens = torch.tensor([[10, 6], [16, 0]])
+    position_ids = positions_from_seq_lens(seq_lens, 16)
+    hidden = torch.randn(2, 16, 64, generator=gen)
+    upstream = torch.randn(2, 16, 64, generator=gen)
+
+    def run(pipe):
+        x = hidden.clone().requires_grad_(True)
+        out = pipe((x, position_ids, seq_lens))[0]
+        out.backward(upstream)
+        return out.detach(), x.grad
+
+    out_dense, grad_dense = run(dense)
+    out_split, grad_split = run(split)
+    full = dict(dense.layer.named_parameters())
+    errors = {"output": (out_split - out_dense).abs().max().item(), "input grad": (grad_split - grad_dense).abs().max().item()}
+    attn, mlp = split.layer.self_attn, split.layer.mlp
+    for name, module, axis in (("self_attn.q_proj", attn.q_proj, 0), ("self_attn.k_proj", attn.k_proj, 0),
+                               ("self_attn.v_proj", attn.v_proj, 0), ("self_attn.o_proj", attn.o_proj, 1),
+                               ("mlp.gate_proj", mlp.gate_proj, 0), ("mlp.up_proj", mlp.up_proj, 0),
+                               ("mlp.down_proj", mlp.down_proj, 1)):
+        whole = full[f"{name}.weight"].grad
+        share = whole.chunk(world, dim=axis)[rank]
+        errors[f"{name}.weight grad"] = (module.weight.grad - share).abs().max().item()
+        if module.bias is not None:
+            bias = full[f"{name}.bias"].grad
+            bias_share = bias.chunk(world)[rank] if axis == 0 else bias
+            errors[f"{name}.bias grad"] = (module.bias.grad - bias_share).abs().max().item()
+    for name, param in split.layer.named_parameters():
+        if "norm" in name:  # replicated: the full gradient on every member
+            errors[f"{name} grad"] = (param.grad - full[name].grad).abs().max().item()
+    sizes = {name: tuple(p.shape) for name, p in split.layer.named_parameters() if "proj" in name}
+
+    refused = None
+    try:
+        split_decoder_layer(copy.deepcopy(build_pipeline_model(
+            tiny_config(model_type, hidden_size=64, num_attention_heads=4, num_key_value_heads=1), seed=3).layers[1].layer),
+            dist.group.WORLD)
+    except ConfigError as err:
+        refused = str(err)
+    dist.destroy_process_group()
+    return {"errors": errors, "sizes": sizes, "refused": refused}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_a_decoder_layer_split_over_two_processes_computes_the_unsplit_layer(distributed, model_type):
+    results = distributed(_rank, 2, timeout=100, model_type=model_type)
+    for rank, result in enumerate(results):
+        errors = result["errors"]
+        assert len(errors) >= 2 + 7 + 2, errors  # outputs, input grad, 7 weight grads, 2 norms
+        if model_type == "qwen2":
+            assert {"self_attn.q_proj.bias grad", "self_attn.k_proj.bias grad", "self_attn.v_proj.bias grad"} <= set(errors)
+        worst = max(errors, key=errors.get)
+        assert errors[worst] < TOL, (rank, worst, errors[worst])
+        # Each member holds half of every split projection: 2 of 4 query heads, 1 of 2 key-value heads
+        # (head_dim 16), half of the MLP's 96 intermediate features.
+        sizes = result["sizes"]
+        assert sizes["self_attn.q_proj.weight"] == (32, 64) and sizes["self_attn.k_proj.weight"] == (16, 64)
+        assert sizes["self_attn.o_proj.weight"] == (64, 32) and sizes["mlp.down_proj.weight"] == (64, 48)
+        assert "key-value heads (1) divisible by 2" in result["refused"], result["refused"]

@@ -8,7 +8,10 @@ A group of ``t`` processes holds one decoder layer split Megatron-style:
 * attention: ``q_proj``, ``k_proj`` and ``v_proj`` by output rows into whole heads (member ``i``
   keeps query heads ``i*H/t .. (i+1)*H/t - 1`` and the key-value heads they use, so grouped-query
   attention keeps its head-to-group mapping), ``o_proj`` by input columns;
-* MLP: ``gate_proj`` and ``up_proj`` by output rows, ``down_proj`` by input columns.
+* MLP: ``gate_proj`` and ``up_proj`` by output rows, ``down_proj`` by input columns;
+* the token embedding and the LM head by vocabulary rows (:class:`VocabParallelEmbedding`, a
+  column-split head), with the cross-entropy computed on the split logits
+  (:func:`vocab_parallel_causal_lm_loss`): no member ever holds a whole row of logits.
 
 A column-split linear (:class:`ColumnParallelLinear`) sees the whole input and produces this member's
 share of the outputs; its input's gradient is summed over the group in the backward pass (each
@@ -33,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from resihp_lightning.errors import ConfigError
+from resihp_lightning.models.layers import IGNORE_INDEX, DecoderPipe, EmbeddingPipe, HeadPipe
 
 
 class _SumGradOverGroup(torch.autograd.Function):
@@ -159,3 +163,82 @@ def split_decoder_layer(layer: nn.Module, group: Any) -> nn.Module:
     mlp.up_proj = ColumnParallelLinear(mlp.up_proj, group)
     mlp.down_proj = RowParallelLinear(mlp.down_proj, group)
     return layer
+
+
+class VocabParallelEmbedding(nn.Module):
+    """This member's vocabulary rows of a token embedding; a token outside them looks up zeros, and
+    the members' lookups are summed over the group (exactly one member holds each token).
+
+    Args:
+        embedding: the unsplit ``nn.Embedding`` (its vocabulary must split into equal parts).
+        group: the tensor-parallel process group.
+    """
+
+    def __init__(self, embedding: nn.Embedding, group: Any) -> None:
+        super().__init__()
+        index, size = _group_shape(group)
+        rows = _share(embedding.num_embeddings, size, 1, "vocabulary rows")
+        self.group, self.start, self.rows = group, index * rows, rows
+        self.weight = nn.Parameter(embedding.weight.detach()[self.start:self.start + rows].clone(),
+                                   requires_grad=embedding.weight.requires_grad)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        mine = (input_ids >= self.start) & (input_ids < self.start + self.rows)
+        local = torch.where(mine, input_ids - self.start, torch.zeros_like(input_ids))
+        out = F.embedding(local, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
+        return _SumOverGroup.apply(out, self.group)
+
+
+def vocab_parallel_causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, group: Any) -> torch.Tensor:
+    """:func:`~resihp_lightning.models.layers.causal_lm_loss` on vocabulary-split logits.
+
+    Every member passes its share of the logits (``[rows, S, V / t]``, vocabulary rows in member
+    order) and the same labels, and gets the same loss. The softmax's normaliser and each label's logit
+    are summed over the group; the shift by the row maximum (for stability) is taken over the whole
+    vocabulary and has no gradient (it cancels).
+
+    Args:
+        logits: this member's logits.
+        labels: ``[rows, S]`` long, already shifted, :data:`~resihp_lightning.models.layers.IGNORE_INDEX`
+            where no token is predicted.
+        group: the tensor-parallel process group.
+
+    Returns:
+        Scalar loss (float32): the mean over the valid tokens (0 with a graph when there is none).
+    """
+    index, _ = _group_shape(group)
+    local = logits.float()
+    width = local.shape[-1]
+    labels = labels.to(local.device)
+    top = local.detach().amax(dim=-1)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    shifted = local - top.unsqueeze(-1)
+    start = index * width
+    valid = labels != IGNORE_INDEX
+    mine = valid & (labels >= start) & (labels < start + width)
+    picked = shifted.gather(-1, (labels - start).clamp(0, width - 1).unsqueeze(-1)).squeeze(-1)
+    picked = _SumOverGroup.apply(picked * mine.to(picked.dtype), group)
+    normaliser = _SumOverGroup.apply(shifted.exp().sum(dim=-1), group)
+    per_token = (torch.log(normaliser) - picked) * valid.to(picked.dtype)
+    return per_token.sum() / valid.sum().clamp(min=1)
+
+
+def split_pipeline_layers(layers: list[nn.Module], group: Any) -> list[nn.Module]:
+    """Splits a causal LM's pipeline layers (:mod:`~resihp_lightning.models.layers`) over ``group`` in
+    place: the embedding and the LM head by vocabulary rows, every decoder layer by
+    :func:`split_decoder_layer`. The head then returns this member's logits, for
+    :func:`vocab_parallel_causal_lm_loss`.
+
+    Raises:
+        ConfigError: a layer of another kind, or sizes that do not split into equal parts.
+    """
+    for position, layer in enumerate(layers):
+        if isinstance(layer, EmbeddingPipe):
+            layer.embed_tokens = VocabParallelEmbedding(layer.embed_tokens, group)
+        elif isinstance(layer, DecoderPipe):
+            split_decoder_layer(layer.layer, group)
+        elif isinstance(layer, HeadPipe):
+            layer.lm_head = ColumnParallelLinear(layer.lm_head, group)
+        else:
+            raise ConfigError(f"pipeline layer {position} ({type(layer).__name__}) has no tensor-parallel split")
+    return layers

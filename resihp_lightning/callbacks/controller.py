@@ -52,7 +52,6 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from resihp_lightning._logging import get_logger, user_info
-from resihp_lightning.collectives import all_gather_objects, broadcast_from_zero
 from resihp_lightning.callbacks.background_planner import BackgroundPlanner
 from resihp_lightning.callbacks.detector import StragglerDetector
 from resihp_lightning.callbacks.events import EventLog
@@ -66,6 +65,7 @@ from resihp_lightning.callbacks.replan_policy import (
     device_conditions,
     estimate_migration_s,
 )
+from resihp_lightning.collectives import all_gather_objects, broadcast_from_zero
 from resihp_lightning.config import PlannerConfig, config_from_dict
 from resihp_lightning.contract import MemoryGauge, Replannable, Survivable, provides, require
 from resihp_lightning.errors import ConfigError, PlanError, ResiHPError

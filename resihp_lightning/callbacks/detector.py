@@ -37,7 +37,6 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from resihp_lightning._logging import get_logger, user_info
-from resihp_lightning.collectives import all_gather_objects, broadcast_from_zero
 from resihp_lightning.callbacks.events import EventLog
 from resihp_lightning.callbacks.links import LinkCore
 from resihp_lightning.callbacks.straggler import (
@@ -46,6 +45,7 @@ from resihp_lightning.callbacks.straggler import (
     RankSummary,
     StragglerCore,
 )
+from resihp_lightning.collectives import all_gather_objects, broadcast_from_zero
 from resihp_lightning.config import config_from_options
 from resihp_lightning.contract import LinkProber, StepStatsSource, Survivable, provides, require
 

@@ -43,11 +43,11 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from resihp_lightning._logging import user_info, user_warn
-from resihp_lightning.collectives import all_gather_objects, broadcast_from_zero
 from resihp_lightning.callbacks.controller import ReplanController
 from resihp_lightning.callbacks.detector import StragglerDetector
 from resihp_lightning.callbacks.events import EventLog
 from resihp_lightning.callbacks.replan_policy import ControllerConfig, build_problem
+from resihp_lightning.collectives import all_gather_objects, broadcast_from_zero
 from resihp_lightning.config import PlannerConfig, config_from_dict
 from resihp_lightning.contract import Replannable, require
 from resihp_lightning.elastic import (

@@ -91,6 +91,7 @@ def _train(rank, world_size, run_dir, *, mode, failures, steps, progress_timeout
         join_timeout_s=10.0,
         regroup_timeout_s=30.0,
         collective_timeout_s=60.0,
+        kill_evicted=resume is None,  # a rank woken after its eviction must be left alive to learn it is out
     )
     world = ElasticWorld(config).start()
     if rank == dies_after_joining:

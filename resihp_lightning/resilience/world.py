@@ -573,6 +573,10 @@ class ElasticWorld:
             agreed_at = time.monotonic()
             # Those left out count as failed everywhere, also where nobody had named them yet.
             left_out = [r for r in candidates if r not in members]
+            # With "generation N formed" (after the old groups' teardown and the new groups' forming),
+            # these lines place a slow regroup: agreement, or teardown and forming.
+            log.info("rank %d: generation %d agreed on members %s (left out: %s) after %.2f s", self.original_rank,
+                     number, list(members), left_out, agreed_at - started)
             if self.detector is not None:
                 why = f"left out of generation {number}"
                 self.detector.declare(Failure(r, why, members[0], agreed_at) for r in left_out)

@@ -41,7 +41,17 @@ def _rank(rank: int, world: int, model_type: str) -> dict:
         return out.detach(), x.grad
 
     out_dense, grad_dense = run(dense)
-    out_split, grad_split = run(split)
+    original, calls = dist.all_reduce, []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    dist.all_reduce = counted
+    try:
+        out_split, grad_split = run(split)
+    finally:
+        dist.all_reduce = original
     full = dict(dense.layer.named_parameters())
     errors = {"output": (out_split - out_dense).abs().max().item(), "input grad": (grad_split - grad_dense).abs().max().item()}
     attn, mlp = split.layer.self_attn, split.layer.mlp
@@ -69,7 +79,7 @@ def _rank(rank: int, world: int, model_type: str) -> dict:
     except ConfigError as err:
         refused = str(err)
     dist.destroy_process_group()
-    return {"errors": errors, "sizes": sizes, "refused": refused}
+    return {"errors": errors, "sizes": sizes, "refused": refused, "all_reduces": len(calls)}
 
 
 @pytest.mark.multiprocess
@@ -90,6 +100,9 @@ def test_a_decoder_layer_split_over_two_processes_computes_the_unsplit_layer(dis
         assert sizes["self_attn.q_proj.weight"] == (32, 64) and sizes["self_attn.k_proj.weight"] == (16, 64)
         assert sizes["self_attn.o_proj.weight"] == (64, 32) and sizes["mlp.down_proj.weight"] == (64, 48)
         assert "key-value heads (1) divisible by 2" in result["refused"], result["refused"]
+        # One all-reduce per split input and output: attention and MLP outputs forward, their inputs'
+        # gradients backward (q/k/v and gate/up share one each).
+        assert result["all_reduces"] == 4, result["all_reduces"]
 
 
 def _model_rank(rank: int, world: int, model_type: str, tied: bool) -> dict:

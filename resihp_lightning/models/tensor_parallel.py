@@ -22,8 +22,9 @@ the attention kernel) runs unchanged on every member: Hugging Face's attention m
 heads from the projections' outputs (``view(..., -1, head_dim)``), so it runs on the local heads as
 it is. The replicated RMSNorm weights get the full gradient on every member.
 
-Each split linear brings its own collective, so the layer does three input-gradient all-reduces for
-attention and two for the MLP where one each would do; fusing them is an optimisation for later.
+In a decoder layer the column splits that share an input (q, k, v; gate, up) leave the gradient sum
+to one all-reduce on the attention's and the MLP's input (a forward pre-hook), so a layer runs four
+all-reduces per micro-batch: two forward, two backward.
 """
 
 from __future__ import annotations
@@ -81,20 +82,24 @@ class ColumnParallelLinear(nn.Module):
         group: the tensor-parallel process group.
         unit: rows that stay together (a head's ``head_dim``): ``out`` must split into whole units,
             as many on every member.
+        sum_input_grad: sum the input's gradient over the group here; ``False`` when the caller
+            does it once for several splits of the same input.
     """
 
-    def __init__(self, linear: nn.Linear, group: Any, unit: int = 1) -> None:
+    def __init__(self, linear: nn.Linear, group: Any, unit: int = 1, sum_input_grad: bool = True) -> None:
         super().__init__()
         index, size = _group_shape(group)
         rows = _share(linear.out_features, size, unit, "output features")
-        self.group = group
+        self.group, self.sum_input_grad = group, sum_input_grad
         self.in_features, self.out_features = linear.in_features, rows
         part = slice(index * rows, (index + 1) * rows)
         self.weight = nn.Parameter(linear.weight.detach()[part].clone(), requires_grad=linear.weight.requires_grad)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach()[part].clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(_SumGradOverGroup.apply(x, self.group), self.weight, self.bias)
+        if self.sum_input_grad:
+            x = _SumGradOverGroup.apply(x, self.group)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -155,14 +160,33 @@ def split_decoder_layer(layer: nn.Module, group: Any) -> nn.Module:
             f"a tensor-parallel group of {size} needs query heads ({heads}) and key-value heads ({kv_heads}) "
             f"divisible by {size}"
         )
-    attn.q_proj = ColumnParallelLinear(attn.q_proj, group, unit=head_dim)
-    attn.k_proj = ColumnParallelLinear(attn.k_proj, group, unit=head_dim)
-    attn.v_proj = ColumnParallelLinear(attn.v_proj, group, unit=head_dim)
+    attn.q_proj = ColumnParallelLinear(attn.q_proj, group, unit=head_dim, sum_input_grad=False)
+    attn.k_proj = ColumnParallelLinear(attn.k_proj, group, unit=head_dim, sum_input_grad=False)
+    attn.v_proj = ColumnParallelLinear(attn.v_proj, group, unit=head_dim, sum_input_grad=False)
     attn.o_proj = RowParallelLinear(attn.o_proj, group, unit=head_dim)
-    mlp.gate_proj = ColumnParallelLinear(mlp.gate_proj, group)
-    mlp.up_proj = ColumnParallelLinear(mlp.up_proj, group)
+    mlp.gate_proj = ColumnParallelLinear(mlp.gate_proj, group, sum_input_grad=False)
+    mlp.up_proj = ColumnParallelLinear(mlp.up_proj, group, sum_input_grad=False)
     mlp.down_proj = RowParallelLinear(mlp.down_proj, group)
+    for module in (attn, mlp):
+        module.register_forward_pre_hook(_InputGradSum(group), with_kwargs=True)
     return layer
+
+
+class _InputGradSum:
+    """Forward pre-hook: the module's input (``hidden_states``, by keyword or first argument) gets its
+    gradient summed over the group, once for all the column splits that read it."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if "hidden_states" in kwargs:
+            kwargs = {**kwargs, "hidden_states": _SumGradOverGroup.apply(kwargs["hidden_states"], self.group)}
+        elif args:
+            args = (_SumGradOverGroup.apply(args[0], self.group), *args[1:])
+        else:
+            raise ConfigError(f"{type(module).__name__} was called without its hidden states")
+        return args, kwargs
 
 
 class VocabParallelEmbedding(nn.Module):

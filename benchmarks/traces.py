@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from resihp_lightning.evaluation import SCENARIOS, TraceConfig, WorkloadSpec, build_profile, generate
+from resihp_lightning.evaluation.cluster import Cluster
 from resihp_lightning.evaluation.policies import POLICY_NAMES
 from resihp_lightning.evaluation.run import healthy_tokens_per_s, run_trace
 
@@ -46,8 +47,9 @@ def main() -> None:
         for scenario in SCENARIOS:
             trace = generate(scenario, TraceConfig(gpus=gpus, hours=args.hours), seed=args.seed)
             start = time.perf_counter()
-            results = run_trace(trace, profile)
-            healthy = healthy_tokens_per_s(trace, profile)
+            cluster = Cluster(trace, profile)
+            results = run_trace(trace, profile, cluster=cluster)
+            healthy = healthy_tokens_per_s(trace, profile, cluster=cluster)
             rows[gpus, scenario] = (len(trace.events), healthy, results, time.perf_counter() - start)
             if gpus == 256 and scenario == "mixed":
                 timeline = (trace, results, healthy)
@@ -85,8 +87,9 @@ def _models(args) -> None:
     for model, tp, seq in MODELS_AT_256:
         profile = build_profile(model, WorkloadSpec(seq_len=seq, tp=tp))
         trace = generate("mixed", TraceConfig(gpus=256, hours=args.hours), seed=args.seed)
-        results = run_trace(trace, profile, names)
-        healthy = healthy_tokens_per_s(trace, profile)
+        cluster = Cluster(trace, profile)
+        results = run_trace(trace, profile, names, cluster=cluster)
+        healthy = healthy_tokens_per_s(trace, profile, cluster=cluster)
         best = max(results[b].tokens_per_s for b in names if b in BASELINES)
         ours = results[OURS].tokens_per_s
         cells = " | ".join(f"{results[n].tokens_per_s / 1000:,.1f}k" for n in names)

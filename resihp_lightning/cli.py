@@ -106,6 +106,7 @@ def _run_trace(args: argparse.Namespace) -> int:
     from resihp_lightning.errors import invalid_option
     from resihp_lightning.evaluation import HardwareSpec, Trace, WorkloadSpec, build_profile
     from resihp_lightning.evaluation.policies import POLICY_NAMES
+    from resihp_lightning.evaluation.cluster import Cluster
     from resihp_lightning.evaluation.run import healthy_tokens_per_s, run_trace
 
     trace = Trace.load(args.trace)
@@ -115,8 +116,9 @@ def _run_trace(args: argparse.Namespace) -> int:
             raise invalid_option("--policies", name, POLICY_NAMES)
     workload = WorkloadSpec(seq_len=args.seq_len, tp=args.tp, micro_batches_per_device=args.micro_batches_per_device)
     profile = build_profile(args.model, workload, HardwareSpec(utilisation=args.utilisation))
-    results = run_trace(trace, profile, names)
-    healthy = healthy_tokens_per_s(trace, profile)
+    cluster = Cluster(trace, profile)  # one solve cache for the policies and the healthy ceiling
+    results = run_trace(trace, profile, names, cluster=cluster)
+    healthy = healthy_tokens_per_s(trace, profile, cluster=cluster)
     if args.json:
         print(json.dumps({"trace": trace.name, "gpus": trace.gpus, "duration_s": trace.duration_s,
                           "healthy_tokens_per_s": healthy, "policies": {

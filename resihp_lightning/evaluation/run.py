@@ -19,6 +19,8 @@ def run_trace(
     policies: Sequence[str] = POLICY_NAMES,
     costs: CostModel | None = None,
     planner: PlannerConfig | None = None,
+    *,
+    cluster: Cluster | None = None,
 ) -> dict[str, Result]:
     """Replays ``trace`` under each policy (by name, :data:`POLICY_NAMES`); deterministic.
 
@@ -28,18 +30,23 @@ def run_trace(
         policies: the policies to run.
         costs: reaction costs (default :class:`CostModel`).
         planner: the planner's options (default: the exact search with a 1 s work budget).
+        cluster: a :class:`Cluster` of this trace and profile to reuse (its solves are cached, e.g. the
+            healthy plan :func:`healthy_tokens_per_s` also needs); default: a new one.
 
     Returns:
         Each policy's :class:`~resihp_lightning.evaluation.replay.Result`, in the order given.
     """
-    cluster = Cluster(trace, profile, costs, planner)
+    cluster = cluster or Cluster(trace, profile, costs, planner)
     return {name: replay(cluster, make_policy(name)) for name in policies}
 
 
-def healthy_tokens_per_s(trace: Trace, profile: ModelProfile, planner: PlannerConfig | None = None) -> float:
-    """Throughput of the healthy plan with nothing failing (the ceiling of every policy)."""
+def healthy_tokens_per_s(
+    trace: Trace, profile: ModelProfile, planner: PlannerConfig | None = None, *, cluster: Cluster | None = None
+) -> float:
+    """Throughput of the healthy plan with nothing failing (the ceiling of every policy); ``cluster``
+    as in :func:`run_trace`."""
     from resihp_lightning.evaluation.policies import NoAdaptation, healthy_state
 
-    cluster = Cluster(trace, profile, None, planner)
+    cluster = cluster or Cluster(trace, profile, None, planner)
     layout = NoAdaptation().start(cluster)
     return cluster.tokens_per_iteration / (layout.iteration_ms(cluster, healthy_state(cluster)) / 1000.0)

@@ -71,7 +71,7 @@ def _exact_sum(world) -> float:
 
 
 def _train(rank, world_size, run_dir, *, mode, failures, steps, progress_timeout_s=None, dies_after_joining=None,
-           resume=None):
+           resume=None, stall=None, join_timeout_s=10.0):
     import torch
     import torch.distributed as dist
 
@@ -88,7 +88,7 @@ def _train(rank, world_size, run_dir, *, mode, failures, steps, progress_timeout
     config = WorldConfig(
         store=StoreConfig(run_dir=run_dir, linger_s=1.0),
         detector=DetectorConfig(progress_timeout_s=progress_timeout_s),
-        join_timeout_s=10.0,
+        join_timeout_s=join_timeout_s,
         regroup_timeout_s=30.0,
         collective_timeout_s=60.0,
         kill_evicted=resume is None,  # a rank woken after its eviction must be left alive to learn it is out
@@ -111,6 +111,9 @@ def _train(rank, world_size, run_dir, *, mode, failures, steps, progress_timeout
             time.sleep(0.002)  # a little compute; keeps 4 busy processes from starving 2 cores
         except PeerFailure as failure:
             released = time.monotonic()
+            if stall is not None and rank == stall[0]:  # alive, but late for the regroup (e.g. stuck)
+                last_words(run_dir, rank, at=time.monotonic())
+                time.sleep(stall[1])
             try:
                 world.regroup()
             except EvictedError as evicted:
@@ -246,3 +249,20 @@ def test_without_its_store_host_the_job_trains_on_and_a_later_failure_ends_it_cl
     values = _survivors(outcome, [0, 1, 3])
     for value in values.values():
         assert value["aborted"] == 0 and value["store_unavailable_after"] < 5.0
+
+
+def test_a_leader_alive_but_late_for_the_regroup_is_left_out_and_the_others_go_on():
+    """Rank 0, the regroup's leader, stalls after rank 2 dies: alive (its detector keeps beating), so
+    nobody names it failed, and it never joins. After ``join_timeout_s`` the lowest rank that joined (1)
+    proposes in its place; ranks 1 and 3 go on as generation 1. Before, everyone waited for the leader's
+    proposal until the regroup timeout. The leader, left out, is killed on this machine (kill_evicted)."""
+    outcome = run_job(_train, 4, timeout=60, wait_for=[1, 3], mode="all_reduce",
+                      failures=[(2, 20, "kill")], steps=40, stall=(0, 40.0), join_timeout_s=2.0)
+    values = _survivors(outcome, [1, 3])
+    for value in values.values():
+        (event,) = value["events"]
+        assert event["generation"] == 1 and event["members"] == [1, 3], event
+        assert event["sum"] == _sum_of([1, 3]) == value["sum"]
+        assert value["rank_of"] == {1: 0, 3: 1}
+    leader = outcome.ranks[0]
+    assert leader.status == "died" and leader.exitcode == -signal.SIGKILL, outcome.describe()

@@ -9,7 +9,10 @@ Protocol (all keys under the job namespace, ``gen<g>/``):
    detector, so a death *during* the regroup is taken into account as it happens), or until
    ``join_timeout_s`` has passed (a rank alive but never coming, e.g. stuck in a long compute), and
    then proposes the joined ranks that have not failed, sorted, with
-   ``compare_set(gen<g>/members, "", proposal)``;
+   ``compare_set(gen<g>/members, "", proposal)``. The leader itself may be such a rank: once
+   ``join_timeout_s`` has passed without it joining, the lowest candidate that joined proposes in its
+   place (so a live but stuck leader is left out like any late candidate, instead of holding every
+   survivor until ``timeout_s``);
 3. everyone polls ``gen<g>/members``; the first proposal written wins and is final.
 
 Why this is safe without a consensus library: the member list is written once, atomically, by
@@ -90,10 +93,16 @@ def agree_members(
         now = time.monotonic()
         dead = failed()
         alive = [r for r in sorted(candidates) if r not in dead or r == me]
-        if alive and alive[0] == me and not proposed:
+        late = now - started > join_timeout_s
+        leader = alive[0] if alive else None
+        if late and leader is not None and leader != me and not proposed:
+            joined = read_joined(store, generation)
+            if leader not in joined:  # alive but not coming: the lowest joined candidate stands in
+                leader = next(r for r in alive if r in joined or r == me)
+        if leader == me and not proposed:
             joined = read_joined(store, generation)
             waiting_for = [r for r in alive if r not in joined]
-            if not waiting_for or now - started > join_timeout_s:
+            if not waiting_for or late:
                 proposal = sorted(r for r in joined if r not in dead or r == me)
                 if waiting_for:
                     log.warning("generation %d: leader %d stops waiting for %s", generation, me, waiting_for)

@@ -22,14 +22,14 @@ The per-stage / whole ratio of ``load peak`` is the figure of merit (target <= 4
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import os
 import re
-import socket
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _spawn import run_ranks  # benchmarks/_spawn.py, next to this script
 
 WORLD = 4
 MODES = ("whole", "per_stage")
@@ -112,36 +112,8 @@ def _rank(rank: int, port: int, path: str, mode: str, queue) -> None:
     queue.put((rank, numbers))
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_mode(path: str, mode: str, timeout: float = 900.0) -> dict[int, dict[str, float]]:
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, path, mode, queue)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    out: dict[int, dict[str, float]] = {}
-    try:
-        while len(out) < WORLD:
-            try:
-                rank, numbers = queue.get(timeout=1.0)
-                out[rank] = numbers
-            except Exception:  # queue.Empty: fail at once when a rank dies instead of waiting out the timeout
-                dead = [p.exitcode for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
-                if dead or time.monotonic() > deadline:
-                    raise RuntimeError(f"benchmark job failed (exit codes {dead}) or timed out") from None
-    finally:
-        for p in procs:
-            p.join(60)
-            if p.is_alive():
-                p.kill()
-    return out
+    return dict(run_ranks(_rank, (path, mode), WORLD, WORLD, timeout))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import multiprocessing
 import os
-import socket
 import sys
 import time
+
+from _spawn import run_ranks  # benchmarks/_spawn.py, next to this script
 
 LAYERS = 8
 WORLD = 4
@@ -139,34 +139,8 @@ def _block_class():
     return _Block
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_size(hidden: int, optimizer: str = "plain", timeout: float = 600.0) -> list[dict]:
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, hidden, optimizer, queue)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    try:
-        while True:  # fail at once when a rank dies instead of waiting out the timeout
-            try:
-                records = queue.get(timeout=1.0)
-                break
-            except Exception:  # queue.Empty
-                dead = [p.exitcode for p in procs if not p.is_alive() and p.exitcode != 0]
-                if dead or time.monotonic() > deadline:
-                    raise RuntimeError(f"benchmark job failed (exit codes {dead}) or timed out") from None
-    finally:
-        for p in procs:
-            p.join(60)
-            if p.is_alive():
-                p.kill()
+    (records,) = run_ranks(_rank, (hidden, optimizer), WORLD, 1, timeout)  # rank 0 reports
     return records
 
 

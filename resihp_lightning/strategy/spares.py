@@ -125,11 +125,13 @@ class CallMirror:
         store = world.store.control
         done = result_key(call)
         while True:
-            world.check()
+            # The result first: once published, the call is done, whatever happens to the members after
+            # (at the end of a job they finish and exit while a spare may still be polling).
             if store.check([done]):
                 payload = torch.load(io.BytesIO(store.get(done)), weights_only=False)
                 plan = payload["plan"]
                 return Mirrored(payload["value"], Plan.from_dict(plan) if plan is not None else None)
+            world.check()
             announced = reshape_key(world.current.number, call)
             if store.check([announced]):
                 body = json.loads(store.get(announced))

@@ -46,10 +46,15 @@ def test_tiny_config_trains_on_four_processes_with_a_fault(tmp_path: Path) -> No
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_a_rank_killed_mid_step_under_the_scripts_own_launcher_costs_one_step(tmp_path: Path) -> None:
-    """Lightning's launcher starts ranks 1..3 as children of rank 0; killing one must not end the job."""
+    """Lightning's launcher starts ranks 1..3 as children of rank 0; killing one must not end the job.
+
+    Six micro-batches, so that the three survivors run 2 + 2 + 2 and beat two survivors' 3 + 3: with the
+    config's four, three replicas (1 + 1 + 2) compute no faster than two (2 + 2), and any measured all-reduce
+    cost rightly makes the planner leave one survivor idle.
+    """
     run_dir = tmp_path / "run"
-    result = _run("--run_dir", str(run_dir), "--fault.kind", "kill", "--fault.rank", "2", "--fault.start_step", "3",
-                  "--fault.micro_batch", "2", timeout=230)
+    result = _run("--run_dir", str(run_dir), "--strategy.micro_batches", "6", "--fault.kind", "kill",
+                  "--fault.rank", "2", "--fault.start_step", "3", "--fault.micro_batch", "2", timeout=230)
     assert result.returncode == 0, result.stderr[-3000:]
     steps = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == list(range(6))  # no step lost, none repeated

@@ -58,7 +58,16 @@ PROG = "finetune"
 
 @dataclass
 class ModelOptions:
-    """``model_path``: a local HF checkpoint directory (Llama / Qwen2), or null for ``scratch``."""
+    """The model and its optimizer.
+
+    Attributes:
+        model_path: a local HF checkpoint directory (Llama / Qwen2) to fine-tune; null: train ``scratch``.
+        scratch: the shape of a model trained from scratch (used when ``model_path`` is null).
+        seed: the seed of everything (a scratch model's initial weights, data order, dropout).
+        learning_rate: AdamW learning rate (> 0).
+        weight_decay: AdamW weight decay, applied to matrices only (not to norms and biases).
+        warmup_steps: linear learning-rate warm-up over this many optimizer steps (0: none).
+    """
 
     model_path: str | None = None
     scratch: ScratchModelConfig = field(default_factory=ScratchModelConfig)
@@ -70,15 +79,37 @@ class ModelOptions:
 
 @dataclass
 class DataOptions:
-    """``source``: a ``.jsonl`` file, a folder or a text file; null: the stdlib's sources (see the README's
-    "Data" section and resihp_lightning/data/instruction.py)."""
+    """The training (and validation) data; the README's "Data" section has examples of each format.
+
+    Attributes:
+        source: a ``.jsonl`` file, a folder or a text file; null: the Python standard library's ``.py`` files
+            (text, always present, nothing downloaded).
+        format: ``text`` (raw text, every token trained), ``prompt_completion`` / ``chat`` (instruction JSONL, loss
+            on the completion / assistant turns only, every example whole in one row) or ``auto`` (a ``.jsonl``
+            file's first record decides: ``messages_field`` -> chat, ``prompt_field`` + ``completion_field`` ->
+            prompt_completion, ``text_field`` -> text; anything else is text).
+        seq_len: tokens per row (documents are packed into rows of this length).
+        max_files: read at most this many files of a folder (and of the standard library); null: all.
+        max_tokens: read at most this many tokens (text: the last document is cut; instruction: whole examples);
+            null: all.
+        text_field: the JSONL field of a text record.
+        prompt_field: the JSONL field of a prompt_completion record's prompt.
+        completion_field: the JSONL field of a prompt_completion record's completion (the trained tokens).
+        messages_field: a chat's list of ``{"role", "content"}`` messages (rendered with the checkpoint's chat
+            template when it has one).
+        truncation: an instruction example longer than ``seq_len``: ``truncate`` (keep its first ``seq_len``
+            tokens) or ``drop``.
+        shuffle_seed: the order of a folder's files and the draw of ``val_fraction``; null: sorted order.
+        val_source: validation data (read like ``source``; the caps do not apply), reported as ``val_loss``; or
+            use ``val_fraction``.
+        val_fraction: hold this fraction of the documents / examples (seeded by ``shuffle_seed``) out for
+            validation.
+        val_every_n_steps: validate every N training steps; null: once, after the last step
+            (``trainer.max_steps``).
+    """
 
     source: str | None = None
     format: str = "auto"
-    """``text`` (raw text, every token trained), ``prompt_completion`` / ``chat`` (instruction JSONL, loss on the
-    completion / assistant turns only, every example whole in one row) or ``auto`` (a ``.jsonl`` file's first record
-    decides: ``messages_field`` -> chat, ``prompt_field`` + ``completion_field`` -> prompt_completion, ``text_field`` ->
-    text; anything else is text)."""
     seq_len: int = 1024
     max_files: int | None = 200
     max_tokens: int | None = None
@@ -86,21 +117,29 @@ class DataOptions:
     prompt_field: str = "prompt"
     completion_field: str = "completion"
     messages_field: str = "messages"
-    """a chat's list of ``{"role", "content"}`` messages (rendered with the checkpoint's chat template when it has one)."""
     truncation: str = "truncate"
-    """an instruction example longer than ``seq_len``: ``truncate`` (keep its first ``seq_len`` tokens) or ``drop``."""
     shuffle_seed: int | None = 0
     val_source: str | None = None
-    """validation data (read like ``source``), reported as ``val_loss``; or use ``val_fraction``."""
     val_fraction: float = 0.0
-    """hold this fraction of the documents / examples (seeded by ``shuffle_seed``) out for validation."""
     val_every_n_steps: int | None = None
-    """validate every N training steps; null: once, after the last step (``trainer.max_steps``)."""
 
 
 @dataclass
 class TrainerOptions:
-    """The Lightning ``Trainer`` options this script passes on."""
+    """The Lightning ``Trainer`` options this script passes on.
+
+    Attributes:
+        accelerator: ``cpu``, ``gpu`` / ``cuda`` or ``auto`` (Lightning's choice), as for ``Trainer``.
+        devices: processes per machine (``Trainer(devices=...)``); under torchrun, the rendezvous decides.
+        num_nodes: machines (``Trainer(num_nodes=...)``); under torchrun, the rendezvous decides.
+        max_steps: optimizer steps to train.
+        precision: Lightning's precision flag (``bf16-true``, ``bf16-mixed``, ``32-true``...); null: Lightning's
+            default (32-bit).
+        threads_per_process: torch threads per process; null: the machine's cores divided by the local
+            processes (>= 1).
+        progress_bar: show Lightning's progress bar.
+        export_hf: save the fine-tuned model as an HF checkpoint in ``<run_dir>/hf`` at the end.
+    """
 
     accelerator: str = "auto"
     devices: int = 4
@@ -108,16 +147,31 @@ class TrainerOptions:
     max_steps: int = 60
     precision: str | None = None
     threads_per_process: int | None = None
-    """torch threads per process; null: the machine's cores divided by the local processes (>= 1)."""
     progress_bar: bool = True
     export_hf: bool = False
-    """save the fine-tuned model as an HF checkpoint in ``<run_dir>/hf`` at the end."""
 
 
 @dataclass
 class StrategyArgs:
-    """``ResiHPStrategy`` options (the initial plan is uniform P x D; ``fail_stop: null`` turns in-process
-    recovery from lost ranks off)."""
+    """``ResiHPStrategy`` options (the README's "Strategy options" table describes each one).
+
+    Attributes:
+        pipeline_degree: pipeline stages of the starting plan (a uniform ``pipeline_degree`` x the rest); null:
+            the strategy's default.
+        micro_batch_size: rows per micro-batch.
+        micro_batches: micro-batches per optimizer step over all replicas (the global batch is
+            ``micro_batch_size`` x ``micro_batches`` rows).
+        deepspeed_config: DeepSpeed config entries merged into the engines' config (e.g.
+            ``{"zero_optimization": {"stage": 1}}`` or ``{"bf16": {"enabled": true}}``).
+        process_group_backend: ``gloo`` or ``nccl``; null: ``nccl`` on GPUs, ``gloo`` on CPUs.
+        timeout_s: collective timeout: a peer that hangs without being detected fails its collectives after this
+            long (keep it below torchrun's rendezvous ``join_timeout``, 600 s by default, for elastic jobs).
+        fail_stop: in-process recovery from lost ranks (``FailStopConfig`` options as a mapping); null: off, a
+            lost rank ends the job.
+        start: the starting plan: ``uniform`` (``pipeline_degree`` x the rest) or ``planned`` (the planner's own
+            plan for healthy devices, from the layers timed on one micro-batch before training; see
+            examples/healthy_plan.py). A job resumed from a checkpoint starts as the checkpoint says.
+    """
 
     pipeline_degree: int | None = 2
     micro_batch_size: int = 1
@@ -125,13 +179,8 @@ class StrategyArgs:
     deepspeed_config: dict[str, Any] = field(default_factory=dict)
     process_group_backend: str | None = None
     timeout_s: float = 1800.0
-    """collective timeout: a peer that hangs without being detected fails its collectives after this long
-    (keep it below torchrun's rendezvous ``join_timeout``, 600 s by default, for elastic jobs)."""
     fail_stop: FailStopConfig | None = field(default_factory=FailStopConfig)
     start: str = "uniform"
-    """the starting plan: ``uniform`` (``pipeline_degree`` x the rest) or ``planned`` (the planner's own plan
-    for healthy devices, from the layers timed on one micro-batch before training; see examples/healthy_plan.py).
-    A job resumed from a checkpoint starts as the checkpoint says."""
 
 
 def build_parser() -> ArgumentParser:

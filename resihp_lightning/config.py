@@ -168,7 +168,16 @@ class ScratchModelConfig:
     Read by :class:`resihp_lightning.models.CausalLMPipelineModule`; kept here, free of torch and
     transformers, so that configuration files are parsed before those heavy imports.
 
-    The default vocabulary (260) covers the byte-level fallback tokenizer.
+    Attributes:
+        model_type: ``"llama"`` or ``"qwen2"`` (Qwen2 adds biases to the q / k / v projections).
+        vocab_size: tokens in the vocabulary; the default, 260, covers the byte-level fallback tokenizer.
+        hidden_size: width of the residual stream (a multiple of ``num_attention_heads``).
+        num_hidden_layers: decoder layers (each one pipeline layer; the embedding and the head are two more).
+        num_attention_heads: query heads per layer.
+        num_key_value_heads: key / value heads (grouped-query attention; divides ``num_attention_heads``).
+        intermediate_size: width of the MLP's gate / up projections.
+        max_position_embeddings: the longest sequence the rotary embedding is set up for.
+        tie_word_embeddings: share one matrix between the input embedding and the LM head.
     """
 
     model_type: str = "llama"

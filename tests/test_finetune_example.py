@@ -139,3 +139,28 @@ def test_shared_partition_under_controller_names_its_new_place(tmp_path: Path, c
 def test_unknown_start_plan_is_named_with_the_choices(tmp_path: Path, capsys, monkeypatch) -> None:
     line = _in_process_error(["--strategy.start", "best", "--run_dir", str(tmp_path / "r")], capsys, monkeypatch)
     assert "strategy.start" in line and "best" in line and "planned" in line
+
+
+def test_every_option_of_the_script_has_help_text() -> None:
+    """``--help`` documents every option, the optional sections (``--fault.help`` ...) included: the text comes
+    from the config dataclasses' docstrings, which jsonargparse reads with docstring-parser."""
+    from jsonargparse import ArgumentParser, ActionConfigFile
+
+    from resihp_lightning.callbacks.faults import FaultConfig
+    from resihp_lightning.callbacks.periodic_checkpoint import CheckpointConfig
+    from resihp_lightning.strategy.fail_stop import FailStopConfig
+
+    parsers = [_finetune_module().build_parser()]
+    for config_class in (FaultConfig, CheckpointConfig, FailStopConfig):
+        section = ArgumentParser()
+        section.add_class_arguments(config_class, "section")
+        parsers.append(section)
+    undocumented, options = [], 0
+    for parser in parsers:
+        for action in parser._actions:
+            if type(action).__name__ != "ActionTypeHint" or isinstance(action, ActionConfigFile):
+                continue
+            options += 1
+            if not (action.help or "").strip():
+                undocumented.append(action.dest)
+    assert options > 100 and not undocumented, undocumented

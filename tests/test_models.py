@@ -329,3 +329,20 @@ def test_tied_embeddings_train_as_one_parameter_across_stages(checkpoints, distr
     assert torch.equal(embed, head)  # the two copies are still one value
     assert all(result["module_tied"] for result in results)
     torch.testing.assert_close(embed, ref_embed, atol=1e-5, rtol=0)
+
+
+def test_a_scratch_module_comes_back_from_its_saved_hyperparameters(tmp_path):
+    """``load_from_checkpoint`` rebuilds the module from ``hparams``, which hold the scratch shape as a dict."""
+    import lightning.pytorch as pl
+
+    from resihp_lightning.config import ScratchModelConfig
+    from resihp_lightning.models import CausalLMPipelineModule
+
+    module = CausalLMPipelineModule(scratch=ScratchModelConfig(hidden_size=32, num_hidden_layers=1), seed=3)
+    path = tmp_path / "scratch.ckpt"
+    torch.save({"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams),
+                "pytorch-lightning_version": pl.__version__}, path)
+    restored = CausalLMPipelineModule.load_from_checkpoint(path, map_location="cpu")
+    assert restored.hparams["scratch"]["hidden_size"] == 32 and len(restored.pipeline_layers()) == 3
+    for key, value in module.state_dict().items():
+        assert torch.equal(restored.state_dict()[key], value), key

@@ -51,7 +51,8 @@ class CausalLMPipelineModule(ResiHPModule):
     Args:
         model_path: a local Hugging Face Llama / Qwen2 checkpoint directory; ``None`` trains the
             model described by ``scratch`` from a random initialisation.
-        scratch: the model shape when ``model_path`` is ``None``.
+        scratch: the model shape when ``model_path`` is ``None`` (a ``ScratchModelConfig`` or its fields as
+            a mapping, as the hyper-parameters of a checkpoint hold it).
         seed: initialisation seed for a scratch model.
         learning_rate: AdamW learning rate.
         weight_decay: AdamW weight decay, applied to matrices only (not to norms and biases).
@@ -77,7 +78,7 @@ class CausalLMPipelineModule(ResiHPModule):
     def __init__(
         self,
         model_path: str | None = None,
-        scratch: ScratchModelConfig | None = None,
+        scratch: ScratchModelConfig | Mapping[str, Any] | None = None,
         seed: int = 0,
         learning_rate: float = 3e-4,
         weight_decay: float = 0.0,
@@ -92,6 +93,8 @@ class CausalLMPipelineModule(ResiHPModule):
             raise invalid_option("model.learning_rate", learning_rate, "a positive number")
         if warmup_steps < 0:
             raise invalid_option("model.warmup_steps", warmup_steps, "a non-negative integer")
+        if isinstance(scratch, Mapping):  # from saved hyper-parameters (load_from_checkpoint)
+            scratch = ScratchModelConfig(**scratch)
         scratch = scratch or ScratchModelConfig()
         self.save_hyperparameters({"model_path": model_path, "scratch": asdict(scratch), "seed": seed,
                                    "learning_rate": learning_rate, "weight_decay": weight_decay,

@@ -200,6 +200,25 @@ class CausalLMPipelineModule(ResiHPModule):
         """Token-mean cross-entropy of one micro-batch (labels already shifted, -100 ignored)."""
         return causal_lm_loss(outputs, labels)
 
+    def pipeline_split_layer(self, index: int, layer: nn.Module, group: Any) -> nn.Module:
+        """Layer ``index`` split over the tensor-parallel ``group`` (attention by heads, MLP by intermediate
+        columns, embedding and head by vocabulary rows; :mod:`resihp_lightning.models.tensor_parallel`)."""
+        from resihp_lightning.models.tensor_parallel import split_pipeline_layers
+
+        return split_pipeline_layers([layer], group)[0]
+
+    def pipeline_tensor_parallel_loss(self, outputs: Tensor, labels: Tensor, group: Any) -> Tensor:
+        """:meth:`pipeline_loss` on vocabulary-split logits."""
+        from resihp_lightning.models.tensor_parallel import vocab_parallel_causal_lm_loss
+
+        return vocab_parallel_causal_lm_loss(outputs, labels, group)
+
+    def pipeline_tensor_parallel_outputs(self, outputs: Tensor, group: Any) -> Tensor:
+        """The whole logits from the members' vocabulary shards."""
+        from resihp_lightning.shards import gather_along
+
+        return gather_along(outputs, -1, group)
+
     def pipeline_batch(self, batch: Mapping[str, Tensor]) -> tuple[Any, Tensor, Tensor]:
         """``((input_ids, position_ids, seq_lens), labels, seq_lens)`` from a collated packed batch."""
         if not isinstance(batch, Mapping) or not {"input_ids", "position_ids", "labels", "seq_lens"} <= set(batch):

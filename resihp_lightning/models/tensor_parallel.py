@@ -1,7 +1,9 @@
-"""Tensor-parallel splits of a Llama / Qwen2 decoder layer (step 1 of ``docs/tensor_parallel.md``).
+"""Tensor-parallel splits of a Llama / Qwen2 causal LM (``docs/tensor_parallel.md``).
 
-Not used by the strategy yet: a pipeline stage still runs on one device. These are the building
-blocks, tested against the unsplit layer on real gloo processes (``tests/test_tensor_parallel.py``).
+``CausalLMPipelineModule`` hands them to ``ResiHPStrategy(tensor_degree=t)``; tested against the
+unsplit layer on real gloo processes (``tests/test_tensor_parallel.py``) and in a whole job
+(``tests/test_tensor_parallel_strategy.py``). Split parameters carry their split dimension
+(:mod:`resihp_lightning.shards`), so the strategy gathers them whole for checkpoints.
 
 A group of ``t`` processes holds one decoder layer split Megatron-style:
 
@@ -38,6 +40,7 @@ from torch import nn
 
 from resihp_lightning.errors import ConfigError
 from resihp_lightning.models.layers import IGNORE_INDEX, DecoderPipe, EmbeddingPipe, HeadPipe
+from resihp_lightning.shards import sharded_parameter
 
 
 class _SumGradOverGroup(torch.autograd.Function):
@@ -93,8 +96,8 @@ class ColumnParallelLinear(nn.Module):
         self.group, self.sum_input_grad = group, sum_input_grad
         self.in_features, self.out_features = linear.in_features, rows
         part = slice(index * rows, (index + 1) * rows)
-        self.weight = nn.Parameter(linear.weight.detach()[part].clone(), requires_grad=linear.weight.requires_grad)
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach()[part].clone())
+        self.weight = sharded_parameter(linear.weight.detach()[part], 0, linear.weight.requires_grad)
+        self.bias = None if linear.bias is None else sharded_parameter(linear.bias.detach()[part], 0, linear.bias.requires_grad)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sum_input_grad:
@@ -119,8 +122,9 @@ class RowParallelLinear(nn.Module):
         self.group = group
         self.in_features, self.out_features = cols, linear.out_features
         part = slice(index * cols, (index + 1) * cols)
-        self.weight = nn.Parameter(linear.weight.detach()[:, part].clone(), requires_grad=linear.weight.requires_grad)
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
+        self.weight = sharded_parameter(linear.weight.detach()[:, part], 1, linear.weight.requires_grad)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(),
+                                                                  requires_grad=linear.bias.requires_grad)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = _SumOverGroup.apply(F.linear(x, self.weight), self.group)
@@ -203,8 +207,8 @@ class VocabParallelEmbedding(nn.Module):
         index, size = _group_shape(group)
         rows = _share(embedding.num_embeddings, size, 1, "vocabulary rows")
         self.group, self.start, self.rows = group, index * rows, rows
-        self.weight = nn.Parameter(embedding.weight.detach()[self.start:self.start + rows].clone(),
-                                   requires_grad=embedding.weight.requires_grad)
+        self.weight = sharded_parameter(embedding.weight.detach()[self.start:self.start + rows], 0,
+                               embedding.weight.requires_grad)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         mine = (input_ids >= self.start) & (input_ids < self.start + self.rows)

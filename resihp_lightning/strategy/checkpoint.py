@@ -19,12 +19,12 @@ the file. On load each rank picks out its own layers, and the LightningModule ge
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from resihp_lightning.errors import ConfigError
@@ -102,6 +102,7 @@ def load_module_state(
     local: Mapping[str, Any],
     layer_keyed: bool,
     strict: bool = True,
+    shard: Callable[[str, Tensor], Tensor] | None = None,
 ) -> None:
     """Loads a checkpoint's ``state_dict`` into this rank's layers and the rest of the module.
 
@@ -112,19 +113,21 @@ def load_module_state(
         local: this rank's layer tensors by pipeline key (they must all be in the checkpoint when ``strict``).
         layer_keyed: ``state`` uses pipeline keys (checkpoints of earlier versions) instead of module keys.
         strict: refuse a checkpoint without a tensor for one of ``local``.
+        shard: with tensor parallelism, ``shard(layer_key, whole)`` is this rank's part of a saved whole
+            tensor; the module's own layers (unsplit, not the ones that train) take the whole values too.
     """
     by_module_key = {keys.to_module(k): v for k, v in state.items()} if layer_keyed else dict(state)
     by_layer_key = {}
     for key, value in by_module_key.items():
         layer_key = keys.to_layer(key)
         if layer_key is not None:
-            by_layer_key[layer_key] = value
+            by_layer_key[layer_key] = shard(layer_key, value) if shard is not None else value
     load_model_state(by_layer_key, local, strict=strict)
     # The module's other tensors: layers of other ranks (so it is complete) and anything outside the
     # pipeline. Detached (LayerSpec) keys have no place in the module and are skipped, and so are
     # layers on the meta device (loaded per stage: this rank does not keep them).
     on_meta = {k for k, v in module.state_dict(keep_vars=True).items() if v.is_meta}
-    rest = {k: v for k, v in by_module_key.items() if keys.to_layer(k) not in local and k not in on_meta}
+    rest = {k: v for k, v in by_module_key.items() if (shard is not None or keys.to_layer(k) not in local) and k not in on_meta}
     with torch.no_grad():
         module.load_state_dict(rest, strict=False)
 

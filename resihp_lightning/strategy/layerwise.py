@@ -38,8 +38,9 @@ from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from resihp_lightning.errors import ConfigError, PlanError, invalid_option
-from resihp_lightning.plan import Plan
 from resihp_lightning.placement import holder_sets, layer_holders, position
+from resihp_lightning.plan import Plan
+from resihp_lightning.shards import split_dim
 
 
 #: Elements per flattened all-reduce at most (plus one tensor): DeepSpeed's ``MEMORY_OPT_ALLREDUCE_SIZE``.
@@ -70,7 +71,6 @@ class _Tie:
             the first replica).
         group: the process group over ``ranks`` when this rank is in it and it has two or more
             ranks, else ``None``.
-        owns_group: whether ``group`` was made for this tie (not shared with a holder set).
         params: this rank's copies, in ``members`` order.
     """
 
@@ -78,7 +78,6 @@ class _Tie:
     ranks: tuple[int, ...]
     source: int
     group: Any
-    owns_group: bool
     params: list[nn.Parameter]
     first_local: bool
 
@@ -95,24 +94,35 @@ class _Tie:
         local_layers: Mapping[int, nn.Module],
         created: dict[frozenset[int], Any],
     ) -> _Tie:
-        """Collective when the tie needs a group no holder set has (every rank calls it in order)."""
-        ranks = tuple(sorted({r for layer, _ in ordered for r in holders[layer]}))
-        owns = False
-        group = created.get(frozenset(ranks))
-        if group is None and len(ranks) > 1:
-            group = dist.new_group(ranks=list(ranks))
-            created[frozenset(ranks)] = group
-            owns = True
+        """``created``: every group of :func:`_create_groups` (the tie's among them when it has two or more ranks)."""
+        ranks = _tie_ranks(ordered, holders)
         member = rank in ranks and len(ranks) > 1
         return cls(
             members=ordered,
             ranks=ranks,
             source=holders[ordered[0][0]][0],
-            group=group if member else None,
-            owns_group=owns and member,
+            group=created[frozenset(ranks)] if member else None,
             params=params,
             first_local=bool(params) and ordered[0][0] in local_layers,
         )
+
+
+def _tie_ranks(ordered: Sequence[tuple[int, str]], holders: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
+    """Every rank holding a copy of a tie, in any replica (sorted)."""
+    return tuple(sorted({r for layer, _ in ordered for r in holders[layer]}))
+
+
+def _create_groups(plans: Sequence[Plan], ties: Sequence[Sequence[tuple[int, str]]]) -> dict[frozenset[int], Any]:
+    """The process groups of every plan's holder sets and ties (collective: every rank creates them
+    all, in the same order: plan by plan, holder sets in :func:`holder_sets` order, then the ties)."""
+    created: dict[frozenset[int], Any] = {}
+    for plan in plans:
+        holders = layer_holders(plan)
+        wanted = [*holder_sets(plan), *(_tie_ranks(sorted(members), holders) for members in ties)]
+        for ranks in wanted:
+            if len(ranks) > 1 and frozenset(ranks) not in created:
+                created[frozenset(ranks)] = dist.new_group(ranks=list(ranks))
+    return created
 
 
 def _resolve_ties(
@@ -161,6 +171,11 @@ class LayerwiseReducer:
             without parameters may be left out.
         tied: groups of parameters that are one parameter, each a sequence of ``(layer, name)``
             (``name`` as in ``layer.named_parameters()``); the same on every rank.
+        slices: with tensor parallelism, the plan of every slice in ranks (``plan`` is this rank's;
+            see :mod:`~resihp_lightning.strategy.tensor_groups`): every rank creates the groups of
+            every slice, in slice order, and reduces within its own slice.
+        tensor_group: with tensor parallelism, this rank's tensor-parallel group: the gradient norm
+            adds the shards of its split parameters over it (a whole parameter counts once).
 
     Raises:
         PlanError: ``local_layers`` names a layer this rank does not hold under ``plan``.
@@ -173,6 +188,8 @@ class LayerwiseReducer:
         rank: int,
         local_layers: Mapping[int, nn.Module],
         tied: Sequence[Sequence[tuple[int, str]]] = (),
+        slices: Sequence[Plan] = (),
+        tensor_group: Any = None,
     ) -> None:
         mine = position(plan, rank).layers
         extra = sorted(set(local_layers) - set(mine))
@@ -187,16 +204,14 @@ class LayerwiseReducer:
         self.prescale = False
         self.predivide = 1.0
         self.communication_dtype: torch.dtype | None = None
-        self._groups: dict[tuple[int, ...], Any] = {}
-        created: dict[frozenset[int], Any] = {}
-        for ranks in holder_sets(plan):
-            if len(ranks) < 2:
-                continue
-            group = dist.new_group(ranks=list(ranks))
-            created[frozenset(ranks)] = group
-            if rank in ranks:
-                self._groups[ranks] = group
+        self.tensor_group = tensor_group
+        self._tensor_member = dist.get_rank(tensor_group) if tensor_group is not None else 0
         resolved = _resolve_ties(tied, local_layers)
+        created = _create_groups(slices or (plan,), [members for members, _ in resolved])
+        self._memberships = [group for ranks, group in created.items() if rank in ranks]
+        self._groups: dict[tuple[int, ...], Any] = {
+            ranks: created[frozenset(ranks)] for ranks in holder_sets(plan) if len(ranks) > 1 and rank in ranks
+        }
         self._ties = [_Tie.build(members, params, holders, rank, local_layers, created) for members, params in resolved]
         tied_ids = {id(p) for tie in self._ties for p in tie.params}
         # Per holder set (in holder_sets order): the parameters whose gradients it reduces, and all
@@ -323,8 +338,14 @@ class LayerwiseReducer:
         copies = {id(p) for tie in self._ties for p in tie.params if not tie.is_first(p)}
         for layer, params in self._layer_params.items():
             for p in params:
-                if p.grad is not None and id(p) not in copies:
-                    squares[layer] += p.grad.detach().float().norm(2).double() ** 2
+                if p.grad is None or id(p) in copies:
+                    continue
+                # Under tensor parallelism a whole parameter is the same on every member: member 0 counts it.
+                if self.tensor_group is not None and split_dim(p) is None and self._tensor_member != 0:
+                    continue
+                squares[layer] += p.grad.detach().float().norm(2).double() ** 2
+        if self.tensor_group is not None:
+            dist.all_reduce(squares, group=self.tensor_group)
         if pipe_group is not None:
             dist.all_reduce(squares, group=pipe_group)
         return squares.sum().sqrt()
@@ -345,13 +366,13 @@ class LayerwiseReducer:
 
     def destroy(self) -> None:
         """Destroys the process groups this reducer created (this rank's memberships)."""
-        mine = list(self._groups.values()) + [t.group for t in self._ties if t.group is not None and t.owns_group]
-        for group in mine:
+        for group in self._memberships:
             try:
                 dist.destroy_process_group(group)
             except (ValueError, RuntimeError):  # already gone with the world group
                 pass
         self._groups.clear()
+        self._memberships = []
         self._ties = []
         self._order = []
 

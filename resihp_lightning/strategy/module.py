@@ -45,6 +45,21 @@ class ResiHPModuleMixin:
             f"{type(self).__name__} does not define pipeline_load_layer(index, layer, device) to load them"
         )
 
+    def pipeline_split_layer(self, index: int, layer: nn.Module, group: Any) -> nn.Module:
+        """This process's tensor-parallel split of ``layer`` over ``group`` (``tensor_degree`` > 1; see
+        :class:`ResiHPModule`); default: none (such a job is refused)."""
+        raise NotImplementedError
+
+    def pipeline_tensor_parallel_loss(self, outputs: Any, labels: Any, group: Any) -> Tensor:
+        """:meth:`pipeline_loss` on the last layer's split outputs (``tensor_degree`` > 1; see
+        :class:`ResiHPModule`); default: none (such a job is refused)."""
+        raise NotImplementedError
+
+    def pipeline_tensor_parallel_outputs(self, outputs: Any, group: Any) -> Any:
+        """The last layer's whole outputs from its split ones, for ``trainer.predict`` (``tensor_degree`` > 1;
+        see :class:`ResiHPModule`); default: none (prediction is refused)."""
+        raise NotImplementedError
+
     def pipeline_gather_weights(self) -> str | None:
         """The module's choice for the strategy's ``gather_weights="auto"`` (see :class:`ResiHPModule`); default none."""
         return None
@@ -137,6 +152,17 @@ class ResiHPModule(ResiHPModuleMixin, LightningModule):
       ``gather_weights="auto"`` (the default) means for this module: ``"all"``, ``"rank0"``, ``"none"``,
       or ``None`` for the default ``"all"``. A module whose layers are loaded per stage returns
       ``"none"``, so that no rank assembles the whole model at the end of ``fit``.
+    * ``pipeline_split_layer(self, index, layer, group) -> nn.Module`` and
+      ``pipeline_tensor_parallel_loss(self, outputs, labels, group) -> Tensor`` (only for
+      ``ResiHPStrategy(tensor_degree=t)``, t > 1): the first returns this process's share of layer
+      ``index`` split over the tensor-parallel process ``group`` (it gets a private copy of the unsplit
+      layer and may change it in place); parameters cut into shards carry the dimension they are cut
+      along (:func:`resihp_lightning.shards.sharded_parameter`), every other parameter must stay whole
+      and equal on the group's members. The second is ``pipeline_loss`` on the split last layer's
+      outputs, the same value on every member. ``pipeline_tensor_parallel_outputs(self, outputs, group)``
+      (for ``trainer.predict``) joins the members' split outputs of one micro-batch into the whole ones.
+      ``CausalLMPipelineModule`` defines all three (Megatron-style splits,
+      :mod:`resihp_lightning.models.tensor_parallel`).
     * ``configure_optimizers`` as usual (one optimizer, optionally LR schedulers). Use
       ``self.parameters()``; the strategy keeps only the parameters of this rank's layers, and the
       optimizer and its schedulers keep working across re-plans.

@@ -94,6 +94,17 @@ def restore_full_precision(local_layers: Mapping[int, nn.Module], trained: Mappi
                     tensor.data = value.detach().clone()
 
 
+def write_trained(layers: Mapping[int, nn.Module], trained: Mapping[str, Tensor]) -> None:
+    """Copies trained values into layers that did not train themselves (with tensor parallelism, the
+    module's unsplit layers, whose split copies trained; ``trained`` holds the gathered whole values)."""
+    with torch.no_grad():
+        for index, layer in layers.items():
+            for name, tensor in layer_tensors(layer).items():
+                value = trained.get(f"{index}.{name}")
+                if value is not None:
+                    tensor.copy_(value)
+
+
 def sync_module_layers(
     plan: Plan,
     rank: int,

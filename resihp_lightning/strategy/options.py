@@ -42,6 +42,11 @@ class StrategyOptions:
             ``"auto"`` with the resolved value at setup.
         fail_stop: in-process recovery from dead or hung ranks (:class:`FailStopConfig`); ``None`` /
             ``False`` (default): off, a lost rank ends the job; ``True``: on with the defaults.
+        tensor_degree: t, processes that split each layer (tensor parallelism; consecutive ranks form a
+            group, and plans, ``pipeline_degree`` and ``plan`` count groups). 1 (default): none. With
+            t > 1 the plan is static (no re-plans, detection callbacks or fail-stop recovery yet), the
+            optimizer plain fp32, and the module must define ``pipeline_split_layer`` and
+            ``pipeline_tensor_parallel_loss`` (``CausalLMPipelineModule`` does); see docs/tensor_parallel.md.
     """
 
     pipeline_degree: int | None = None
@@ -53,6 +58,7 @@ class StrategyOptions:
     timeout: timedelta = timedelta(minutes=30)
     gather_weights: str = "auto"
     fail_stop: FailStopConfig | None = None
+    tensor_degree: int = 1
 
     def __post_init__(self) -> None:
         if self.pipeline_degree is not None and (not isinstance(self.pipeline_degree, int) or self.pipeline_degree < 1):
@@ -82,5 +88,13 @@ class StrategyOptions:
         if self.gather_weights not in GATHER_WEIGHTS:
             raise invalid_option("gather_weights", self.gather_weights, GATHER_WEIGHTS)
         self.fail_stop = FailStopConfig.from_value(self.fail_stop)
+        if not isinstance(self.tensor_degree, int) or isinstance(self.tensor_degree, bool) or self.tensor_degree < 1:
+            raise invalid_option("tensor_degree", self.tensor_degree, "an integer >= 1")
+        if self.tensor_degree > 1 and self.fail_stop is not None:
+            raise invalid_option("fail_stop", "on", "off (None) with tensor_degree > 1: recovery of a tensor-parallel "
+                                 "group is not built yet")
+        if self.tensor_degree > 1 and (stage or any((self.deepspeed_config.get(k) or {}).get("enabled") for k in ("bf16", "fp16"))):
+            raise invalid_option("tensor_degree", self.tensor_degree, "1 with ZeRO / bf16 / fp16 in deepspeed_config "
+                                 "(tensor parallelism needs the plain fp32 optimizer for now)")
         if isinstance(self.timeout, (int, float)):
             self.timeout = timedelta(seconds=self.timeout)

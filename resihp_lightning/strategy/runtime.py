@@ -30,6 +30,7 @@ Lifecycle::
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import statistics
 import time
@@ -48,6 +49,7 @@ from resihp_lightning.contract import MigrationRecord
 from resihp_lightning.errors import ConfigError
 from resihp_lightning.placement import Position, Transfer, plan_transfers, position, relabel, same_layout
 from resihp_lightning.plan import Plan
+from resihp_lightning.shards import gather_shards, shard_of, split_dim
 from resihp_lightning.strategy import batching, engine as engines
 from resihp_lightning.strategy.layerwise import LayerwiseReducer, install
 from resihp_lightning.strategy.migration import layer_tensors, migrate
@@ -55,7 +57,8 @@ from resihp_lightning.strategy.optim import BoundOptimizer, local_parameters
 from resihp_lightning.strategy.optimizer_state import CapturedState, StateCarrier, carrier_for
 from resihp_lightning.strategy.pipeline_module import BoundedPipelineModule, materialize_layer
 from resihp_lightning.strategy.profiling import StageProfiler
-from resihp_lightning.strategy.topology import PlanTopology
+from resihp_lightning.strategy.tensor_groups import TensorParallelism
+from resihp_lightning.strategy.topology import PlanTopology, TensorPlanTopology
 from resihp_lightning.telemetry import LayerCost
 
 log = get_logger(__name__)
@@ -79,6 +82,8 @@ class RuntimeConfig:
         load_layer: ``load_layer(index, layer, device)`` gives an ``nn.Module`` layer built on the meta
             device its values (the module's ``pipeline_load_layer``); called for every layer this
             process holds that is still on meta when a pipe is built. ``None``: such a layer is refused.
+        tensor: tensor parallelism (plans name groups; this process holds its member's shard of its
+            group's layers, split from a copy of each); ``None``: none.
     """
 
     layers: Sequence[Any]
@@ -89,6 +94,7 @@ class RuntimeConfig:
     tied: Sequence[tuple[tuple[int, str], ...]] = field(default_factory=tuple)
     commit: Callable[[], None] | None = None
     load_layer: Callable[[int, nn.Module, torch.device], None] | None = None
+    tensor: TensorParallelism | None = None
 
 
 class PipelineRuntime:
@@ -99,8 +105,9 @@ class PipelineRuntime:
     Args:
         config: what does not depend on the plan.
         plan: the plan to build (device ids).
-        device: this process's device id in ``plan``.
-        ranks: device id -> rank in the current default process group; default: the identity.
+        device: this process's device id in ``plan`` (with ``config.tensor``: its group's id).
+        ranks: device id -> rank in the current default process group; default: the identity. With
+            ``config.tensor``: group id -> the rank of this process's slice there.
         reuse: layer modules this process already holds, by global layer index (kept as they are).
         profiler: a profiler to keep measuring with (its per-layer history carries over); default: a new one.
     """
@@ -227,6 +234,11 @@ class PipelineRuntime:
             engines.set_micro_batches(self._engine, plan.replicas[self._position.replica].micro_batches)
             self._plan = plan
             return MigrationRecord(plan=plan, seconds=time.perf_counter() - start, bytes_moved=0)
+        if self.config.tensor is not None:
+            raise ConfigError(
+                "a plan that moves layers is not supported with tensor_degree > 1 yet (only micro-batch counts "
+                "may change); see docs/tensor_parallel.md"
+            )
         captured = self._carrier.capture(self._engine, self.local_parameters())
         state_s = time.perf_counter() - start
         self._stop_engine()
@@ -444,14 +456,23 @@ class PipelineRuntime:
         return out
 
     def trained_tensors(self) -> dict[str, Tensor]:
-        """:meth:`local_tensors` with parameters in full precision (a wrapper's fp32 masters).
+        """:meth:`local_tensors` with parameters in full precision (a wrapper's fp32 masters); under tensor
+        parallelism the unsplit tensors, on every member of the group.
 
-        Collective over each stage's data-parallel group under a DeepSpeed wrapper.
+        Collective over each stage's data-parallel group under a DeepSpeed wrapper, and over the
+        tensor-parallel group.
         """
         tensors = self.local_tensors()
         params = self.local_parameters()
         tensors.update(self._carrier.trained_values(self._engine, params))
+        if self.config.tensor is not None:
+            tensors = gather_shards(tensors, self.shard_dims(), self.config.tensor.group)
         return tensors
+
+    def shard_dims(self) -> dict[str, int]:
+        """The split dimension of each of this process's split parameters, by key (none without tensor
+        parallelism)."""
+        return {key: dim for key, p in self.local_parameters().items() if (dim := split_dim(p)) is not None}
 
     @property
     def casts_model(self) -> bool:
@@ -460,12 +481,47 @@ class PipelineRuntime:
 
     # ------------------------------------------------------------------------ checkpoints
     def optimizer_checkpoint_state(self) -> dict[str, dict[str, Any]]:
-        """This process's per-parameter optimizer state by key (collective over stages when wrapped)."""
-        return self._carrier.checkpoint_state(self._engine, self.local_parameters())
+        """This process's per-parameter optimizer state by key (collective over stages when wrapped); under
+        tensor parallelism the state of the unsplit parameters (collective over the group)."""
+        state = self._carrier.checkpoint_state(self._engine, self.local_parameters())
+        if self.config.tensor is None:
+            return state
+        params, dims = self.local_parameters(), self.shard_dims()
+        # A state tensor shaped like its split parameter (Adam's moments) is split like it.
+        flat = {(key, name): value for key in sorted(state) for name, value in sorted(state[key].items())}
+        split = {
+            entry: dims[entry[0]] for entry, value in flat.items()
+            if entry[0] in dims and isinstance(value, Tensor) and value.shape == params[entry[0]].shape
+        }
+        whole = gather_shards(flat, split, self.config.tensor.group)
+        out: dict[str, dict[str, Any]] = {key: {} for key in state}
+        for (key, name), value in whole.items():
+            out[key][name] = value
+        return out
 
     def load_optimizer_checkpoint(self, saved: Mapping[str, Any]) -> None:
-        """Restores hyper-parameters and this process's optimizer state from a saved optimizer state."""
+        """Restores hyper-parameters and this process's optimizer state from a saved optimizer state (of
+        the unsplit parameters: under tensor parallelism each process takes its shards)."""
+        if self.config.tensor is not None:
+            params, dims = self.local_parameters(), self.shard_dims()
+            state = dict(saved["state"])
+            for key, dim in dims.items():
+                if key in state:
+                    whole = _whole_shape(params[key].shape, dim, self.config.tensor.groups.degree)
+                    state[key] = {
+                        name: self.saved_shard(key, value) if isinstance(value, Tensor) and value.shape == whole else value
+                        for name, value in state[key].items()
+                    }
+            saved = {**saved, "state": state}
         self._carrier.load_checkpoint(self._engine, self.local_parameters(), saved)
+
+    def saved_shard(self, key: str, whole: Tensor) -> Tensor:
+        """This process's part of a saved whole tensor of its layer tensor ``key`` (the tensor itself when
+        it is not split)."""
+        dim = self.shard_dims().get(key)
+        if dim is None or self.config.tensor is None:
+            return whole
+        return shard_of(whole, dim, self.config.tensor.group)
 
     def weights_loaded(self) -> None:
         """Tells the optimizer wrapper that new values were written into the parameters."""
@@ -494,10 +550,16 @@ class PipelineRuntime:
         return list(items) if dtype == torch.float32 else batching.cast_inputs(items, dtype)
 
     def _build_pipe(self, plan: Plan, reuse: Mapping[int, nn.Module] | None) -> BoundedPipelineModule:
+        reuse = dict(reuse or {})
         for index in position(plan, self.device).layers:
-            layer = reuse[index] if reuse is not None and index in reuse else self.config.layers[index]
+            layer = reuse.get(index, self.config.layers[index])
             if isinstance(layer, nn.Module) and meta.has_meta(layer):
                 self._load(index, layer)
+            if self.config.tensor is not None and index not in reuse:
+                # A private copy is split: the module keeps its unsplit layer (the trained values are
+                # gathered back into it at the end).
+                tensor = self.config.tensor
+                reuse[index] = tensor.split_layer(index, copy.deepcopy(materialize_layer(layer)), tensor.group)
         kwargs: dict[str, Any] = {}
         interval = (self.config.deepspeed_config.get("pipeline") or {}).get("activation_checkpoint_interval")
         if interval:
@@ -506,12 +568,17 @@ class PipelineRuntime:
         with contextlib.redirect_stdout(io.StringIO()):
             return BoundedPipelineModule(
                 self.config.layers,
-                PlanTopology(self._in_ranks(plan)),
+                self._topology(plan),
                 plan.replicas[position(plan, self.device).replica].bounds,
                 loss_fn=self._scaled_loss,
                 reuse=reuse,
                 **kwargs,
             )
+
+    def _topology(self, plan: Plan) -> PlanTopology | TensorPlanTopology:
+        if self.config.tensor is None:
+            return PlanTopology(self._in_ranks(plan))
+        return TensorPlanTopology(self.config.tensor.groups.slice_plans(plan))
 
     def _load(self, index: int, layer: nn.Module) -> None:
         """Gives a layer still on the meta device its values through ``config.load_layer``."""
@@ -534,12 +601,19 @@ class PipelineRuntime:
         config = engines.engine_config(
             self.config.micro_batch_size, replica.micro_batches, plan.data_degree, self.config.deepspeed_config
         )
+        tensor = self.config.tensor
+        if tensor is not None:
+            # Stage-boundary activations are whole on every member (after a row split's sum): each member
+            # sends its own copy to its counterpart, rather than DeepSpeed's scatter + all-gather.
+            config["pipeline"] = {**config.get("pipeline", {}), "pipe_partitioned": False, "grad_partitioned": False}
         # Plain fp32: the layer-wise reduction (any bounds; exact gradient clipping). ZeRO / bf16 / fp16
         # keep DeepSpeed's own (the strategy then requires shared bounds).
         layerwise = self._carrier.per_replica_bounds
         if layerwise:
             self._reducer = LayerwiseReducer(
-                self._in_ranks(plan), self._rank(self.device), self.local_layers(), tied=self.config.tied
+                self._in_ranks(plan), self._rank(self.device), self.local_layers(), tied=self.config.tied,
+                slices=tensor.groups.slice_plans(plan) if tensor is not None else (),
+                tensor_group=tensor.group if tensor is not None else None,
             )
         bound = self._carrier.bound
         self._engine = engines.build_engine(
@@ -577,6 +651,11 @@ class PipelineRuntime:
             for i, n in part.items():
                 sizes[i] = n
         return sizes
+
+
+def _whole_shape(shard: torch.Size, dim: int, degree: int) -> torch.Size:
+    """The shape of the unsplit tensor whose shards along ``dim`` over ``degree`` members have shape ``shard``."""
+    return torch.Size(n * degree if d == dim else n for d, n in enumerate(shard))
 
 
 def _position_or_none(plan: Plan, device: int) -> Position | None:

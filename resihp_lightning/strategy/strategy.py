@@ -30,7 +30,7 @@ from resihp_lightning import _registration
 from resihp_lightning._logging import quiet_agreed_errors, user_warn
 from resihp_lightning.contract import DeviceConditions, MigrationRecord
 from resihp_lightning.errors import PlanError
-from resihp_lightning.placement import row_offset
+from resihp_lightning.placement import row_offset, same_layout
 from resihp_lightning.resilience.errors import PeerFailure
 from resihp_lightning.plan import Plan
 from resihp_lightning.strategy import batching, checkpoint, evaluation, link_probe
@@ -40,12 +40,14 @@ from resihp_lightning.strategy.fail_stop import FailStopConfig
 from resihp_lightning.strategy.launcher import without_observer
 from resihp_lightning.strategy.loss_logging import LossLogRecorder
 from resihp_lightning.strategy.module import check_contract, layer_specs, resolve_gather_weights, tied_parameters
-from resihp_lightning.strategy.module_weights import LayerKeys, restore_full_precision, sync_module_layers
+from resihp_lightning.strategy.module_weights import LayerKeys, restore_full_precision, sync_module_layers, write_trained
 from resihp_lightning.strategy.options import StrategyOptions
 from resihp_lightning.strategy.plan_rules import check_plan, initial_plan, settle_micro_batches
 from resihp_lightning.strategy.resilient_steps import ResilientStepsMixin
 from resihp_lightning.strategy.runtime import PipelineRuntime, RuntimeConfig
 from resihp_lightning.strategy.survivors import SurvivingJob
+from resihp_lightning.strategy.tensor_groups import TensorParallelism
+from resihp_lightning.strategy.tensor_setup import check_tensor_parallel_job, create_tensor_groups
 from resihp_lightning.strategy.trainer_options import effective_deepspeed_config, refuse_unsupported
 from resihp_lightning.strategy.wrapped_state import wraps_optimizer
 from resihp_lightning.telemetry import LayerCost, LinkSample, MicroBatchStats, StepStats
@@ -78,6 +80,7 @@ class ResiHPStrategyMixin(ResilientStepsMixin):
         timeout: timedelta | float = timedelta(minutes=30),
         gather_weights: str = "auto",
         fail_stop: FailStopConfig | dict | bool | None = None,
+        tensor_degree: int = 1,
         options: StrategyOptions | None = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
@@ -96,6 +99,7 @@ class ResiHPStrategyMixin(ResilientStepsMixin):
                 timeout=timeout,
                 gather_weights=gather_weights,
                 fail_stop=fail_stop,
+                tensor_degree=tensor_degree,
             )
         self.options = options
         super().__init__(
@@ -120,6 +124,7 @@ class ResiHPStrategyMixin(ResilientStepsMixin):
         self._deepspeed_config: dict[str, Any] | None = None
         self._loss_log = LossLogRecorder()
         self._job: SurvivingJob | None = None  # the job's recoverable groups when fail_stop is on
+        self._tensor: TensorParallelism | None = None  # the tensor-parallel groups when tensor_degree > 1
         self._interrupted = False  # a peer was lost after this step's update: skip its other collectives
         self._step_result: dict[str, Any] | None = None  # this training step's committed result (fail_stop)
         #: The slow devices and links a fail-stop recovery plans the survivors with (the controller sets it).
@@ -151,13 +156,14 @@ class ResiHPStrategyMixin(ResilientStepsMixin):
 
     @property
     def device_id(self) -> int:
-        """This process's device id in plans: its global rank when the job started (stable across regroups)."""
-        return self._job.device_id if self._job is not None else self.global_rank
+        """This process's device id in plans: its global rank when the job started (stable across regroups);
+        with ``tensor_degree`` t, its tensor-parallel group's (global rank // t)."""
+        return self._job.device_id if self._job is not None else self.global_rank // self.options.tensor_degree
 
     @property
     def devices_alive(self) -> tuple[int, ...]:
         """The device ids of the job's live processes (hot spares included)."""
-        return self._job.job_members if self._job is not None else tuple(range(self.world_size))
+        return self._job.job_members if self._job is not None else tuple(range(self.world_size // self.options.tensor_degree))
 
     @property
     def supports_idle_devices(self) -> bool:
@@ -243,6 +249,11 @@ class ResiHPStrategyMixin(ResilientStepsMixin):
         current = self._runtime.plan if self._runtime is not None else None
         check_plan(plan, self.devices_alive, self.num_layers, self._num_micro, self.deepspeed_config, current,
                    idle_allowed=self.supports_idle_devices)
+        if self._tensor is not None and current is not None and not same_layout(plan, current):
+            raise PlanError(
+                "with tensor_degree > 1 a new plan may change micro-batch counts only, not move layers (not built yet; "
+                "see docs/tensor_parallel.md)"
+            )
 
     def measure_links(self, first_round: int = 0) -> LinkSample:
         """Times the links of the current group at a step boundary (collective; see :mod:`.link_probe`).
@@ -353,6 +364,12 @@ class ResiHPStrategyMixin(ResilientStepsMixin):
         self._keys = LayerKeys(module, self._specs)
         self._tied = self._tied_parameters(module)
         self.options.gather_weights = resolve_gather_weights(self.options.gather_weights, module, self.misconfiguration_error)
+        if self.options.tensor_degree > 1:
+            check_tensor_parallel_job(self.options.tensor_degree, module, trainer.callbacks, self.deepspeed_config,
+                                      trainer.state.fn == TrainerFn.PREDICTING, self.misconfiguration_error)
+            if self._tensor is None:
+                self._tensor = create_tensor_groups(self.options.tensor_degree, self.global_rank, self.world_size,
+                                                    module, self.misconfiguration_error)
         previous = self._runtime
         if previous is not None and previous.idle:  # set up again on a spare: nothing to build
             self.setup_precision_plugin()
@@ -372,8 +389,11 @@ class ResiHPStrategyMixin(ResilientStepsMixin):
             tied=tuple(self._tied),
             commit=self._job.commit if self._job is not None else None,
             load_layer=getattr(module, "pipeline_load_layer", None),
+            tensor=self._tensor,
         )
         ranks = self._job.rank_map() if self._job is not None else None
+        if self._tensor is not None:
+            ranks = self._tensor.groups.slice_ranks(self._tensor.member)
         self._runtime = PipelineRuntime(config, plan, self.device_id, ranks=ranks, reuse=reuse, profiler=profiler)
         if trainer.state.fn == TrainerFn.FITTING:
             optimizer = self._setup_user_optimizer(trainer)
@@ -497,6 +517,8 @@ class ResiHPStrategyMixin(ResilientStepsMixin):
         if self.is_spare:
             return batching.to_device(self._job.mirror.wait(call).value, self.root_device)
         _, _, outputs = evaluation.run_share(runtime, self.lightning_module, batch, self.micro_batch_size, compute_loss=False)
+        if self._tensor is not None and outputs is not None:  # the last stage's members join their shards
+            outputs = self._whole_outputs(outputs)
         joined = evaluation.joined_outputs(runtime.position.replica, outputs, self.root_device)
         if self._job is not None:
             self._publish(call, batching.to_cpu(joined))
@@ -522,7 +544,7 @@ class ResiHPStrategyMixin(ResilientStepsMixin):
         runtime = self._require_runtime()
         if self.is_spare:  # outside the members' group; rank 0 (a member) writes the checkpoint
             return {}
-        layers = checkpoint.gather_model_state(runtime.trained_tensors(), sends=runtime.position.replica == 0)
+        layers = checkpoint.gather_model_state(runtime.trained_tensors(), sends=self._sends_whole_layers())
         return checkpoint.module_keyed(self.lightning_module, self._keys, layers) if self.global_rank == 0 else {}
 
     def export_weights(self, path: str | os.PathLike) -> None:
@@ -545,7 +567,7 @@ class ResiHPStrategyMixin(ResilientStepsMixin):
             return {}
         # Collective under a DeepSpeed wrapper (each stage's data-parallel group): every rank is here.
         state = runtime.optimizer_checkpoint_state()
-        return checkpoint.gather_optimizer_state(bound.groups, bound.group_of, state, sends=runtime.position.replica == 0)
+        return checkpoint.gather_optimizer_state(bound.groups, bound.group_of, state, sends=self._sends_whole_layers())
 
     @override
     def save_checkpoint(self, checkpoint_dict: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
@@ -566,7 +588,8 @@ class ResiHPStrategyMixin(ResilientStepsMixin):
         # Our checkpoints before module keys had layer keys; a plain Lightning checkpoint has module keys.
         layer_keyed = section is not None and section.get("state_dict_keys") != "module"
         checkpoint.load_module_state(
-            self.lightning_module, self._keys, checkpoint_dict["state_dict"], runtime.local_tensors(), layer_keyed, strict
+            self.lightning_module, self._keys, checkpoint_dict["state_dict"], runtime.local_tensors(), layer_keyed, strict,
+            shard=runtime.saved_shard if self._tensor is not None else None,
         )
         runtime.weights_loaded()
 
@@ -603,7 +626,10 @@ class ResiHPStrategyMixin(ResilientStepsMixin):
         """Puts every layer's trained weights into the LightningModule of the ranks ``gather_weights`` names."""
         runtime = self._require_runtime()
         trained = runtime.trained_tensors()
-        restore_full_precision(runtime.local_layers(), trained)
+        if self._tensor is None:
+            restore_full_precision(runtime.local_layers(), trained)
+        else:  # the split copies trained; the module's own layers take the gathered values
+            write_trained({i: self._specs[i] for i in runtime.local_layers() if self._keys.is_attached(i)}, trained)
         if self._job is not None and self._sync_with_spares(trained):
             return
         if self.options.gather_weights == "none":
@@ -615,7 +641,8 @@ class ResiHPStrategyMixin(ResilientStepsMixin):
             )
             return
         receivers = None if self.options.gather_weights == "all" else {0}
-        sync_module_layers(runtime.plan_in_ranks(), self.global_rank, self._specs, self._keys, trained, receivers,
+        plan = runtime.plan_in_ranks() if self._tensor is None else self._tensor.groups.slice_plans(runtime.plan)[0]
+        sync_module_layers(plan, self.global_rank, self._specs, self._keys, trained, receivers,
                            runtime.casts_model)
 
     @override
@@ -632,7 +659,22 @@ class ResiHPStrategyMixin(ResilientStepsMixin):
             raise RuntimeError("ResiHPStrategy is not set up yet (its runtime is built in Trainer setup)")
         return self._runtime
 
+    def _whole_outputs(self, outputs: list[Any]) -> list[Any] | None:
+        """Each micro-batch's whole outputs on member 0 of a last-stage group (``None`` on the other
+        members, which then add nothing to the join); collective over the group."""
+        module, tensor = self.lightning_module, self._tensor
+        whole = [module.pipeline_tensor_parallel_outputs(out, tensor.group) for out in outputs]
+        return whole if tensor.member == 0 else None
+
+    def _sends_whole_layers(self) -> bool:
+        """Whether this rank sends its layers' whole values to a gather: the first replica's ranks (with
+        tensor parallelism, their groups' member 0; ``trained_tensors`` gathered the shards)."""
+        first = self._require_runtime().position.replica == 0
+        return first and (self._tensor is None or self._tensor.member == 0)
+
     def _pipeline_loss(self, outputs: Any, labels: Any) -> Tensor:
+        if self._tensor is not None:
+            return self.lightning_module.pipeline_tensor_parallel_loss(outputs, labels, self._tensor.group)
         return self.lightning_module.pipeline_loss(outputs, labels)
 
     def _tied_parameters(self, module: Any) -> list[tuple[tuple[int, str], ...]]:
@@ -646,7 +688,7 @@ class ResiHPStrategyMixin(ResilientStepsMixin):
 
     def _initial_plan(self) -> Plan:
         try:
-            plan = initial_plan(self.options, self.world_size, len(self._specs))
+            plan = initial_plan(self.options, self.world_size // self.options.tensor_degree, len(self._specs))
         except PlanError as err:
             raise self.misconfiguration_error(f"ResiHPStrategy(plan=...) is not valid for this job: {err}") from None
         if self.options.plan is not None and self._num_micro is None:

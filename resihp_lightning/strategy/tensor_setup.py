@@ -1,0 +1,84 @@
+"""Setting up a job with ``tensor_degree`` > 1: what it needs, and its tensor-parallel groups."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from resihp_lightning.errors import ConfigError
+from resihp_lightning.strategy.module import ResiHPModuleMixin
+from resihp_lightning.strategy.tensor_groups import TensorGroups, TensorParallelism
+
+#: The module hooks tensor parallelism needs (the contract's defaults refuse).
+TENSOR_HOOKS = ("pipeline_split_layer", "pipeline_tensor_parallel_loss")
+#: ... and the one ``trainer.predict`` needs.
+PREDICT_HOOK = "pipeline_tensor_parallel_outputs"
+#: Callbacks of this package that work with tensor parallelism (the others detect, re-plan or recover,
+#: which a tensor-parallel job cannot do yet).
+SUPPORTED_CALLBACKS = ("StepRecorder", "ResiHPProgressBar")
+
+
+def check_tensor_parallel_job(
+    degree: int,
+    module: Any,
+    callbacks: list[Any],
+    deepspeed_config: Mapping[str, Any],
+    predicting: bool,
+    error: type[Exception],
+) -> None:
+    """Checks that a job can run with ``tensor_degree=degree`` (> 1); every rank, at every setup.
+
+    Args:
+        degree: t > 1.
+        module: the LightningModule.
+        callbacks: the Trainer's callbacks.
+        deepspeed_config: the engines' effective DeepSpeed config (Lightning's precision included).
+        predicting: the job runs ``trainer.predict`` (the module must join split outputs).
+        error: the exception type to raise (the Lightning package's ``MisconfigurationException``).
+
+    Raises:
+        ``error``: the module lacks a hook, or a callback or a precision is not supported with tensor
+            parallelism yet.
+    """
+    hooks = (*TENSOR_HOOKS, PREDICT_HOOK) if predicting else TENSOR_HOOKS
+    missing = [hook for hook in hooks if getattr(type(module), hook, None) is getattr(ResiHPModuleMixin, hook)]
+    if missing:
+        raise error(
+            f"ResiHPStrategy(tensor_degree={degree}) needs {type(module).__name__} to define {' and '.join(missing)} "
+            "(how a layer splits over a tensor-parallel group, the loss on split outputs and, for trainer.predict, "
+            "the whole outputs from split ones; CausalLMPipelineModule defines them)"
+        )
+    unsupported = [
+        type(cb).__name__ for cb in callbacks
+        if type(cb).__module__.startswith("resihp_lightning.") and type(cb).__name__ not in SUPPORTED_CALLBACKS
+    ]
+    if unsupported:
+        raise error(
+            f"the callbacks {unsupported} do not support ResiHPStrategy(tensor_degree={degree}) yet: a tensor-parallel "
+            "job runs a static plan (no detection, re-plans or recovery); see docs/tensor_parallel.md"
+        )
+    for key in ("bf16", "fp16"):
+        if (deepspeed_config.get(key) or {}).get("enabled"):
+            raise error(
+                f"ResiHPStrategy(tensor_degree={degree}) needs the plain fp32 optimizer for now; the precision turns "
+                f"on DeepSpeed's {key} mode (use Trainer(precision='32-true'))"
+            )
+
+
+def create_tensor_groups(degree: int, rank: int, world_size: int, module: Any, error: type[Exception]) -> TensorParallelism:
+    """The job's tensor-parallel groups (collective: every rank creates every group, once per job).
+
+    Raises:
+        ``error``: ``degree`` does not divide the world size.
+    """
+    try:
+        groups = TensorGroups(degree, world_size)
+    except ConfigError as err:
+        raise error(str(err)) from None
+    process_groups = groups.new_process_groups()
+    return TensorParallelism(
+        groups=groups,
+        member=groups.member_of(rank),
+        group=process_groups[groups.group_of(rank)],
+        split_layer=module.pipeline_split_layer,
+    )

@@ -1,0 +1,248 @@
+"""``ResiHPStrategy(tensor_degree=2)``: a static tensor x pipeline x data-parallel job on 4 gloo processes.
+
+Each run trains a scratch Llama / tied-embedding Qwen2 ``CausalLMPipelineModule`` for a few steps with
+its layers split over groups of two processes, and must match one process training the unsplit model
+(a plain loop here, with the module's own optimizer): the same loss at every step and the same trained
+weights, which come back whole into the LightningModule and into a Lightning checkpoint.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from resihp_lightning.config import ScratchModelConfig
+from resihp_lightning.data import ByteTokenizer, PackedDataset, collate_packed, tokenize_documents
+
+STEPS = 3
+LR = 1e-2
+#: Split matmuls sum in another order, and Adam divides each gradient by its own running scale, so an
+#: element with a near-zero gradient moves by round-off times the learning rate: weights agree to 1% of
+#: one step's update (a wrong shard or a missing sum is off by whole updates, 1e-2).
+WEIGHT_ATOL = 1e-4
+
+
+def _module(model_type: str, tie: bool):
+    from resihp_lightning.models import CausalLMPipelineModule
+
+    # Its own ``seed`` initialises a scratch model (no global seeding here: PL_GLOBAL_SEED in the test
+    # process's environment would reach the processes other tests spawn).
+    shape = ScratchModelConfig(model_type=model_type, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, intermediate_size=64, tie_word_embeddings=tie)
+    return CausalLMPipelineModule(scratch=shape, seed=7, learning_rate=LR, weight_decay=0.1)
+
+
+def _batches(steps: int = STEPS, rows: int = 4, seq_len: int = 24) -> list[dict]:
+    out = []
+    for step in range(steps):
+        rng = torch.Generator().manual_seed(100 + step)
+        texts = ["".join(chr(97 + int(c)) for c in torch.randint(0, 26, (n,), generator=rng))
+                 for n in (5, 17, 3, 30, 9, 44, 2, 12, 21, 6)]
+        ds = PackedDataset(tokenize_documents(texts, ByteTokenizer()), seq_len=seq_len, pad_token_id=256)
+        out.append(collate_packed([ds[i] for i in range(rows)]))
+    return out
+
+
+def _reference(
+    model_type: str, tie: bool, clip: float | None, steps: int = STEPS
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, the unsplit model, the module's own optimizer: what the split job must reproduce."""
+    module = _module(model_type, tie)
+    layers = module.pipeline_layers()
+    if tie:  # the module keeps a copy per layer (the strategy keeps them equal); here: one parameter
+        layers[-1].lm_head.weight = layers[0].embed_tokens.weight
+    optimizer = module.configure_optimizers()
+    losses = []
+    for batch in _batches(steps):
+        rows = batch["input_ids"].shape[0]
+        loss = torch.zeros(())
+        for row in range(rows):  # a micro-batch per row, as the job runs them: the mean of their losses
+            inputs, labels, _ = module.pipeline_batch({k: v[row:row + 1] for k, v in batch.items()})
+            outputs = inputs
+            for layer in layers:
+                outputs = layer(outputs)
+            loss = loss + module.pipeline_loss(outputs, labels) / rows
+        optimizer.zero_grad()
+        loss.backward()
+        if clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
+            assert norm > clip  # the clipping changes the step
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return losses, {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def _job(rank: int, world: int, runs: list[tuple[str, bool, int, int]], ckpt_dir: str) -> dict:
+    import warnings
+    from pathlib import Path
+
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    from resihp_lightning.strategy.strategy import ResiHPStrategy
+
+    warnings.filterwarnings("ignore")
+
+    class Losses(pl.Callback):
+        def __init__(self) -> None:
+            self.values: list[float] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.values.append(float(outputs["loss"]))
+
+    from resihp_lightning.callbacks.progress import StepRecorder
+
+    def fit(model_type, tie, pipeline_degree, micro_batches, clip, batches, steps, ckpt_path=None):
+        module = _module(model_type, tie)
+        losses = Losses()
+        recorder = StepRecorder(f"{ckpt_dir}/{model_type}" if ckpt_path is None else None)
+        strategy = ResiHPStrategy(tensor_degree=2, pipeline_degree=pipeline_degree, micro_batch_size=1,
+                                  micro_batches=micro_batches)
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=world, strategy=strategy, max_steps=steps, logger=False,
+            enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+            use_distributed_sampler=False, callbacks=[losses, recorder], default_root_dir=ckpt_dir,
+            gradient_clip_val=clip,
+        )
+        trainer.fit(module, DataLoader(batches, batch_size=None), ckpt_path=ckpt_path)
+        return module, losses, strategy, trainer
+
+    results = {}
+    for model_type, tie, pipeline_degree, micro_batches, clip in runs:
+        module, losses, strategy, trainer = fit(model_type, tie, pipeline_degree, micro_batches, clip, _batches(), STEPS)
+        name = f"{model_type}-{pipeline_degree}"
+        path = f"{ckpt_dir}/{name}.ckpt"
+        trainer.save_checkpoint(path)
+        probe = _batches(STEPS + 2)[-1]
+        predicted = trainer.predict(module, DataLoader([probe], batch_size=None))[0]
+        validated = trainer.validate(module, DataLoader([probe], batch_size=None), verbose=False)[0]["val_loss"]
+        # Resumed from the checkpoint (weights and Adam state split again), one more step on the next batch.
+        resumed, more, _, _ = fit(model_type, tie, pipeline_degree, micro_batches, clip, _batches(STEPS + 1)[STEPS:],
+                                  STEPS + 1, ckpt_path=path)
+        local = {i: sorted(n for n, _ in layer.named_parameters()) for i, layer in strategy.local_layers().items()}
+        results[name] = {
+            "losses": losses.values,
+            "state": {k: v.detach().clone() for k, v in module.state_dict().items()},
+            "plan": strategy.current_plan.to_dict(),
+            "device_id": strategy.device_id,
+            "local_shapes": {i: [tuple(p.shape) for p in layer.parameters()] for i, layer in strategy.local_layers().items()},
+            "local": local,
+            "checkpoint": path,
+            "recorded": len((Path(ckpt_dir) / model_type / "steps.jsonl").read_text().splitlines()) if rank == 0 else None,
+            "predicted": predicted,
+            "validated": float(validated),
+            "resumed_losses": more.values,
+            "resumed_state": {k: v.detach().clone() for k, v in resumed.state_dict().items()},
+        }
+    return results
+
+
+# 2 groups as P=2 x D=1, then as P=1 x D=2 with global-norm clipping (the norm adds the shards over a group).
+RUNS = [("llama", False, 2, 4, None), ("qwen2", True, 1, 4, 0.5)]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_tensor_parallel_job_trains_exactly_like_one_process(distributed, tmp_path):
+    from resihp_lightning.models import CausalLMPipelineModule
+
+    results = distributed(_job, 4, timeout=280, runs=RUNS, ckpt_dir=str(tmp_path))
+    for model_type, tie, pipeline_degree, _, clip in RUNS:
+        name = f"{model_type}-{pipeline_degree}"
+        ref_losses, ref_state = _reference(model_type, tie, clip)
+        for rank, result in enumerate(results):
+            got = result[name]
+            # Plans name the two groups: ranks 0, 1 are group 0 and ranks 2, 3 group 1.
+            assert got["device_id"] == rank // 2
+            assert got["recorded"] == (STEPS if rank == 0 else None)  # StepRecorder works (rank 0 writes steps.jsonl)
+            assert sorted(d for r in got["plan"]["replicas"] for d in r["devices"]) == [0, 1]
+            # Each member holds half of every split matrix: e.g. the embedding's vocabulary rows.
+            if 0 in got["local_shapes"]:
+                assert got["local_shapes"][0][0] == (130, 32), got["local_shapes"][0]
+            assert got["losses"] == pytest.approx(ref_losses, abs=2e-5, rel=0), (name, rank)
+            # The trained weights come back whole into every rank's module (gather_weights="all").
+            assert got["state"].keys() == ref_state.keys()
+            for key, want in ref_state.items():
+                torch.testing.assert_close(got["state"][key], want, atol=WEIGHT_ATOL, rtol=0,
+                                           msg=f"{name} rank {rank} {key}")
+        # trainer.predict returns the whole logits (the members' vocabulary shards joined), validate the loss.
+        reference = _module(model_type, tie)
+        reference.load_state_dict(ref_state)
+        probe = _batches(STEPS + 2)[-1]
+        with torch.no_grad():
+            outputs = reference.pipeline_batch(probe)[0]
+            for layer in reference.pipeline_layers():
+                outputs = layer(outputs)
+            labels = probe["labels"]
+            ref_val = sum(float(reference.pipeline_loss(outputs[r:r + 1], labels[r:r + 1])) for r in range(len(labels))) / len(labels)
+        for rank, result in enumerate(results):
+            got = result[name]
+            assert got["predicted"].shape == outputs.shape == (4, 24, 260)
+            torch.testing.assert_close(got["predicted"], outputs, atol=1e-4, rtol=0, msg=f"{name} predict rank {rank}")
+            assert got["validated"] == pytest.approx(ref_val, abs=1e-4)
+        # Resumed: the next step is the reference's next step (the optimizer state came back too).
+        ref_more, ref_after = _reference(model_type, tie, clip, STEPS + 1)
+        for rank, result in enumerate(results):
+            got = result[name]
+            assert got["resumed_losses"] == pytest.approx(ref_more[STEPS:], abs=2e-5, rel=0), (name, rank)
+            for key, want in ref_after.items():
+                torch.testing.assert_close(got["resumed_state"][key], want, atol=WEIGHT_ATOL, rtol=0,
+                                           msg=f"{name} resumed, rank {rank} {key}")
+        # The Lightning checkpoint holds the whole model under the module's keys: a plain process loads it.
+        restored = CausalLMPipelineModule.load_from_checkpoint(results[0][name]["checkpoint"], map_location="cpu")
+        for key, want in ref_state.items():
+            torch.testing.assert_close(restored.state_dict()[key], want, atol=WEIGHT_ATOL, rtol=0,
+                                       msg=f"{name} checkpoint {key}")
+
+
+def test_tensor_degree_is_checked_by_name():
+    from resihp_lightning.errors import ConfigError
+    from resihp_lightning.strategy.options import StrategyOptions
+
+    assert StrategyOptions(tensor_degree=2).tensor_degree == 2
+    for bad, pattern in (
+        ({"tensor_degree": 0}, r"`tensor_degree`; allowed: an integer >= 1"),
+        ({"tensor_degree": True}, r"`tensor_degree`; allowed: an integer >= 1"),
+        ({"tensor_degree": 2, "fail_stop": True}, r"`fail_stop`"),
+        ({"tensor_degree": 2, "deepspeed_config": {"zero_optimization": {"stage": 1}}}, r"`tensor_degree`.*fp32"),
+    ):
+        with pytest.raises(ConfigError, match=pattern):
+            StrategyOptions(**bad)
+
+
+def test_a_job_tensor_parallelism_cannot_run_yet_is_refused_by_name():
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    from resihp_lightning.callbacks import ReplanController, StragglerDetector
+    from resihp_lightning.callbacks.progress import ResiHPProgressBar, StepRecorder
+    from resihp_lightning.strategy.tensor_setup import check_tensor_parallel_job, create_tensor_groups
+    from test_lightning_fidelity import build_class
+
+    error = MisconfigurationException
+    plain = build_class()()  # a ResiHPModule without the tensor-parallel hooks
+    with pytest.raises(error, match=r"needs \w+ to define pipeline_split_layer and pipeline_tensor_parallel_loss"):
+        check_tensor_parallel_job(2, plain, [], {}, False, error)
+    llm = _module("llama", False)
+    recorder = StepRecorder()
+    check_tensor_parallel_job(2, llm, [recorder, ResiHPProgressBar(recorder)], {}, True, error)  # supported: passes
+    for callback in (StragglerDetector(), ReplanController()):
+        with pytest.raises(error, match=rf"\['{type(callback).__name__}'\] do not support .*tensor_degree=2"):
+            check_tensor_parallel_job(2, llm, [callback], {}, False, error)
+    with pytest.raises(error, match=r"plain fp32 optimizer.*bf16"):
+        check_tensor_parallel_job(2, llm, [], {"bf16": {"enabled": True}}, False, error)
+    with pytest.raises(error, match=r"`tensor_degree`; allowed: a divisor of the world size 4"):
+        create_tensor_groups(3, 0, 4, llm, error)
+
+
+def test_tensor_groups_are_consecutive_ranks_and_slices_relabel_plans():
+    from resihp_lightning.plan import Plan
+    from resihp_lightning.strategy.tensor_groups import TensorGroups
+
+    groups = TensorGroups(2, 8)
+    assert groups.groups == 4 and groups.ranks_of(1) == [2, 3]
+    assert [groups.group_of(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [groups.member_of(r) for r in range(8)] == [0, 1] * 4
+    plan = Plan.uniform([0, 1, 2, 3], 6, 2, 4)  # over groups: replicas (0, 1) and (2, 3)
+    slices = groups.slice_plans(plan)
+    assert [r.devices for r in slices[0].replicas] == [(0, 2), (4, 6)]
+    assert [r.devices for r in slices[1].replicas] == [(1, 3), (5, 7)]

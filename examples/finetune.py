@@ -171,6 +171,10 @@ class StrategyArgs:
         start: the starting plan: ``uniform`` (``pipeline_degree`` x the rest) or ``planned`` (the planner's own
             plan for healthy devices, from the layers timed on one micro-batch before training; see
             examples/healthy_plan.py). A job resumed from a checkpoint starts as the checkpoint says.
+        tensor_degree: processes that split every layer (tensor parallelism; ``pipeline_degree`` then counts
+            groups of them). Above 1 the plan is static: it needs ``replan: false``, ``fault: null``,
+            ``strategy.fail_stop: null``, ``checkpoint: null`` and ``strategy.start: uniform``, and runs without
+            the straggler detector.
     """
 
     pipeline_degree: int | None = 2
@@ -181,6 +185,7 @@ class StrategyArgs:
     timeout_s: float = 1800.0
     fail_stop: FailStopConfig | None = field(default_factory=FailStopConfig)
     start: str = "uniform"
+    tensor_degree: int = 1
 
 
 def build_parser() -> ArgumentParser:
@@ -274,8 +279,28 @@ def check_inputs(cfg: Namespace) -> None:
 
     if cfg.strategy.start not in START_CHOICES:
         raise invalid_option("strategy.start", cfg.strategy.start, START_CHOICES)
+    _check_tensor_parallel(cfg)
     if cfg.trainer.devices < 1 or cfg.trainer.max_steps < 1:
         raise invalid_option("trainer.devices / trainer.max_steps", (cfg.trainer.devices, cfg.trainer.max_steps), ">= 1")
+
+
+def _check_tensor_parallel(cfg: Namespace) -> None:
+    """A tensor-parallel job runs a static plan: the options that detect, re-plan or recover must be off."""
+    degree = cfg.strategy.tensor_degree
+    if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
+        raise invalid_option("strategy.tensor_degree", degree, "an integer >= 1")
+    if degree == 1:
+        return
+    on = [name for name, value in (("replan", cfg.replan), ("fault", cfg.fault), ("strategy.fail_stop", cfg.strategy.fail_stop),
+                                   ("checkpoint", cfg.checkpoint)) if value not in (None, False)]
+    if cfg.strategy.start != "uniform":
+        on.append("strategy.start")
+    if on:
+        raise ConfigError(
+            f"strategy.tensor_degree {degree} runs a static plan (no detection, re-plans or recovery yet); turn off "
+            + ", ".join(on) + " (--replan false --fault null --strategy.fail_stop null --checkpoint null "
+            "--strategy.start uniform)"
+        )
 
 
 def _set_threads(cfg: Namespace) -> None:
@@ -371,12 +396,13 @@ def run(raw: Namespace, extra_callbacks: Sequence[Any] = ()) -> Path:
                               micro_batch_size=s.micro_batch_size,
                               micro_batches=s.micro_batches, deepspeed_config=dict(s.deepspeed_config),
                               process_group_backend=s.process_group_backend, timeout=s.timeout_s,
-                              fail_stop=s.fail_stop)
+                              fail_stop=s.fail_stop, tensor_degree=s.tensor_degree)
     recorder = StepRecorder(run_dir)
     callbacks: list[Any] = [recorder]
     if cfg.fault is not None:
         callbacks.append(FaultInjector([cfg.fault], log_dir=str(run_dir)))
-    callbacks.append(StragglerDetector(cfg.detector, log_dir=str(run_dir)))
+    if s.tensor_degree == 1:  # a tensor-parallel group's members would report one device twice
+        callbacks.append(StragglerDetector(cfg.detector, log_dir=str(run_dir)))
     if cfg.replan:
         callbacks.append(ReplanController(cfg.controller, planner=cfg.planner))
     if s.fail_stop is not None:
@@ -413,8 +439,9 @@ def run(raw: Namespace, extra_callbacks: Sequence[Any] = ()) -> Path:
         text, png = render(run_dir)
         if val_recorder is not None and val_recorder.last is not None:
             print(f"\nvalidation loss {val_recorder.last[1]:.4f} after {val_recorder.last[0]} steps (every validation: val.jsonl)")
+        groups = f" ({trainer.world_size // s.tensor_degree} tensor-parallel groups of {s.tensor_degree})" if s.tensor_degree > 1 else ""
         print(f"\ntrained {trainer.global_step} steps in {time.perf_counter() - started:.0f} s on "
-              f"{trainer.world_size} processes\n{text}\nrun directory: {run_dir}\ntimeline: {png}")
+              f"{trainer.world_size} processes{groups}\n{text}\nrun directory: {run_dir}\ntimeline: {png}")
     return run_dir
 
 

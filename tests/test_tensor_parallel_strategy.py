@@ -113,6 +113,7 @@ def _job(rank: int, world: int, runs: list[tuple[str, bool, int, int]], ckpt_dir
         name = f"{model_type}-{pipeline_degree}"
         path = f"{ckpt_dir}/{name}.ckpt"
         trainer.save_checkpoint(path)
+        module.save_hf_checkpoint(f"{ckpt_dir}/hf-{name}")  # every rank; a stage's member 0 writes its layers
         probe = _batches(STEPS + 2)[-1]
         predicted = trainer.predict(module, DataLoader([probe], batch_size=None))[0]
         validated = trainer.validate(module, DataLoader([probe], batch_size=None), verbose=False)[0]["val_loss"]
@@ -144,6 +145,8 @@ RUNS = [("llama", False, 2, 4, None), ("qwen2", True, 1, 4, 0.5)]
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_a_tensor_parallel_job_trains_exactly_like_one_process(distributed, tmp_path):
+    from transformers import AutoModelForCausalLM
+
     from resihp_lightning.models import CausalLMPipelineModule
 
     results = distributed(_job, 4, timeout=280, runs=RUNS, ckpt_dir=str(tmp_path))
@@ -180,6 +183,14 @@ def test_a_tensor_parallel_job_trains_exactly_like_one_process(distributed, tmp_
             assert got["predicted"].shape == outputs.shape == (4, 24, 260)
             torch.testing.assert_close(got["predicted"], outputs, atol=1e-4, rtol=0, msg=f"{name} predict rank {rank}")
             assert got["validated"] == pytest.approx(ref_val, abs=1e-4)
+        # The HF save from the stages holds the whole trained matrices.
+        saved = AutoModelForCausalLM.from_pretrained(tmp_path / f"hf-{name}", local_files_only=True).state_dict()
+        last = len(reference.pipeline_layers()) - 1
+        for hf_key, key in (("model.embed_tokens.weight", "layers.0.embed_tokens.weight"),
+                            ("lm_head.weight", f"layers.{last}.lm_head.weight"),
+                            ("model.layers.1.mlp.down_proj.weight", "layers.2.layer.mlp.down_proj.weight"),
+                            ("model.layers.0.self_attn.q_proj.weight", "layers.1.layer.self_attn.q_proj.weight")):
+            torch.testing.assert_close(saved[hf_key], ref_state[key], atol=WEIGHT_ATOL, rtol=0, msg=f"{name} HF {hf_key}")
         # Resumed: the next step is the reference's next step (the optimizer state came back too).
         ref_more, ref_after = _reference(model_type, tie, clip, STEPS + 1)
         for rank, result in enumerate(results):

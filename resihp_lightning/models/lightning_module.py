@@ -265,9 +265,11 @@ class CausalLMPipelineModule(ResiHPModule):
             return save_hf_checkpoint(_layer_keyed(self.state_dict()), self.hf_config, out_dir, tokenizer_dir=tokenizer_dir)
         if runtime.idle:  # a hot spare is outside the members' group; they write the model
             return Path(out_dir)
-        trained = runtime.trained_tensors()  # collective over each stage's replicas under a DeepSpeed wrapper
+        # Collective over each stage's replicas under a DeepSpeed wrapper, and over a tensor-parallel group
+        # (whose member 0 writes the whole layers).
+        trained = runtime.trained_tensors()
         position = runtime.position
-        writes = position.replica == 0
+        writes = position.replica == 0 and runtime.shard_index == 0
         return save_sharded_hf_checkpoint(
             trained if writes else {}, position.stage if writes else None, runtime.plan.pipeline_degree,
             self.hf_config, out_dir, tokenizer_dir=tokenizer_dir, source_dir=self.model_path,

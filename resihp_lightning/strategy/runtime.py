@@ -166,6 +166,12 @@ class PipelineRuntime:
         return self._pipe
 
     @property
+    def shard_index(self) -> int:
+        """Which shard of its layers this process holds: its index in its tensor-parallel group (0 without
+        tensor parallelism). Writers of whole layers (checkpoints, saves) are the processes with 0."""
+        return self.config.tensor.member if self.config.tensor is not None else 0
+
+    @property
     def layer_sizes(self) -> list[int]:
         """Parameter count of every layer of the model (what balances the senders of a migration)."""
         return list(self._layer_numel)

@@ -669,8 +669,8 @@ class ResiHPStrategyMixin(ResilientStepsMixin):
     def _sends_whole_layers(self) -> bool:
         """Whether this rank sends its layers' whole values to a gather: the first replica's ranks (with
         tensor parallelism, their groups' member 0; ``trained_tensors`` gathered the shards)."""
-        first = self._require_runtime().position.replica == 0
-        return first and (self._tensor is None or self._tensor.member == 0)
+        runtime = self._require_runtime()
+        return runtime.position.replica == 0 and runtime.shard_index == 0
 
     def _pipeline_loss(self, outputs: Any, labels: Any) -> Tensor:
         if self._tensor is not None:

@@ -172,7 +172,7 @@ class StrategyArgs:
             plan for healthy devices, from the layers timed on one micro-batch before training; see
             examples/healthy_plan.py). A job resumed from a checkpoint starts as the checkpoint says.
         tensor_degree: processes that split every layer (tensor parallelism; ``pipeline_degree`` then counts
-            groups of them). Above 1 the plan is static: it needs ``replan: false``, ``fault: null``,
+            groups of them). Above 1 nothing detects or re-plans yet: it needs ``replan: false``, ``fault: null``,
             ``strategy.fail_stop: null``, ``checkpoint: null`` and ``strategy.start: uniform``, and runs without
             the straggler detector.
     """
@@ -285,7 +285,7 @@ def check_inputs(cfg: Namespace) -> None:
 
 
 def _check_tensor_parallel(cfg: Namespace) -> None:
-    """A tensor-parallel job runs a static plan: the options that detect, re-plan or recover must be off."""
+    """A tensor-parallel job has no detection, re-planning or recovery yet: the options for them must be off."""
     degree = cfg.strategy.tensor_degree
     if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
         raise invalid_option("strategy.tensor_degree", degree, "an integer >= 1")
@@ -297,7 +297,7 @@ def _check_tensor_parallel(cfg: Namespace) -> None:
         on.append("strategy.start")
     if on:
         raise ConfigError(
-            f"strategy.tensor_degree {degree} runs a static plan (no detection, re-plans or recovery yet); turn off "
+            f"strategy.tensor_degree {degree} has no failure detection, re-planning or recovery yet; turn off "
             + ", ".join(on) + " (--replan false --fault null --strategy.fail_stop null --checkpoint null "
             "--strategy.start uniform)"
         )

@@ -168,7 +168,7 @@ def test_every_option_of_the_script_has_help_text() -> None:
 
 def test_a_tensor_parallel_run_names_the_options_it_needs_off(tmp_path: Path, capsys, monkeypatch) -> None:
     line = _in_process_error(["--strategy.tensor_degree", "2", "--run_dir", str(tmp_path / "r")], capsys, monkeypatch)
-    assert "strategy.tensor_degree 2 runs a static plan" in line
+    assert "strategy.tensor_degree 2 has no failure detection, re-planning or recovery yet" in line
     assert "replan, fault, strategy.fail_stop" in line and "--replan false --fault null" in line
     line = _in_process_error(["--strategy.tensor_degree", "0"], capsys, monkeypatch)
     assert "strategy.tensor_degree" in line and "an integer >= 1" in line

@@ -1,12 +1,16 @@
-"""``ResiHPStrategy(tensor_degree=2)``: a static tensor x pipeline x data-parallel job on 4 gloo processes.
+"""``ResiHPStrategy(tensor_degree=2)``: a tensor x pipeline x data-parallel job on 4 gloo processes.
 
-Each run trains a scratch Llama / tied-embedding Qwen2 ``CausalLMPipelineModule`` for a few steps with
-its layers split over groups of two processes, and must match one process training the unsplit model
-(a plain loop here, with the module's own optimizer): the same loss at every step and the same trained
-weights, which come back whole into the LightningModule and into a Lightning checkpoint.
+Each run trains a Llama / tied-embedding Qwen2 ``CausalLMPipelineModule`` (from scratch, or read per stage
+from an HF checkpoint) for a few steps with its layers split over groups of two processes, re-planning
+once (layers move between the groups), and must match one process training the unsplit model (a plain
+loop here, with the module's own optimizer): the same loss at every step and the same trained weights,
+which come back whole into the LightningModule, a Lightning checkpoint (resumable) and an HF save.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,13 +26,40 @@ LR = 1e-2
 WEIGHT_ATOL = 1e-4
 
 
-def _module(model_type: str, tie: bool):
+@dataclass(frozen=True)
+class Run:
+    """One training run of the job.
+
+    Attributes:
+        model_type: ``"llama"`` or ``"qwen2"``.
+        tie: tied input and output embeddings.
+        pipeline_degree: of the starting plan over the 2 groups.
+        clip: ``Trainer(gradient_clip_val)``.
+        replan: the plan requested after the first step.
+        hf_dir: read the model per stage from this HF checkpoint (``None``: a scratch model).
+    """
+
+    model_type: str
+    tie: bool
+    pipeline_degree: int
+    clip: float | None
+    replan: dict
+    hf_dir: str | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.model_type}-{self.pipeline_degree}" + ("-hf" if self.hf_dir else "")
+
+
+def _module(run: Run, load: str = "per_stage"):
     from resihp_lightning.models import CausalLMPipelineModule
 
+    if run.hf_dir is not None:
+        return CausalLMPipelineModule(model_path=run.hf_dir, load=load, learning_rate=LR, weight_decay=0.1)
     # Its own ``seed`` initialises a scratch model (no global seeding here: PL_GLOBAL_SEED in the test
     # process's environment would reach the processes other tests spawn).
-    shape = ScratchModelConfig(model_type=model_type, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                               num_key_value_heads=2, intermediate_size=64, tie_word_embeddings=tie)
+    shape = ScratchModelConfig(model_type=run.model_type, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, intermediate_size=64, tie_word_embeddings=run.tie)
     return CausalLMPipelineModule(scratch=shape, seed=7, learning_rate=LR, weight_decay=0.1)
 
 
@@ -43,13 +74,11 @@ def _batches(steps: int = STEPS, rows: int = 4, seq_len: int = 24) -> list[dict]
     return out
 
 
-def _reference(
-    model_type: str, tie: bool, clip: float | None, steps: int = STEPS
-) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _reference(run: Run, steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process, the unsplit model, the module's own optimizer: what the split job must reproduce."""
-    module = _module(model_type, tie)
+    module = _module(run, load="whole")
     layers = module.pipeline_layers()
-    if tie:  # the module keeps a copy per layer (the strategy keeps them equal); here: one parameter
+    if run.tie:  # the module keeps a copy per layer (the strategy keeps them equal); here: one parameter
         layers[-1].lm_head.weight = layers[0].embed_tokens.weight
     optimizer = module.configure_optimizers()
     losses = []
@@ -64,17 +93,16 @@ def _reference(
             loss = loss + module.pipeline_loss(outputs, labels) / rows
         optimizer.zero_grad()
         loss.backward()
-        if clip is not None:
-            norm = torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
-            assert norm > clip  # the clipping changes the step
+        if run.clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(module.parameters(), run.clip)
+            assert norm > run.clip  # the clipping changes the step
         optimizer.step()
         losses.append(float(loss.detach()))
     return losses, {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
-def _job(rank: int, world: int, runs: list[tuple[str, bool, int, int]], ckpt_dir: str) -> dict:
+def _job(rank: int, world: int, runs: list[Run], ckpt_dir: str) -> dict:
     import warnings
-    from pathlib import Path
 
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader
@@ -84,33 +112,40 @@ def _job(rank: int, world: int, runs: list[tuple[str, bool, int, int]], ckpt_dir
     warnings.filterwarnings("ignore")
 
     class Losses(pl.Callback):
-        def __init__(self) -> None:
+        """Records the losses; after the first step asks for ``replan`` (layers move between groups)."""
+
+        def __init__(self, replan: dict | None) -> None:
             self.values: list[float] = []
+            self.replan = replan
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self.values.append(float(outputs["loss"]))
+            if self.replan is not None and trainer.global_step == 1:
+                trainer.strategy.request_plan(Plan.from_dict(self.replan))
 
     from resihp_lightning.callbacks.progress import StepRecorder
+    from resihp_lightning.plan import Plan
 
-    def fit(model_type, tie, pipeline_degree, micro_batches, clip, batches, steps, ckpt_path=None):
-        module = _module(model_type, tie)
-        losses = Losses()
-        recorder = StepRecorder(f"{ckpt_dir}/{model_type}" if ckpt_path is None else None)
-        strategy = ResiHPStrategy(tensor_degree=2, pipeline_degree=pipeline_degree, micro_batch_size=1,
-                                  micro_batches=micro_batches)
+    def fit(run, batches, steps, ckpt_path=None):
+        module = _module(run)
+        losses = Losses(run.replan if ckpt_path is None else None)
+        recorder = StepRecorder(f"{ckpt_dir}/{run.name}" if ckpt_path is None else None)
+        # gather_weights="all": a module read per stage would keep only its own layers (its default).
+        strategy = ResiHPStrategy(tensor_degree=2, pipeline_degree=run.pipeline_degree, micro_batch_size=1,
+                                  micro_batches=4, gather_weights="all")
         trainer = pl.Trainer(
             accelerator="cpu", devices=world, strategy=strategy, max_steps=steps, logger=False,
             enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
             use_distributed_sampler=False, callbacks=[losses, recorder], default_root_dir=ckpt_dir,
-            gradient_clip_val=clip,
+            gradient_clip_val=run.clip,
         )
         trainer.fit(module, DataLoader(batches, batch_size=None), ckpt_path=ckpt_path)
         return module, losses, strategy, trainer
 
     results = {}
-    for model_type, tie, pipeline_degree, micro_batches, clip in runs:
-        module, losses, strategy, trainer = fit(model_type, tie, pipeline_degree, micro_batches, clip, _batches(), STEPS)
-        name = f"{model_type}-{pipeline_degree}"
+    for run in runs:
+        module, losses, strategy, trainer = fit(run, _batches(), STEPS)
+        name = run.name
         path = f"{ckpt_dir}/{name}.ckpt"
         trainer.save_checkpoint(path)
         module.save_hf_checkpoint(f"{ckpt_dir}/hf-{name}")  # every rank; a stage's member 0 writes its layers
@@ -118,18 +153,18 @@ def _job(rank: int, world: int, runs: list[tuple[str, bool, int, int]], ckpt_dir
         predicted = trainer.predict(module, DataLoader([probe], batch_size=None))[0]
         validated = trainer.validate(module, DataLoader([probe], batch_size=None), verbose=False)[0]["val_loss"]
         # Resumed from the checkpoint (weights and Adam state split again), one more step on the next batch.
-        resumed, more, _, _ = fit(model_type, tie, pipeline_degree, micro_batches, clip, _batches(STEPS + 1)[STEPS:],
-                                  STEPS + 1, ckpt_path=path)
+        resumed, more, _, _ = fit(run, _batches(STEPS + 1)[STEPS:], STEPS + 1, ckpt_path=path)
         local = {i: sorted(n for n, _ in layer.named_parameters()) for i, layer in strategy.local_layers().items()}
         results[name] = {
             "losses": losses.values,
             "state": {k: v.detach().clone() for k, v in module.state_dict().items()},
             "plan": strategy.current_plan.to_dict(),
+            "moved": strategy.last_migration.bytes_moved if strategy.last_migration is not None else 0,
             "device_id": strategy.device_id,
             "local_shapes": {i: [tuple(p.shape) for p in layer.parameters()] for i, layer in strategy.local_layers().items()},
             "local": local,
             "checkpoint": path,
-            "recorded": len((Path(ckpt_dir) / model_type / "steps.jsonl").read_text().splitlines()) if rank == 0 else None,
+            "recorded": len((Path(ckpt_dir) / name / "steps.jsonl").read_text().splitlines()) if rank == 0 else None,
             "predicted": predicted,
             "validated": float(validated),
             "resumed_losses": more.values,
@@ -138,8 +173,14 @@ def _job(rank: int, world: int, runs: list[tuple[str, bool, int, int]], ckpt_dir
     return results
 
 
-# 2 groups as P=2 x D=1, then as P=1 x D=2 with global-norm clipping (the norm adds the shards over a group).
-RUNS = [("llama", False, 2, 4, None), ("qwen2", True, 1, 4, 0.5)]
+# The 2 groups as P=2 x D=1, then as P=1 x D=2 with global-norm clipping (the norm adds the shards over a
+# group). After the first step a re-plan moves layers between the groups: shard i goes from member i to
+# member i. The last run reads its layers per stage from an HF checkpoint (the first run's model, saved).
+SWAP = {"replicas": [{"devices": [1, 0], "bounds": [0, 3, 4], "micro_batches": 4}]}
+RUNS = [
+    Run("llama", False, 2, None, SWAP),
+    Run("qwen2", True, 1, 0.5, {"replicas": [{"devices": [0, 1], "bounds": [0, 2, 4], "micro_batches": 4}]}),
+]
 
 
 @pytest.mark.multiprocess
@@ -149,16 +190,21 @@ def test_a_tensor_parallel_job_trains_exactly_like_one_process(distributed, tmp_
 
     from resihp_lightning.models import CausalLMPipelineModule
 
-    results = distributed(_job, 4, timeout=280, runs=RUNS, ckpt_dir=str(tmp_path))
-    for model_type, tie, pipeline_degree, _, clip in RUNS:
-        name = f"{model_type}-{pipeline_degree}"
-        ref_losses, ref_state = _reference(model_type, tie, clip)
+    hf_dir = tmp_path / "llama-hf-start"
+    _module(RUNS[0]).save_hf_checkpoint(hf_dir)  # outside the strategy: the module's own weights
+    runs = [*RUNS, Run("llama", False, 2, None, SWAP, hf_dir=str(hf_dir))]
+    results = distributed(_job, 4, timeout=280, runs=runs, ckpt_dir=str(tmp_path))
+    for run in runs:
+        name, pipeline_degree = run.name, run.pipeline_degree
+        ref_losses, ref_state = _reference(run)
         for rank, result in enumerate(results):
             got = result[name]
             # Plans name the two groups: ranks 0, 1 are group 0 and ranks 2, 3 group 1.
             assert got["device_id"] == rank // 2
             assert got["recorded"] == (STEPS if rank == 0 else None)  # StepRecorder works (rank 0 writes steps.jsonl)
-            assert sorted(d for r in got["plan"]["replicas"] for d in r["devices"]) == [0, 1]
+            assert got["plan"]["replicas"] == run.replan["replicas"]  # the re-plan took effect
+            # From 2 x 1 every process receives layers; from 1 x 2 (each group held all) they only give some up.
+            assert (got["moved"] > 0) == (pipeline_degree == 2)
             # Each member holds half of every split matrix: e.g. the embedding's vocabulary rows.
             if 0 in got["local_shapes"]:
                 assert got["local_shapes"][0][0] == (130, 32), got["local_shapes"][0]
@@ -169,7 +215,7 @@ def test_a_tensor_parallel_job_trains_exactly_like_one_process(distributed, tmp_
                 torch.testing.assert_close(got["state"][key], want, atol=WEIGHT_ATOL, rtol=0,
                                            msg=f"{name} rank {rank} {key}")
         # trainer.predict returns the whole logits (the members' vocabulary shards joined), validate the loss.
-        reference = _module(model_type, tie)
+        reference = _module(run, load="whole")
         reference.load_state_dict(ref_state)
         probe = _batches(STEPS + 2)[-1]
         with torch.no_grad():
@@ -192,7 +238,7 @@ def test_a_tensor_parallel_job_trains_exactly_like_one_process(distributed, tmp_
                             ("model.layers.0.self_attn.q_proj.weight", "layers.1.layer.self_attn.q_proj.weight")):
             torch.testing.assert_close(saved[hf_key], ref_state[key], atol=WEIGHT_ATOL, rtol=0, msg=f"{name} HF {hf_key}")
         # Resumed: the next step is the reference's next step (the optimizer state came back too).
-        ref_more, ref_after = _reference(model_type, tie, clip, STEPS + 1)
+        ref_more, ref_after = _reference(run, STEPS + 1)
         for rank, result in enumerate(results):
             got = result[name]
             assert got["resumed_losses"] == pytest.approx(ref_more[STEPS:], abs=2e-5, rel=0), (name, rank)
@@ -200,7 +246,8 @@ def test_a_tensor_parallel_job_trains_exactly_like_one_process(distributed, tmp_
                 torch.testing.assert_close(got["resumed_state"][key], want, atol=WEIGHT_ATOL, rtol=0,
                                            msg=f"{name} resumed, rank {rank} {key}")
         # The Lightning checkpoint holds the whole model under the module's keys: a plain process loads it.
-        restored = CausalLMPipelineModule.load_from_checkpoint(results[0][name]["checkpoint"], map_location="cpu")
+        restored = CausalLMPipelineModule.load_from_checkpoint(results[0][name]["checkpoint"], map_location="cpu",
+                                                               load="whole")
         for key, want in ref_state.items():
             torch.testing.assert_close(restored.state_dict()[key], want, atol=WEIGHT_ATOL, rtol=0,
                                        msg=f"{name} checkpoint {key}")
@@ -233,7 +280,7 @@ def test_a_job_tensor_parallelism_cannot_run_yet_is_refused_by_name():
     plain = build_class()()  # a ResiHPModule without the tensor-parallel hooks
     with pytest.raises(error, match=r"needs \w+ to define pipeline_split_layer and pipeline_tensor_parallel_loss"):
         check_tensor_parallel_job(2, plain, [], {}, False, error)
-    llm = _module("llama", False)
+    llm = _module(RUNS[0])
     recorder = StepRecorder()
     check_tensor_parallel_job(2, llm, [recorder, ResiHPProgressBar(recorder)], {}, True, error)  # supported: passes
     for callback in (StragglerDetector(), ReplanController()):

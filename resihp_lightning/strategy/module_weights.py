@@ -99,6 +99,8 @@ def write_trained(layers: Mapping[int, nn.Module], trained: Mapping[str, Tensor]
     module's unsplit layers, whose split copies trained; ``trained`` holds the gathered whole values)."""
     with torch.no_grad():
         for index, layer in layers.items():
+            if meta.has_meta(layer):  # a layer loaded per stage went back to meta once split
+                meta.allocate(layer, next(iter(trained.values())).device)
             for name, tensor in layer_tensors(layer).items():
                 value = trained.get(f"{index}.{name}")
                 if value is not None:

@@ -240,11 +240,6 @@ class PipelineRuntime:
             engines.set_micro_batches(self._engine, plan.replicas[self._position.replica].micro_batches)
             self._plan = plan
             return MigrationRecord(plan=plan, seconds=time.perf_counter() - start, bytes_moved=0)
-        if self.config.tensor is not None:
-            raise ConfigError(
-                "a plan that moves layers is not supported with tensor_degree > 1 yet (only micro-batch counts "
-                "may change); see docs/tensor_parallel.md"
-            )
         captured = self._carrier.capture(self._engine, self.local_parameters())
         state_s = time.perf_counter() - start
         self._stop_engine()
@@ -339,8 +334,7 @@ class PipelineRuntime:
         held = self._position.layers if self._position is not None else range(0)
         # The layers this process holds under ``plan``: kept objects (their Parameters keep the optimizer
         # state keyed by them) and fresh ones for what arrives, built without weight init.
-        new_layers = {i: old_layers[i] if i in old_layers else materialize_layer(self.config.layers[i], skip_init=i in incoming)
-                      for i in held}
+        new_layers = {i: old_layers[i] if i in old_layers else self._fresh_layer(i, skip_init=i in incoming) for i in held}
         for i in held:
             if i in incoming:  # a layer on the meta device gets storage for what arrives
                 meta.allocate(new_layers[i], self.config.device)
@@ -563,9 +557,12 @@ class PipelineRuntime:
                 self._load(index, layer)
             if self.config.tensor is not None and index not in reuse:
                 # A private copy is split: the module keeps its unsplit layer (the trained values are
-                # gathered back into it at the end).
+                # gathered back into it at the end); one loaded per stage goes back to meta, so that a
+                # process keeps the storage of its shards only.
                 tensor = self.config.tensor
                 reuse[index] = tensor.split_layer(index, copy.deepcopy(materialize_layer(layer)), tensor.group)
+                if self._release_given_away and isinstance(layer, nn.Module):
+                    meta.release(layer)
         kwargs: dict[str, Any] = {}
         interval = (self.config.deepspeed_config.get("pipeline") or {}).get("activation_checkpoint_interval")
         if interval:
@@ -580,6 +577,19 @@ class PipelineRuntime:
                 reuse=reuse,
                 **kwargs,
             )
+
+    def _fresh_layer(self, index: int, skip_init: bool) -> nn.Module:
+        """A layer this process starts to hold (its values arrive by migration when ``skip_init``): the
+        model's layer, or under tensor parallelism this member's split of a copy of it."""
+        layer = materialize_layer(self.config.layers[index], skip_init=skip_init)
+        tensor = self.config.tensor
+        if tensor is None:
+            return layer
+        if meta.has_meta(layer):  # the split needs values to cut; migration overwrites them
+            layer = copy.deepcopy(layer)
+            meta.allocate(layer, self.config.device)
+            return tensor.split_layer(index, layer, tensor.group)
+        return tensor.split_layer(index, copy.deepcopy(layer), tensor.group)
 
     def _topology(self, plan: Plan) -> PlanTopology | TensorPlanTopology:
         if self.config.tensor is None:

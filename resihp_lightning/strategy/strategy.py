@@ -30,7 +30,7 @@ from resihp_lightning import _registration
 from resihp_lightning._logging import quiet_agreed_errors, user_warn
 from resihp_lightning.contract import DeviceConditions, MigrationRecord
 from resihp_lightning.errors import PlanError
-from resihp_lightning.placement import row_offset, same_layout
+from resihp_lightning.placement import row_offset
 from resihp_lightning.resilience.errors import PeerFailure
 from resihp_lightning.plan import Plan
 from resihp_lightning.strategy import batching, checkpoint, evaluation, link_probe
@@ -249,11 +249,7 @@ class ResiHPStrategyMixin(ResilientStepsMixin):
         current = self._runtime.plan if self._runtime is not None else None
         check_plan(plan, self.devices_alive, self.num_layers, self._num_micro, self.deepspeed_config, current,
                    idle_allowed=self.supports_idle_devices)
-        if self._tensor is not None and current is not None and not same_layout(plan, current):
-            raise PlanError(
-                "with tensor_degree > 1 a new plan may change micro-batch counts only, not move layers (not built yet; "
-                "see docs/tensor_parallel.md)"
-            )
+
 
     def measure_links(self, first_round: int = 0) -> LinkSample:
         """Times the links of the current group at a step boundary (collective; see :mod:`.link_probe`).

@@ -55,7 +55,8 @@ def check_tensor_parallel_job(
     if unsupported:
         raise error(
             f"the callbacks {unsupported} do not support ResiHPStrategy(tensor_degree={degree}) yet: a tensor-parallel "
-            "job runs a static plan (no detection, re-plans or recovery); see docs/tensor_parallel.md"
+            "job has no failure detection, automatic re-planning or recovery yet (strategy.request_plan works); "
+            "see docs/tensor_parallel.md"
         )
     for key in ("bf16", "fp16"):
         if (deepspeed_config.get(key) or {}).get("enabled"):

@@ -2,9 +2,10 @@
 
 The strategy turns Lightning's hooks into runtime calls: setup builds the runtime for the initial
 plan, each training step applies a requested plan (:meth:`~ResiHPStrategyMixin.request_plan`) and
-runs this replica's micro-batches, evaluation deals a batch out to the replicas, and checkpoints are
-written and read by global layer index (:mod:`~resihp_lightning.strategy.checkpoint`). Everything
-that depends on the plan lives in the runtime.
+runs this replica's micro-batches. Its other halves are mixins: evaluation deals a batch out to the
+replicas (:mod:`.evaluation_steps`), checkpoints and the end-of-fit weights go in and out under the
+module's own keys (:mod:`.model_state`), and a job that can lose ranks runs its steps through
+:mod:`.resilient_steps`. Everything that depends on the plan lives in the runtime.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -33,16 +34,18 @@ from resihp_lightning.errors import PlanError
 from resihp_lightning.placement import row_offset
 from resihp_lightning.resilience.errors import PeerFailure
 from resihp_lightning.plan import Plan
-from resihp_lightning.strategy import batching, checkpoint, evaluation, link_probe
+from resihp_lightning.strategy import batching, link_probe
 from resihp_lightning.strategy.device_memory import memory_budget_mb
 from resihp_lightning.strategy.engine import init_deepspeed_comm
 from resihp_lightning.strategy.fail_stop import FailStopConfig
 from resihp_lightning.strategy.launcher import without_observer
 from resihp_lightning.strategy.loss_logging import LossLogRecorder
 from resihp_lightning.strategy.module import check_contract, layer_specs, resolve_gather_weights, tied_parameters
-from resihp_lightning.strategy.module_weights import LayerKeys, restore_full_precision, sync_module_layers, write_trained
+from resihp_lightning.strategy.module_weights import LayerKeys
 from resihp_lightning.strategy.options import StrategyOptions
 from resihp_lightning.strategy.plan_rules import check_plan, initial_plan, settle_micro_batches
+from resihp_lightning.strategy.evaluation_steps import EvaluationStepsMixin
+from resihp_lightning.strategy.model_state import ModelStateMixin
 from resihp_lightning.strategy.resilient_steps import ResilientStepsMixin
 from resihp_lightning.strategy.runtime import PipelineRuntime, RuntimeConfig
 from resihp_lightning.strategy.survivors import SurvivingJob
@@ -53,7 +56,7 @@ from resihp_lightning.strategy.wrapped_state import wraps_optimizer
 from resihp_lightning.telemetry import LayerCost, LinkSample, MicroBatchStats, StepStats
 
 
-class ResiHPStrategyMixin(ResilientStepsMixin):
+class ResiHPStrategyMixin(ResilientStepsMixin, ModelStateMixin, EvaluationStepsMixin):
     """Everything of :class:`ResiHPStrategy` that does not depend on the Lightning package.
 
     Combined with ``lightning.pytorch``'s ``DDPStrategy`` it is :class:`ResiHPStrategy`; combined with
@@ -495,32 +498,6 @@ class ResiHPStrategyMixin(ResilientStepsMixin):
         return loss, busy, items, pos
 
     @override
-    def validation_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Tensor:
-        loss, rows = self._evaluate(batch)
-        self.lightning_module.log("val_loss", loss, on_step=False, on_epoch=True, prog_bar=True, batch_size=rows, sync_dist=True)
-        return loss
-
-    @override
-    def test_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Tensor:
-        loss, rows = self._evaluate(batch)
-        self.lightning_module.log("test_loss", loss, on_step=False, on_epoch=True, batch_size=rows, sync_dist=True)
-        return loss
-
-    @override
-    def predict_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Any:
-        runtime = self._require_runtime()
-        call = self._job.mirror.next_call() if self._job is not None else 0
-        if self.is_spare:
-            return batching.to_device(self._job.mirror.wait(call).value, self.root_device)
-        _, _, outputs = evaluation.run_share(runtime, self.lightning_module, batch, self.micro_batch_size, compute_loss=False)
-        if self._tensor is not None and outputs is not None:  # the last stage's members join their shards
-            outputs = self._whole_outputs(outputs)
-        joined = evaluation.joined_outputs(runtime.position.replica, outputs, self.root_device)
-        if self._job is not None:
-            self._publish(call, batching.to_cpu(joined))
-        return joined
-
-    @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         # PipelineEngine.train_batch already ran the backward passes.
         return closure_loss
@@ -529,72 +506,6 @@ class ResiHPStrategyMixin(ResilientStepsMixin):
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         # The closure runs training_step (train_batch), which also stepped the optimizer.
         return closure()
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Every tensor of the model under the LightningModule's own keys, on rank 0 (collective).
-
-        Layers come from the ranks of the first replica, in full precision (fp32 masters under bf16);
-        everything else from rank 0's module.
-        """
-        runtime = self._require_runtime()
-        if self.is_spare:  # outside the members' group; rank 0 (a member) writes the checkpoint
-            return {}
-        layers = checkpoint.gather_model_state(runtime.trained_tensors(), sends=self._sends_whole_layers())
-        return checkpoint.module_keyed(self.lightning_module, self._keys, layers) if self.global_rank == 0 else {}
-
-    def export_weights(self, path: str | os.PathLike) -> None:
-        """Writes the trained model's ``state_dict`` (the module's own keys) to ``path`` on rank 0 (collective).
-
-        ``Model().load_state_dict(torch.load(path))`` restores it in a plain process.
-        """
-        state = self.lightning_module_state_dict()
-        if self.global_rank == 0:
-            torch.save(state, path)
-        self.barrier()
-
-    @override
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        runtime = self._require_runtime()
-        bound = runtime.optimizer
-        if bound is None:
-            raise RuntimeError("ResiHPStrategy has no optimizer outside trainer.fit")
-        if self.is_spare:
-            return {}
-        # Collective under a DeepSpeed wrapper (each stage's data-parallel group): every rank is here.
-        state = runtime.optimizer_checkpoint_state()
-        return checkpoint.gather_optimizer_state(bound.groups, bound.group_of, state, sends=self._sends_whole_layers())
-
-    @override
-    def save_checkpoint(self, checkpoint_dict: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        checkpoint_dict["resihp"] = {
-            "format": checkpoint.FORMAT,
-            "state_dict_keys": "module",
-            "plan": self.current_plan.to_dict(),
-            "micro_batches": self._num_micro,
-            "micro_batch_size": self.micro_batch_size,
-            "num_layers": self.num_layers,
-        }
-        super().save_checkpoint(checkpoint_dict, filepath, storage_options=storage_options)
-
-    @override
-    def load_model_state_dict(self, checkpoint_dict: Mapping[str, Any], strict: bool = True) -> None:
-        runtime = self._require_runtime()
-        section = checkpoint_dict.get("resihp")
-        # Our checkpoints before module keys had layer keys; a plain Lightning checkpoint has module keys.
-        layer_keyed = section is not None and section.get("state_dict_keys") != "module"
-        checkpoint.load_module_state(
-            self.lightning_module, self._keys, checkpoint_dict["state_dict"], runtime.local_tensors(), layer_keyed, strict,
-            shard=runtime.saved_shard if self._tensor is not None else None,
-        )
-        runtime.weights_loaded()
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint_dict: Mapping[str, Any]) -> None:
-        runtime = self._require_runtime()
-        states = checkpoint_dict.get("optimizer_states") or []
-        if runtime.optimizer is not None and states:
-            runtime.load_optimizer_checkpoint(states[0])
 
     @override
     def on_train_start(self) -> None:
@@ -618,29 +529,6 @@ class ResiHPStrategyMixin(ResilientStepsMixin):
             except PeerFailure as failure:
                 self._recover(failure)
 
-    def _gather_trained_weights(self) -> None:
-        """Puts every layer's trained weights into the LightningModule of the ranks ``gather_weights`` names."""
-        runtime = self._require_runtime()
-        trained = runtime.trained_tensors()
-        if self._tensor is None:
-            restore_full_precision(runtime.local_layers(), trained)
-        else:  # the split copies trained; the module's own layers take the gathered values
-            write_trained({i: self._specs[i] for i in runtime.local_layers() if self._keys.is_attached(i)}, trained)
-        if self._job is not None and self._sync_with_spares(trained):
-            return
-        if self.options.gather_weights == "none":
-            pos = runtime.position
-            user_warn(
-                "ResiHPStrategy(gather_weights='none'): each rank's LightningModule holds trained weights only for "
-                f"its own layers (rank 0: layers {pos.first}..{pos.stop - 1}); the others are stale. Use "
-                "checkpoints or strategy.export_weights(path) for the whole model"
-            )
-            return
-        receivers = None if self.options.gather_weights == "all" else {0}
-        plan = runtime.plan_in_ranks() if self._tensor is None else self._tensor.groups.slice_plans(runtime.plan)[0]
-        sync_module_layers(plan, self.global_rank, self._specs, self._keys, trained, receivers,
-                           runtime.casts_model)
-
     @override
     def teardown(self) -> None:
         if self._runtime is not None:
@@ -654,19 +542,6 @@ class ResiHPStrategyMixin(ResilientStepsMixin):
         if self._runtime is None:
             raise RuntimeError("ResiHPStrategy is not set up yet (its runtime is built in Trainer setup)")
         return self._runtime
-
-    def _whole_outputs(self, outputs: list[Any]) -> list[Any] | None:
-        """Each micro-batch's whole outputs on member 0 of a last-stage group (``None`` on the other
-        members, which then add nothing to the join); collective over the group."""
-        module, tensor = self.lightning_module, self._tensor
-        whole = [module.pipeline_tensor_parallel_outputs(out, tensor.group) for out in outputs]
-        return whole if tensor.member == 0 else None
-
-    def _sends_whole_layers(self) -> bool:
-        """Whether this rank sends its layers' whole values to a gather: the first replica's ranks (with
-        tensor parallelism, their groups' member 0; ``trained_tensors`` gathered the shards)."""
-        runtime = self._require_runtime()
-        return runtime.position.replica == 0 and runtime.shard_index == 0
 
     def _pipeline_loss(self, outputs: Any, labels: Any) -> Tensor:
         if self._tensor is not None:
@@ -714,26 +589,6 @@ class ResiHPStrategyMixin(ResilientStepsMixin):
                 f"configure_optimizers returned {len(self.optimizers)} optimizers; ResiHPStrategy needs exactly one"
             )
         return self.optimizers[0]
-
-    def _evaluate(self, batch: Any) -> tuple[Tensor, int]:
-        """The batch's mean loss over rows (``self.log`` in ``pipeline_loss`` works here too) and its rows.
-
-        A spare returns (and logs) what the members computed. A failure during evaluation is not
-        recovered: it ends the job (for a restart).
-        """
-        module = self.lightning_module
-        call = self._job.mirror.next_call() if self._job is not None else 0
-        if self.is_spare:
-            result = self._job.mirror.wait(call).value
-            LossLogRecorder.log_values(module, result["logs"], self.root_device)
-            return torch.tensor(result["loss"], device=self.root_device), result["rows"]
-        with self._loss_log.recording(module):
-            split, items, losses = evaluation.run_share(self._require_runtime(), module, batch, self.micro_batch_size, True)
-        logs = self._loss_log.replay(module, self.root_device)
-        loss = evaluation.mean_loss(items, losses, self.root_device)
-        if self._job is not None:
-            self._publish(call, {"loss": float(loss), "rows": split.rows, "logs": logs})
-        return loss, split.rows
 
 
 class ResiHPStrategy(ResiHPStrategyMixin, DDPStrategy):

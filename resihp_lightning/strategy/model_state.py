@@ -70,6 +70,7 @@ class ModelStateMixin:
             "micro_batches": self._num_micro,
             "micro_batch_size": self.micro_batch_size,
             "num_layers": self.num_layers,
+            "tensor_degree": self.options.tensor_degree,  # the plan names groups of this many processes
         }
         super().save_checkpoint(checkpoint_dict, filepath, storage_options=storage_options)
 

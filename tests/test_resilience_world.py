@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -251,12 +252,12 @@ def test_without_its_store_host_the_job_trains_on_and_a_later_failure_ends_it_cl
         assert value["aborted"] == 0 and value["store_unavailable_after"] < 5.0
 
 
-def test_a_leader_alive_but_late_for_the_regroup_is_left_out_and_the_others_go_on():
+def test_a_leader_alive_but_late_for_the_regroup_is_left_out_and_the_others_go_on(tmp_path):
     """Rank 0, the regroup's leader, stalls after rank 2 dies: alive (its detector keeps beating), so
     nobody names it failed, and it never joins. After ``join_timeout_s`` the lowest rank that joined (1)
     proposes in its place; ranks 1 and 3 go on as generation 1. Before, everyone waited for the leader's
     proposal until the regroup timeout. The leader, left out, is killed on this machine (kill_evicted)."""
-    outcome = run_job(_train, 4, timeout=60, wait_for=[1, 3], mode="all_reduce",
+    outcome = run_job(_train, 4, timeout=60, wait_for=[1, 3], mode="all_reduce", run_dir=str(tmp_path),
                       failures=[(2, 20, "kill")], steps=40, stall=(0, 40.0), join_timeout_s=2.0)
     values = _survivors(outcome, [1, 3])
     for value in values.values():
@@ -266,3 +267,8 @@ def test_a_leader_alive_but_late_for_the_regroup_is_left_out_and_the_others_go_o
         assert value["rank_of"] == {1: 0, 3: 1}
     leader = outcome.ranks[0]
     assert leader.status == "died" and leader.exitcode == -signal.SIGKILL, outcome.describe()
+    # Where the late leader was stuck: its threads' stacks, dumped join_timeout_s after the abort (the
+    # main thread in the test's stall); the survivors, in time, leave no file.
+    dumps = sorted(p.name for p in Path(outcome.run_dir).glob("stalled-rank*.txt"))
+    assert dumps == ["stalled-rank0.txt"], dumps
+    assert "in _train" in (Path(outcome.run_dir) / "stalled-rank0.txt").read_text()

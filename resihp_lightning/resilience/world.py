@@ -74,6 +74,7 @@ from resihp_lightning.resilience.errors import (
 from resihp_lightning.resilience.frameworks import reset_deepspeed
 from resihp_lightning.resilience.membership import agree_members
 from resihp_lightning.resilience.sockets import SocketTracker
+from resihp_lightning.resilience.stall_dump import StallDump
 from resihp_lightning.resilience.store import RendezvousStore, StoreConfig
 
 log = get_logger(__name__)
@@ -268,6 +269,7 @@ class ElasticWorld:
         self._job: tuple[int, ...] = ()  # the job's processes (members and spares) as of the last regroup
         self._lock = threading.RLock()
         self.history: list[dict[str, Any]] = []  # one record per abort and per generation formed
+        self._stall_dump: StallDump | None = None  # set at start (it needs the run directory)
 
     # ------------------------------------------------------------------------ properties
     @property
@@ -346,6 +348,7 @@ class ElasticWorld:
         """
         cfg = self.config
         self.store = RendezvousStore(cfg.store, rank=self.original_rank).open()
+        self._stall_dump = StallDump(cfg.store.resolved_run_dir(), self.original_rank)
         store = self.store
         self.detector = FailureDetector(
             cfg.detector,
@@ -368,6 +371,8 @@ class ElasticWorld:
         """Stops detection, destroys the groups and leaves the store (the host ends after the last)."""
         if self.detector is not None:
             self.detector.stop()
+        if self._stall_dump is not None:
+            self._stall_dump.disarm()
         _uninstall_group_hook(self)
         if self._gen is not None:
             self._teardown(self._gen)
@@ -455,6 +460,10 @@ class ElasticWorld:
         log.warning(
             "rank %d aborts generation %d (%d connections cut): %s", self.original_rank, gen.number, cut, reason
         )
+        if self._stall_dump is not None:
+            # Late for the regroup: where this process was stuck goes to a file, before the others
+            # leave it out (after join_timeout_s) and kill it.
+            self._stall_dump.arm(self.config.join_timeout_s / 2)
         self.history.append({"event": "abort", "generation": gen.number, "at": gen.aborted_at, "reason": reason})
         if publish:
             self._publish_abort(gen, reason, failed or [])
@@ -542,6 +551,8 @@ class ElasticWorld:
         cfg = self.config
         started = time.monotonic()
         self.abort(f"regroup requested by rank {self.original_rank}")
+        if self._stall_dump is not None:  # this process reached the regroup in time
+            self._stall_dump.disarm()
         while True:
             old = self.current
             number = old.number + 1

@@ -439,7 +439,8 @@ def run(raw: Namespace, extra_callbacks: Sequence[Any] = ()) -> Path:
         text, png = render(run_dir)
         if val_recorder is not None and val_recorder.last is not None:
             print(f"\nvalidation loss {val_recorder.last[1]:.4f} after {val_recorder.last[0]} steps (every validation: val.jsonl)")
-        groups = f" ({trainer.world_size // s.tensor_degree} tensor-parallel groups of {s.tensor_degree})" if s.tensor_degree > 1 else ""
+        count = trainer.world_size // s.tensor_degree
+        groups = f" ({count} tensor-parallel group{'s' if count > 1 else ''} of {s.tensor_degree})" if s.tensor_degree > 1 else ""
         print(f"\ntrained {trainer.global_step} steps in {time.perf_counter() - started:.0f} s on "
               f"{trainer.world_size} processes{groups}\n{text}\nrun directory: {run_dir}\ntimeline: {png}")
     return run_dir

@@ -271,6 +271,7 @@ def test_tensor_degree_is_checked_by_name():
 def test_a_job_tensor_parallelism_cannot_run_yet_is_refused_by_name():
     from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+    from resihp_lightning.errors import ConfigError
     from resihp_lightning.callbacks import ReplanController, StragglerDetector
     from resihp_lightning.callbacks.progress import ResiHPProgressBar, StepRecorder
     from resihp_lightning.strategy.tensor_setup import check_tensor_parallel_job, create_tensor_groups
@@ -290,6 +291,11 @@ def test_a_job_tensor_parallelism_cannot_run_yet_is_refused_by_name():
         check_tensor_parallel_job(2, llm, [], {"bf16": {"enabled": True}}, False, error)
     with pytest.raises(error, match=r"`tensor_degree`; allowed: a divisor of the world size 4"):
         create_tensor_groups(3, 0, 4, llm, error)
+    from resihp_lightning.strategy.options import StrategyOptions
+    from resihp_lightning.strategy.plan_rules import initial_plan
+
+    with pytest.raises(ConfigError, match=r"a divisor of the 2 tensor-parallel groups \(world size / tensor_degree 2\)"):
+        initial_plan(StrategyOptions(tensor_degree=2, pipeline_degree=3), 2, 4)
 
 
 def test_tensor_groups_are_consecutive_ranks_and_slices_relabel_plans():

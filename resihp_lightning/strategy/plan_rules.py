@@ -69,7 +69,8 @@ def check_plan(
 
 
 def initial_plan(options: StrategyOptions, world: int, num_layers: int) -> Plan:
-    """The plan the job starts with: ``options.plan`` (checked) or a uniform P x D plan.
+    """The plan the job starts with: ``options.plan`` (checked) or a uniform P x D plan over ``world``
+    devices (with tensor parallelism: the groups).
 
     Raises:
         PlanError: ``options.plan`` does not fit the job.
@@ -82,8 +83,10 @@ def initial_plan(options: StrategyOptions, world: int, num_layers: int) -> Plan:
     if p is None:
         p = 2 if world > 2 and world % 2 == 0 and num_layers >= 2 else 1
     if world % p or p > num_layers:
+        devices = (f"the {world} tensor-parallel groups (world size / tensor_degree {options.tensor_degree})"
+                   if options.tensor_degree > 1 else f"the world size {world}")
         raise ConfigError(
-            f"invalid value {p!r} for option `pipeline_degree`; allowed: a divisor of the world size {world} "
+            f"invalid value {p!r} for option `pipeline_degree`; allowed: a divisor of {devices} "
             f"that is at most the {num_layers} layers"
         )
     d = world // p

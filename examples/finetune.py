@@ -172,9 +172,9 @@ class StrategyArgs:
             plan for healthy devices, from the layers timed on one micro-batch before training; see
             examples/healthy_plan.py). A job resumed from a checkpoint starts as the checkpoint says.
         tensor_degree: processes that split every layer (tensor parallelism; ``pipeline_degree`` then counts
-            groups of them). Above 1 nothing detects or re-plans yet: it needs ``replan: false``, ``fault: null``,
-            ``strategy.fail_stop: null``, ``checkpoint: null`` and ``strategy.start: uniform``, and runs without
-            the straggler detector.
+            groups of them). Above 1 the detector and the controller work per group, but nothing recovers a
+            lost process yet: it needs ``strategy.fail_stop: null``, ``checkpoint: null`` and
+            ``strategy.start: uniform``.
     """
 
     pipeline_degree: int | None = 2
@@ -285,21 +285,21 @@ def check_inputs(cfg: Namespace) -> None:
 
 
 def _check_tensor_parallel(cfg: Namespace) -> None:
-    """A tensor-parallel job has no detection, re-planning or recovery yet: the options for them must be off."""
+    """A tensor-parallel job cannot recover lost processes (in place or by an elastic restart) yet, nor
+    start from a planned layout: the options for them must be off."""
     degree = cfg.strategy.tensor_degree
     if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
         raise invalid_option("strategy.tensor_degree", degree, "an integer >= 1")
     if degree == 1:
         return
-    on = [name for name, value in (("replan", cfg.replan), ("fault", cfg.fault), ("strategy.fail_stop", cfg.strategy.fail_stop),
-                                   ("checkpoint", cfg.checkpoint)) if value not in (None, False)]
+    on = [name for name, value in (("strategy.fail_stop", cfg.strategy.fail_stop), ("checkpoint", cfg.checkpoint))
+          if value is not None]
     if cfg.strategy.start != "uniform":
         on.append("strategy.start")
     if on:
         raise ConfigError(
-            f"strategy.tensor_degree {degree} has no failure detection, re-planning or recovery yet; turn off "
-            + ", ".join(on) + " (--replan false --fault null --strategy.fail_stop null --checkpoint null "
-            "--strategy.start uniform)"
+            f"strategy.tensor_degree {degree} cannot recover lost processes or start from a planned layout yet; "
+            "turn off " + ", ".join(on) + " (--strategy.fail_stop null --checkpoint null --strategy.start uniform)"
         )
 
 
@@ -401,8 +401,7 @@ def run(raw: Namespace, extra_callbacks: Sequence[Any] = ()) -> Path:
     callbacks: list[Any] = [recorder]
     if cfg.fault is not None:
         callbacks.append(FaultInjector([cfg.fault], log_dir=str(run_dir)))
-    if s.tensor_degree == 1:  # a tensor-parallel group's members would report one device twice
-        callbacks.append(StragglerDetector(cfg.detector, log_dir=str(run_dir)))
+    callbacks.append(StragglerDetector(cfg.detector, log_dir=str(run_dir)))
     if cfg.replan:
         callbacks.append(ReplanController(cfg.controller, planner=cfg.planner))
     if s.fail_stop is not None:

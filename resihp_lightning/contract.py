@@ -12,7 +12,9 @@ with the wrong strategy fails at once instead of silently doing nothing.
   ``p2p_ms`` / ``allreduce_ms`` for the planner);
 * :class:`MemoryGauge`: ``device_memory_mb()`` (the controller's per-device memory budget);
 * :class:`Survivable`: in-process fail-stop recovery's record and listeners (the recovery reporter),
-  and the :class:`DeviceConditions` it plans the survivors with (kept current by the controller).
+  and the :class:`DeviceConditions` it plans the survivors with (kept current by the controller);
+* :class:`TensorParallel` (optional): planning devices that are groups of processes; only one
+  process of a group reports its step statistics, and links are not probed (the detector).
 
 :class:`MigrationRecord` is what ``strategy.last_migration`` holds after a plan was applied.
 """
@@ -145,6 +147,30 @@ class LinkProber(Protocol):
     def measure_links(self, first_round: int = 0) -> LinkSample:
         """Round trips per pair of ranks and one all-reduce, timed apart from the schedule (collective:
         every rank of the group calls it at the same step boundary); see ``strategy.link_probe``."""
+
+
+@runtime_checkable
+class TensorParallel(Protocol):
+    """A strategy whose planning devices may be groups of processes (tensor parallelism)."""
+
+    @property
+    def tensor_degree(self) -> int:
+        """Processes per planning device (1: none)."""
+
+    @property
+    def reports_device(self) -> bool:
+        """Whether this process's step statistics speak for its device: the first member of its group
+        (the others measure the same group, whose members finish each layer together)."""
+
+
+def tensor_degree_of(strategy: Any) -> int:
+    """``strategy.tensor_degree`` when it provides :class:`TensorParallel`, else 1."""
+    return int(strategy.tensor_degree) if provides(strategy, TensorParallel) else 1
+
+
+def reports_device(strategy: Any) -> bool:
+    """Whether this process reports its device's step statistics (always, without :class:`TensorParallel`)."""
+    return bool(strategy.reports_device) if provides(strategy, TensorParallel) else True
 
 
 @runtime_checkable

@@ -67,8 +67,8 @@ def _batches(steps: int = STEPS, rows: int = 4, seq_len: int = 24) -> list[dict]
     out = []
     for step in range(steps):
         rng = torch.Generator().manual_seed(100 + step)
-        texts = ["".join(chr(97 + int(c)) for c in torch.randint(0, 26, (n,), generator=rng))
-                 for n in (5, 17, 3, 30, 9, 44, 2, 12, 21, 6)]
+        lengths = (5, 17, 3, 30, 9, 44, 2, 12, 21, 6) * max(1, rows * seq_len // 100)
+        texts = ["".join(chr(97 + int(c)) for c in torch.randint(0, 26, (n,), generator=rng)) for n in lengths]
         ds = PackedDataset(tokenize_documents(texts, ByteTokenizer()), seq_len=seq_len, pad_token_id=256)
         out.append(collate_packed([ds[i] for i in range(rows)]))
     return out
@@ -273,7 +273,9 @@ def test_a_job_tensor_parallelism_cannot_run_yet_is_refused_by_name():
 
     from resihp_lightning.errors import ConfigError
     from resihp_lightning.callbacks import ReplanController, StragglerDetector
+    from resihp_lightning.callbacks.elastic import ElasticRestart
     from resihp_lightning.callbacks.progress import ResiHPProgressBar, StepRecorder
+    from resihp_lightning.callbacks.recovery_log import FailStopReporter
     from resihp_lightning.strategy.tensor_setup import check_tensor_parallel_job, create_tensor_groups
     from test_lightning_fidelity import build_class
 
@@ -283,8 +285,9 @@ def test_a_job_tensor_parallelism_cannot_run_yet_is_refused_by_name():
         check_tensor_parallel_job(2, plain, [], {}, False, error)
     llm = _module(RUNS[0])
     recorder = StepRecorder()
-    check_tensor_parallel_job(2, llm, [recorder, ResiHPProgressBar(recorder)], {}, True, error)  # supported: passes
-    for callback in (StragglerDetector(), ReplanController()):
+    supported = [recorder, ResiHPProgressBar(recorder), StragglerDetector(), ReplanController()]
+    check_tensor_parallel_job(2, llm, supported, {}, True, error)  # passes
+    for callback in (FailStopReporter(), ElasticRestart()):
         with pytest.raises(error, match=rf"\['{type(callback).__name__}'\] do not support .*tensor_degree=2"):
             check_tensor_parallel_job(2, llm, [callback], {}, False, error)
     with pytest.raises(error, match=r"plain fp32 optimizer.*bf16"):
@@ -310,3 +313,61 @@ def test_tensor_groups_are_consecutive_ranks_and_slices_relabel_plans():
     slices = groups.slice_plans(plan)
     assert [r.devices for r in slices[0].replicas] == [(0, 2), (4, 6)]
     assert [r.devices for r in slices[1].replicas] == [(1, 3), (5, 7)]
+
+
+# ---------------------------------------------------------------------------------------- fail-slow
+SLOW_RANK, FACTOR, FAULT_STEP, SLOW_STEPS, M = 1, 4.0, 8, 20, 8
+
+
+def _slow_job(rank: int, world: int, log_dir: str) -> dict:
+    """2 groups as 1 x 2 (each group holds every layer); rank 1, member 1 of group 0, turns slow."""
+    import warnings
+
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    from resihp_lightning.callbacks import FaultInjector, ReplanController, StragglerDetector
+    from resihp_lightning.callbacks.replan_policy import ControllerConfig
+    from resihp_lightning.config import PlannerConfig
+    from resihp_lightning.models import CausalLMPipelineModule
+    from resihp_lightning.strategy.strategy import ResiHPStrategy
+
+    warnings.filterwarnings("ignore")
+    shape = ScratchModelConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                               intermediate_size=512)
+    module = CausalLMPipelineModule(scratch=shape, seed=7, learning_rate=1e-3)
+    detector = StragglerDetector(warmup_steps=2, fit_steps=4, window=3, patience=3, significance=1.5,
+                                 gpu_individual_perf_threshold=0.75, gpu_relative_perf_threshold=0.6)
+    callbacks = [
+        FaultInjector([{"kind": "slow", "rank": SLOW_RANK, "factor": FACTOR, "start_step": FAULT_STEP}]),
+        detector,
+        ReplanController(ControllerConfig(migration_overhead_s=0.1), planner=PlannerConfig(solver="exact", pipeline_degrees=(1,))),
+    ]
+    strategy = ResiHPStrategy(tensor_degree=2, pipeline_degree=1, micro_batch_size=2, micro_batches=M)
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=SLOW_STEPS, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                         use_distributed_sampler=False, callbacks=callbacks, default_root_dir=log_dir)
+    trainer.fit(module, DataLoader(_batches(SLOW_STEPS, rows=2 * M, seq_len=64), batch_size=None))
+    return {"plan": strategy.current_plan.to_dict(), "reports": strategy.reports_device}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_slow_member_slows_its_group_which_is_detected_and_planned_around(distributed, tmp_path):
+    """The detector sees one device per group (its first member reports; the slow member 1 makes member 0
+    wait inside every layer), and the controller gives that group fewer micro-batches."""
+    from resihp_lightning.callbacks import read_events
+
+    results = distributed(_slow_job, 4, timeout=280, log_dir=str(tmp_path))
+    assert [r["reports"] for r in results] == [True, False, True, False]
+    events = read_events(tmp_path)
+    of = {name: [e for e in events if e["event"] == name] for name in {e["event"] for e in events}}
+    assert [(e["rank"], e["step"]) for e in of.get("fault_injected", [])] == [(SLOW_RANK, FAULT_STEP)]
+    detected = of.get("fail_slow_detected", [])
+    assert detected and {e["rank"] for e in detected} == {0}, events  # group 0, the slow member's
+    assert detected[0]["step"] >= FAULT_STEP
+    applied = of.get("plan_applied", [])
+    assert applied, events
+    for event in applied:
+        counts = {r["devices"][0]: r["micro_batches"] for r in event["plan"]["replicas"]}
+        assert sum(counts.values()) == M and counts[0] < counts[1], counts

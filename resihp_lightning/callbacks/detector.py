@@ -47,7 +47,9 @@ from resihp_lightning.callbacks.straggler import (
 )
 from resihp_lightning.collectives import all_gather_objects, broadcast_from_zero
 from resihp_lightning.config import config_from_options
-from resihp_lightning.contract import LinkProber, StepStatsSource, Survivable, provides, require
+from resihp_lightning.contract import (
+    LinkProber, StepStatsSource, Survivable, provides, reports_device, require, tensor_degree_of,
+)
 
 log = get_logger(__name__)
 
@@ -124,7 +126,9 @@ class StragglerDetector(Callback):
         if provides(trainer.strategy, Survivable) and self._resync not in trainer.strategy.recovery_listeners:
             trainer.strategy.recovery_listeners.append(self._resync)
         self.rank = trainer.global_rank
-        self._probe_links = self.config.link_probe_interval_steps > 0 and provides(trainer.strategy, LinkProber)
+        # Under tensor parallelism a probe's pairs would mix a group's own members with other groups'.
+        self._probe_links = (self.config.link_probe_interval_steps > 0 and provides(trainer.strategy, LinkProber)
+                             and tensor_degree_of(trainer.strategy) == 1)
         if self.events is None:
             log_dir = self.log_dir or trainer.log_dir or trainer.default_root_dir
             self.events = EventLog(Path(log_dir), rank=self.rank)
@@ -141,7 +145,9 @@ class StragglerDetector(Callback):
         if stats.step == self._last_step:
             return  # no new step
         self._last_step = stats.step
-        self._pending.append(self.tracker.summarize(stats))
+        summary = self.tracker.summarize(stats)
+        if reports_device(strategy):  # one summary per device: a tensor-parallel group's first member
+            self._pending.append(summary)
         if self._next_report is None:
             self._next_report = stats.step
         if stats.step >= self._next_report:

@@ -44,7 +44,7 @@ class StrategyOptions:
             ``False`` (default): off, a lost rank ends the job; ``True``: on with the defaults.
         tensor_degree: t, processes that split each layer (tensor parallelism; consecutive ranks form a
             group, and plans, ``pipeline_degree`` and ``plan`` count groups). 1 (default): none. With
-            t > 1 plans change only when requested (no detection callbacks or fail-stop recovery yet), the
+            t > 1 there is no fail-stop recovery or elastic restart yet (detection and re-plans work per group), the
             optimizer plain fp32, and the module must define ``pipeline_split_layer`` and
             ``pipeline_tensor_parallel_loss`` (``CausalLMPipelineModule`` does); see docs/tensor_parallel.md.
     """

@@ -164,6 +164,17 @@ class ResiHPStrategyMixin(ResilientStepsMixin, ModelStateMixin, EvaluationStepsM
         return self._job.device_id if self._job is not None else self.global_rank // self.options.tensor_degree
 
     @property
+    def tensor_degree(self) -> int:
+        """Processes per planning device (``tensor_degree`` option; 1: no tensor parallelism)."""
+        return self.options.tensor_degree
+
+    @property
+    def reports_device(self) -> bool:
+        """Whether this process's step statistics speak for its device (under tensor parallelism only its
+        group's member 0 reports: the members finish every layer together)."""
+        return self._tensor is None or self._tensor.member == 0
+
+    @property
     def devices_alive(self) -> tuple[int, ...]:
         """The device ids of the job's live processes (hot spares included)."""
         return self._job.job_members if self._job is not None else tuple(range(self.world_size // self.options.tensor_degree))

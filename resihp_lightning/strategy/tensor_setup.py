@@ -13,9 +13,9 @@ from resihp_lightning.strategy.tensor_groups import TensorGroups, TensorParallel
 TENSOR_HOOKS = ("pipeline_split_layer", "pipeline_tensor_parallel_loss")
 #: ... and the one ``trainer.predict`` needs.
 PREDICT_HOOK = "pipeline_tensor_parallel_outputs"
-#: Callbacks of this package that work with tensor parallelism (the others detect, re-plan or recover,
+#: Callbacks of this package that work with tensor parallelism (the others recover lost processes,
 #: which a tensor-parallel job cannot do yet).
-SUPPORTED_CALLBACKS = ("StepRecorder", "ResiHPProgressBar")
+SUPPORTED_CALLBACKS = ("StepRecorder", "ResiHPProgressBar", "StragglerDetector", "ReplanController", "FaultInjector")
 
 
 def check_tensor_parallel_job(
@@ -55,8 +55,7 @@ def check_tensor_parallel_job(
     if unsupported:
         raise error(
             f"the callbacks {unsupported} do not support ResiHPStrategy(tensor_degree={degree}) yet: a tensor-parallel "
-            "job has no failure detection, automatic re-planning or recovery yet (strategy.request_plan works); "
-            "see docs/tensor_parallel.md"
+            "job cannot recover lost processes yet; see docs/tensor_parallel.md"
         )
     for key in ("bf16", "fp16"):
         if (deepspeed_config.get(key) or {}).get("enabled"):

@@ -53,7 +53,7 @@ def gather_shards(tensors: Mapping[Any, torch.Tensor], dims: Mapping[Any, int], 
 
 def gather_along(tensor: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
     """The members' ``tensor`` concatenated along ``dim`` in member order, on every member (collective)."""
-    _, size = _group_shape(group)
+    _, size = group_shape(group)
     parts = [torch.empty_like(tensor) for _ in range(size)]
     dist.all_gather(parts, tensor.contiguous(), group=group)
     return torch.cat(parts, dim=dim)
@@ -61,9 +61,10 @@ def gather_along(tensor: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
 
 def shard_of(full: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
     """This member's shard of an unsplit tensor split along ``dim`` (the inverse of :func:`gather_shards`)."""
-    index, size = _group_shape(group)
+    index, size = group_shape(group)
     return full.chunk(size, dim=dim)[index]
 
 
-def _group_shape(group: Any) -> tuple[int, int]:
+def group_shape(group: Any) -> tuple[int, int]:
+    """(this process's index in ``group``, the group's size)."""
     return dist.get_rank(group), dist.get_world_size(group)

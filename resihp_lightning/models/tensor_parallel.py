@@ -40,7 +40,7 @@ from torch import nn
 
 from resihp_lightning.errors import ConfigError
 from resihp_lightning.models.layers import IGNORE_INDEX, DecoderPipe, EmbeddingPipe, HeadPipe
-from resihp_lightning.shards import sharded_parameter
+from resihp_lightning.shards import group_shape, sharded_parameter
 
 
 class _SumGradOverGroup(torch.autograd.Function):
@@ -72,11 +72,6 @@ class _SumOverGroup(torch.autograd.Function):
         return grad, None
 
 
-def _group_shape(group: Any) -> tuple[int, int]:
-    """(this process's index in ``group``, the group's size)."""
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
 class ColumnParallelLinear(nn.Module):
     """This member's output rows of a linear layer: ``y_i = x W_i^T + b_i``.
 
@@ -91,7 +86,7 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, group: Any, unit: int = 1, sum_input_grad: bool = True) -> None:
         super().__init__()
-        index, size = _group_shape(group)
+        index, size = group_shape(group)
         rows = _share(linear.out_features, size, unit, "output features")
         self.group, self.sum_input_grad = group, sum_input_grad
         self.in_features, self.out_features = linear.in_features, rows
@@ -117,7 +112,7 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, group: Any, unit: int = 1) -> None:
         super().__init__()
-        index, size = _group_shape(group)
+        index, size = group_shape(group)
         cols = _share(linear.in_features, size, unit, "input features")
         self.group = group
         self.in_features, self.out_features = cols, linear.out_features
@@ -204,7 +199,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, embedding: nn.Embedding, group: Any) -> None:
         super().__init__()
-        index, size = _group_shape(group)
+        index, size = group_shape(group)
         rows = _share(embedding.num_embeddings, size, 1, "vocabulary rows")
         self.group, self.start, self.rows = group, index * rows, rows
         self.weight = sharded_parameter(embedding.weight.detach()[self.start:self.start + rows], 0,
@@ -234,7 +229,7 @@ def vocab_parallel_causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, gr
     Returns:
         Scalar loss (float32): the mean over the valid tokens (0 with a graph when there is none).
     """
-    index, _ = _group_shape(group)
+    index, _ = group_shape(group)
     local = logits.float()
     width = local.shape[-1]
     labels = labels.to(local.device)

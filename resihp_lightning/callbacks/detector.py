@@ -127,8 +127,10 @@ class StragglerDetector(Callback):
             trainer.strategy.recovery_listeners.append(self._resync)
         self.rank = trainer.global_rank
         # Under tensor parallelism a probe's pairs would mix a group's own members with other groups'.
-        self._probe_links = (self.config.link_probe_interval_steps > 0 and provides(trainer.strategy, LinkProber)
-                             and tensor_degree_of(trainer.strategy) == 1)
+        probing = self.config.link_probe_interval_steps > 0 and provides(trainer.strategy, LinkProber)
+        self._probe_links = probing and tensor_degree_of(trainer.strategy) == 1
+        if probing and not self._probe_links:
+            user_info("StragglerDetector: links are not probed under tensor parallelism (slow links are not detected)")
         if self.events is None:
             log_dir = self.log_dir or trainer.log_dir or trainer.default_root_dir
             self.events = EventLog(Path(log_dir), rank=self.rank)

@@ -82,7 +82,7 @@ class ModelStateMixin:
         layer_keyed = section is not None and section.get("state_dict_keys") != "module"
         checkpoint.load_module_state(
             self.lightning_module, self._keys, checkpoint_dict["state_dict"], runtime.local_tensors(), layer_keyed, strict,
-            shard=runtime.saved_shard if self._tensor is not None else None,
+            shard=runtime.saved_shards(),
         )
         runtime.weights_loaded()
 

@@ -502,26 +502,33 @@ class PipelineRuntime:
     def load_optimizer_checkpoint(self, saved: Mapping[str, Any]) -> None:
         """Restores hyper-parameters and this process's optimizer state from a saved optimizer state (of
         the unsplit parameters: under tensor parallelism each process takes its shards)."""
-        if self.config.tensor is not None:
-            params, dims = self.local_parameters(), self.shard_dims()
+        cut = self.saved_shards()
+        if cut is not None:
+            params, degree = self.local_parameters(), self.config.tensor.groups.degree
             state = dict(saved["state"])
-            for key, dim in dims.items():
+            for key, dim in self.shard_dims().items():
                 if key in state:
-                    whole = _whole_shape(params[key].shape, dim, self.config.tensor.groups.degree)
+                    whole = _whole_shape(params[key].shape, dim, degree)
                     state[key] = {
-                        name: self.saved_shard(key, value) if isinstance(value, Tensor) and value.shape == whole else value
+                        name: cut(key, value) if isinstance(value, Tensor) and value.shape == whole else value
                         for name, value in state[key].items()
                     }
             saved = {**saved, "state": state}
         self._carrier.load_checkpoint(self._engine, self.local_parameters(), saved)
 
-    def saved_shard(self, key: str, whole: Tensor) -> Tensor:
-        """This process's part of a saved whole tensor of its layer tensor ``key`` (the tensor itself when
-        it is not split)."""
-        dim = self.shard_dims().get(key)
-        if dim is None or self.config.tensor is None:
-            return whole
-        return shard_of(whole, dim, self.config.tensor.group)
+    def saved_shards(self) -> Callable[[str, Tensor], Tensor] | None:
+        """Under tensor parallelism, ``cut(key, whole)``: this process's part of a saved whole tensor of its
+        layer tensor ``key`` (the tensor itself when that is not split); ``None`` without."""
+        tensor = self.config.tensor
+        if tensor is None:
+            return None
+        dims = self.shard_dims()
+
+        def cut(key: str, whole: Tensor) -> Tensor:
+            dim = dims.get(key)
+            return whole if dim is None else shard_of(whole, dim, tensor.group)
+
+        return cut
 
     def weights_loaded(self) -> None:
         """Tells the optimizer wrapper that new values were written into the parameters."""
@@ -559,8 +566,7 @@ class PipelineRuntime:
                 # A private copy is split: the module keeps its unsplit layer (the trained values are
                 # gathered back into it at the end); one loaded per stage goes back to meta, so that a
                 # process keeps the storage of its shards only.
-                tensor = self.config.tensor
-                reuse[index] = tensor.split_layer(index, copy.deepcopy(materialize_layer(layer)), tensor.group)
+                reuse[index] = self._split_copy(index, materialize_layer(layer))
                 if self._release_given_away and isinstance(layer, nn.Module):
                     meta.release(layer)
         kwargs: dict[str, Any] = {}
@@ -582,14 +588,16 @@ class PipelineRuntime:
         """A layer this process starts to hold (its values arrive by migration when ``skip_init``): the
         model's layer, or under tensor parallelism this member's split of a copy of it."""
         layer = materialize_layer(self.config.layers[index], skip_init=skip_init)
+        return layer if self.config.tensor is None else self._split_copy(index, layer)
+
+    def _split_copy(self, index: int, layer: nn.Module) -> nn.Module:
+        """This member's split of a copy of ``layer`` (tensor parallelism); a layer on the meta device is
+        given storage first: the split needs values to cut, which a migration then overwrites."""
         tensor = self.config.tensor
-        if tensor is None:
-            return layer
-        if meta.has_meta(layer):  # the split needs values to cut; migration overwrites them
-            layer = copy.deepcopy(layer)
+        layer = copy.deepcopy(layer)
+        if meta.has_meta(layer):
             meta.allocate(layer, self.config.device)
-            return tensor.split_layer(index, layer, tensor.group)
-        return tensor.split_layer(index, copy.deepcopy(layer), tensor.group)
+        return tensor.split_layer(index, layer, tensor.group)
 
     def _topology(self, plan: Plan) -> PlanTopology | TensorPlanTopology:
         if self.config.tensor is None:

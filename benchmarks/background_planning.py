@@ -19,9 +19,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
-from harness import run_job  # noqa: E402
+from resihp_lightning.testing.harness import run_job  # noqa: E402
 
 
 def _problem():
@@ -37,7 +36,7 @@ def _job(rank: int, world: int, run_dir: str, solving: bool, steps: int) -> list
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
-    from resihp_lightning.callbacks.background_planner import BackgroundPlanner
+    from resihp_lightning.callbacks.replan.background_planner import BackgroundPlanner
     from resihp_lightning.config import PlannerConfig
     from resihp_lightning.strategy.strategy import ResiHPStrategy
     from test_control_e2e import build_stack

@@ -1,6 +1,6 @@
 """Detection benchmark: many seeded fail-slow scenarios over variable-length traces.
 
-For each scenario a synthetic trace (``tests/synthetic.py``) is generated: packed,
+For each scenario a synthetic trace (``resihp_lightning/testing/synthetic.py``) is generated: packed,
 long-tailed documents; stages of unequal cost; noise and rare spikes; optionally one rank slowed by a
 factor in 1.2-4x from a random step (sometimes healing later). Three detectors see the same trace:
 
@@ -43,10 +43,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))  # the synthetic traces live with the tests that also use them
 
-from resihp_lightning.callbacks.straggler import DetectorConfig, LocalTracker, StragglerCore, run_on_trace  # noqa: E402
-from synthetic import SyntheticFault, TraceSpec, generate_trace  # noqa: E402
+from resihp_lightning.callbacks.failslow.straggler_core import StragglerConfig, LocalTracker, StragglerCore, run_on_trace  # noqa: E402
+from resihp_lightning.testing.synthetic import SyntheticFault, TraceSpec, generate_trace  # noqa: E402
 
 FACTOR_BINS = ((1.2, 1.5), (1.5, 2.0), (2.0, 3.0), (3.0, 4.01))
 LAYOUTS = {"4x4": dict(stages=4, replicas=4, micro_batches=16), "8x4": dict(stages=8, replicas=4, micro_batches=32),
@@ -126,7 +125,7 @@ def judge(scenario: Scenario, alarms: list[tuple[int, int | None, float | None]]
     return out
 
 
-def run_resihp(scenario: Scenario, trace, config: DetectorConfig) -> Outcome:
+def run_resihp(scenario: Scenario, trace, config: StragglerConfig) -> Outcome:
     _, events = run_on_trace(trace, config)
     alarms = [(e["step"], e["rank"], e["speed"]) for e in events if e["event"] == "fail_slow_detected"]
     first = {}
@@ -210,7 +209,7 @@ def overhead_256(steps: int = 20) -> tuple[float, float, float]:
     """Per-step cost (ms) of one rank's tracker and of the core over 256 ranks; median step time (ms)."""
     spec = TraceSpec(stages=16, replicas=16, micro_batches=64, steps=steps + 12, seed=99)
     trace = generate_trace(spec)
-    config = DetectorConfig()
+    config = StragglerConfig()
     trackers = [LocalTracker(config.warmup_steps, config.fit_steps) for _ in range(256)]
     core = StragglerCore(config)
     local_ms, core_ms = [], []
@@ -241,7 +240,7 @@ def _closed_loop_rank(rank: int, world: int, log_dir: str, steps: int, control: 
     from torch.utils.data import DataLoader, TensorDataset
 
     from resihp_lightning.callbacks import EventLog, FaultInjector, ReplanController, StragglerDetector
-    from resihp_lightning.callbacks.replan_policy import ControllerConfig
+    from resihp_lightning.callbacks.replan.replan_policy import ControllerConfig
     from resihp_lightning.config import PlannerConfig
     from resihp_lightning.strategy.module import ResiHPModule
     from resihp_lightning.strategy.strategy import ResiHPStrategy
@@ -293,7 +292,7 @@ def _closed_loop_rank(rank: int, world: int, log_dir: str, steps: int, control: 
 def closed_loop(steps: int) -> None:
     import tempfile
 
-    from multiproc import run_distributed
+    from resihp_lightning.testing.multiproc import run_distributed
 
     for control in (False, True):
         with tempfile.TemporaryDirectory() as log_dir:
@@ -330,7 +329,7 @@ def _speed_trace(path: Path):
 
     import lightning.pytorch as pl
 
-    from resihp_lightning.callbacks.detector import StragglerDetector
+    from resihp_lightning.callbacks.failslow.straggler_detector import StragglerDetector
 
     class SpeedTrace(pl.Callback):
         def on_train_batch_end(self, trainer, *args) -> None:
@@ -461,7 +460,7 @@ def main() -> None:
     if args.closed_loop:
         closed_loop(args.steps if args.steps != 70 else 40)
         return
-    config = DetectorConfig()
+    config = StragglerConfig()
     scenarios = make_scenarios(args.scenarios, args.seed, args.steps)
     results: dict[str, list] = {"resihp": [], "step-time 1.25x": [], "nvrx-style 0.75": []}
     started = time.perf_counter()

@@ -91,7 +91,7 @@ def _layer_bytes(run_dir: Path) -> list[int]:
     import yaml
 
     from resihp_lightning.config import ScratchModelConfig
-    from resihp_lightning.models.checkpoint import build_pipeline_model, tiny_config
+    from resihp_lightning.models.hf_checkpoint import build_pipeline_model, tiny_config
 
     scratch = yaml.safe_load(CONFIG.read_text())["model"]["scratch"]
     model = build_pipeline_model(tiny_config(**{**vars(ScratchModelConfig()), **scratch}), seed=0)
@@ -115,7 +115,7 @@ def _checkpoint_load_s(run_dir: Path) -> float:
     import yaml
 
     from resihp_lightning.config import ScratchModelConfig
-    from resihp_lightning.models.checkpoint import build_pipeline_model, tiny_config
+    from resihp_lightning.models.hf_checkpoint import build_pipeline_model, tiny_config
 
     scratch = yaml.safe_load(CONFIG.read_text())["model"]["scratch"]
     model = build_pipeline_model(tiny_config(**{**vars(ScratchModelConfig()), **scratch}), seed=0)

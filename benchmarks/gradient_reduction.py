@@ -98,11 +98,11 @@ class _Variant:
         from deepspeed.pipe import LayerSpec
         from torch.nn import functional as F
 
-        from resihp_lightning.strategy.engine import build_engine, engine_config
-        from resihp_lightning.strategy.layerwise import LayerwiseReducer, install
-        from resihp_lightning.strategy.pipeline_module import BoundedPipelineModule
+        from resihp_lightning.runtime.engine import build_engine, engine_config
+        from resihp_lightning.runtime.layerwise import LayerwiseReducer, install
+        from resihp_lightning.runtime.pipeline_module import BoundedPipelineModule
         from resihp_lightning.placement import position
-        from resihp_lightning.strategy.topology import PlanTopology
+        from resihp_lightning.runtime.topology import PlanTopology
 
         bounds0, bounds1, layerwise = VARIANTS[name]
         plan = _plan(bounds0, bounds1)
@@ -150,7 +150,7 @@ class _Variant:
         return loss, time.perf_counter() - start, self.reduce_seconds
 
     def destroy(self) -> None:
-        from resihp_lightning.strategy.engine import destroy_engine
+        from resihp_lightning.runtime.engine import destroy_engine
 
         destroy_engine(self.engine)
         if self.reducer is not None:
@@ -168,7 +168,7 @@ def _rank(rank: int, port: int, hiddens: list[int], steps: int, warmup: int, que
     import torch
     import torch.distributed as dist
 
-    from resihp_lightning.strategy.engine import init_deepspeed_comm
+    from resihp_lightning.runtime.engine import init_deepspeed_comm
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -29,7 +29,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
 WIDTH, DEPTH, MBS, M = 256, 8, 32, 8
 FAULT_STEP = 6
@@ -41,7 +40,7 @@ def _rank(rank: int, world: int, log_dir: str, delay_ms: float, steps: int) -> d
     from torch.utils.data import DataLoader, TensorDataset
 
     from resihp_lightning.callbacks import FaultInjector, ReplanController, StragglerDetector
-    from resihp_lightning.callbacks.replan_policy import ControllerConfig
+    from resihp_lightning.callbacks.replan.replan_policy import ControllerConfig
     from resihp_lightning.config import PlannerConfig
     from resihp_lightning.plan import Plan
     from resihp_lightning.strategy.strategy import ResiHPStrategy
@@ -85,7 +84,7 @@ def _rank(rank: int, world: int, log_dir: str, delay_ms: float, steps: int) -> d
 
 
 def run(delay_ms: float, steps: int) -> dict:
-    from multiproc import run_distributed
+    from resihp_lightning.testing.multiproc import run_distributed
 
     from resihp_lightning.callbacks import read_events
 

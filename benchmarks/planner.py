@@ -7,7 +7,7 @@ at 0.5x, or 8 devices at 0.3-0.9x; shared and per-replica partitions. For each s
 * ``cpsat`` / ``pulp-cbc``: the MILP with the exact plan as hint, its time, status and proven gap
   (``(T - bound) / T``; 0 = proven optimal);
 * E for the policies ``none``, ``microbatch_only``, ``repartition_only`` (from
-  :mod:`resihp_lightning.solver.policies`) and ``joint`` (the best of exact and CP-SAT, which is what
+  :mod:`resihp_lightning.solver.baseline_policies`) and ``joint`` (the best of exact and CP-SAT, which is what
   :func:`resihp_lightning.solver.solve` returns).
 
 Usage::
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from resihp_lightning.config import PlannerConfig
 from resihp_lightning.plan import Device, Layer, Problem, efficiency, evaluate
-from resihp_lightning.solver import policies
+from resihp_lightning.solver import baseline_policies
 from resihp_lightning.solver.cpsat import solve_cpsat_detailed
 from resihp_lightning.solver.exact import solve_exact
 from resihp_lightning.plan import device_classes
@@ -113,11 +113,11 @@ def run(s: Scenario, config: PlannerConfig, cbc: bool) -> dict[str, str]:
         cbc_s = time.perf_counter() - t0
 
     joint = min((cp.plan, exact_plan), key=lambda p: evaluate(problem, p).iteration_ms)
-    healthy = policies.healthy_plan(problem, config)
+    healthy = baseline_policies.healthy_plan(problem, config)
     e = {
-        "none": efficiency(problem, healthy, policies.none(problem, healthy, config)),
-        "microbatch_only": efficiency(problem, healthy, policies.microbatch_only(problem, healthy, config)),
-        "repartition_only": efficiency(problem, healthy, policies.repartition_only(problem, healthy, config)),
+        "none": efficiency(problem, healthy, baseline_policies.none(problem, healthy, config)),
+        "microbatch_only": efficiency(problem, healthy, baseline_policies.microbatch_only(problem, healthy, config)),
+        "repartition_only": efficiency(problem, healthy, baseline_policies.repartition_only(problem, healthy, config)),
         "joint": efficiency(problem, healthy, joint),
     }
     t_exact = evaluate(problem, exact_plan).iteration_ms
@@ -169,7 +169,7 @@ def scale_problem(s: ScaleScenario) -> Problem:
     if s.speeds.startswith("detector"):
         speeds = detector_speeds(n, seed=n)
         if s.speeds == "detector":
-            from resihp_lightning.callbacks.replan_policy import quantize_speeds
+            from resihp_lightning.callbacks.replan.replan_policy import quantize_speeds
 
             speeds = [quantize_speeds({0: v}, 0.05)[0] for v in speeds]
     else:

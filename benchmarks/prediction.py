@@ -9,7 +9,7 @@ micro-batch splits. Every plan runs ``--steps`` steps of the example (no fault, 
 other load spreads over all of them.
 
 Prediction: :func:`resihp_lightning.plan.evaluate` (the planning model the planner optimises) on a
-problem built by the controller's own :func:`~resihp_lightning.callbacks.replan_policy.build_problem`
+problem built by the controller's own :func:`~resihp_lightning.callbacks.replan.replan_policy.build_problem`
 from one *reference* run's measured layer profile (``strategy.layer_profile()``, the controller's
 input), with ``p2p_ms`` / ``allreduce_ms`` and a per-iteration ``overhead`` (optimizer step, loss
 logging, the callbacks' collectives: what the planning model leaves out) calibrated on two
@@ -21,7 +21,7 @@ strategy's step time (``step_ms`` in ``steps.jsonl``, rank 0) from step 3 on.
 
 Packed sequence lengths (issue 17, item 5): the planning model prices every micro-batch at the
 profiled per-layer averages, so it predicts the same time for every step. Each step's batch is
-known before it runs, though: :func:`~resihp_lightning.callbacks.workload_model.predict_batch_ms`
+known before it runs, though: :func:`~resihp_lightning.callbacks.failslow.workload_model.predict_batch_ms`
 scales each micro-batch's stage times by its workload (``alpha*tokens + beta*sum(len^2) + gamma``,
 fitted on the reference replica layout's micro-batches) relative to the profiled average and prices
 the 1F1B schedule with the micro-batches each replica really runs. The second table compares the
@@ -155,7 +155,7 @@ def run_plan(plan: dict, steps: int, out: Path, data: Path | None = None) -> dic
 def predict(profile: list[dict], plan: Plan, p2p_ms: float, allreduce_ms: float, overhead_ms: float,
             simulated: bool = False) -> float:
     """The planning model's time (``simulated``: the 1F1B event simulator's) plus the overhead."""
-    from resihp_lightning.callbacks.replan_policy import ControllerConfig, build_problem
+    from resihp_lightning.callbacks.replan.replan_policy import ControllerConfig, build_problem
     from resihp_lightning.plan import evaluate
     from resihp_lightning.solver.simulator import simulate
     from resihp_lightning.telemetry import LayerCost
@@ -168,7 +168,7 @@ def predict(profile: list[dict], plan: Plan, p2p_ms: float, allreduce_ms: float,
 
 def predict_steps(result: dict, profile: list[dict], model, reference, allreduce_ms: float, overhead_ms: float) -> dict:
     """Per step: the prediction from the step's packed sequence lengths (``predict_batch_ms``)."""
-    from resihp_lightning.callbacks.workload_model import predict_batch_ms
+    from resihp_lightning.callbacks.failslow.workload_model import predict_batch_ms
 
     layer = [c["compute_ms"] for c in sorted(profile, key=lambda c: c["index"])]
     plan = result["plan"]
@@ -186,7 +186,7 @@ def predict_steps(result: dict, profile: list[dict], model, reference, allreduce
 def workload_model(result: dict):
     """The whole model's workload model, fitted on a replica layout's micro-batches (every rank holds
     every layer there), and the average micro-batch of those steps."""
-    from resihp_lightning.callbacks.workload_model import fit_workload
+    from resihp_lightning.callbacks.failslow.workload_model import fit_workload
 
     samples = [mb for replicas in result["mbs"].values() for mbs in replicas.values() for mb in mbs]
     model = fit_workload([m[0] for m in samples], [m[1] for m in samples], [m[2] for m in samples])

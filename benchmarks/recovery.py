@@ -1,6 +1,6 @@
 """Recovery benchmark: how long 4 gloo processes take to get over losing one of them.
 
-Each run starts 4 processes (``tests/harness.py``) in a loop of collectives under
+Each run starts 4 processes (``resihp_lightning/testing/harness.py``) in a loop of collectives under
 :class:`~resihp_lightning.resilience.world.ElasticWorld` with its default detection (0.2 s beats,
 1 s silence). At step 20 the victim records ``time.monotonic()`` (one clock for all processes of a
 machine) and fails. Every survivor records, on the same clock:
@@ -31,9 +31,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))  # the test harness: jobs whose members die on purpose
 
-from harness import last_words, run_job  # noqa: E402
+from resihp_lightning.testing.harness import last_words, run_job  # noqa: E402
 
 SCENARIOS = {
     "kill-rank2-allreduce": dict(victims=(2,), kind="kill", mode="all_reduce"),

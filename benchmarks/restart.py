@@ -199,7 +199,7 @@ def write_time(repeats: int = 7) -> dict[str, float]:
     import yaml
 
     from resihp_lightning.config import ScratchModelConfig
-    from resihp_lightning.models.checkpoint import build_pipeline_model, tiny_config
+    from resihp_lightning.models.hf_checkpoint import build_pipeline_model, tiny_config
 
     scratch = yaml.safe_load(DEMO.read_text())["model"]["scratch"]
     model = build_pipeline_model(tiny_config(**{**vars(ScratchModelConfig()), **scratch}), seed=0)

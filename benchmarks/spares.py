@@ -1,6 +1,6 @@
 """Hot-spare benchmark: what leaving a rank idle, taking it back, and recovering onto a spare cost.
 
-Four gloo processes (``tests/harness.py``) train a stack of 8 ``Linear(1024) + tanh`` layers with
+Four gloo processes (``resihp_lightning/testing/harness.py``) train a stack of 8 ``Linear(1024) + tanh`` layers with
 Adam (M = 8 micro-batches of 64 rows) under ``ResiHPStrategy(fail_stop=True)``, starting 2 x 2:
 
 * **leave out** (after step 4): 1 x 3 on ranks 0-2, rank 3 idle. The members' migration record
@@ -25,9 +25,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
-from harness import last_words, run_job  # noqa: E402
+from resihp_lightning.testing.harness import last_words, run_job  # noqa: E402
 
 WIDTH, DEPTH, MBS, M, STEPS = 1024, 8, 64, 8, 14
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from resihp_lightning.evaluation import SCENARIOS, TraceConfig, WorkloadSpec, build_profile, generate
 from resihp_lightning.evaluation.cluster import Cluster
-from resihp_lightning.evaluation.policies import POLICY_NAMES
+from resihp_lightning.evaluation.trace_policies import POLICY_NAMES
 from resihp_lightning.evaluation.run import healthy_tokens_per_s, run_trace
 
 OURS = "joint_per_replica"

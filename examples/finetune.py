@@ -44,11 +44,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # healthy_plan.py
 
 from jsonargparse import ActionConfigFile, ArgumentParser, Namespace  # noqa: E402
 
-from resihp_lightning.callbacks.faults import FaultConfig  # noqa: E402
-from resihp_lightning.callbacks.periodic_checkpoint import CheckpointConfig  # noqa: E402
-from resihp_lightning.callbacks.replan_policy import ControllerConfig  # noqa: E402
-from resihp_lightning.callbacks.straggler import DetectorConfig  # noqa: E402
-from resihp_lightning.strategy.fail_stop import FailStopConfig  # noqa: E402
+from resihp_lightning.callbacks.faults.slowdowns import FaultConfig  # noqa: E402
+from resihp_lightning.callbacks.restart.periodic_checkpoint import CheckpointConfig  # noqa: E402
+from resihp_lightning.callbacks.replan.replan_policy import ControllerConfig  # noqa: E402
+from resihp_lightning.callbacks.failslow.straggler_core import StragglerConfig  # noqa: E402
+from resihp_lightning.failstop.fail_stop_config import FailStopConfig  # noqa: E402
 from resihp_lightning.config import PlannerConfig, ScratchModelConfig, moved_option  # noqa: E402
 from resihp_lightning.errors import ConfigError, ResiHPError, invalid_option  # noqa: E402
 
@@ -198,7 +198,7 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--trainer", type=TrainerOptions, default=TrainerOptions())
     parser.add_argument("--strategy", type=StrategyArgs, default=StrategyArgs())
     parser.add_argument("--planner", type=PlannerConfig, default=PlannerConfig(solver="exact"))
-    parser.add_argument("--detector", type=DetectorConfig, default=DetectorConfig())
+    parser.add_argument("--detector", type=StragglerConfig, default=StragglerConfig())
     parser.add_argument("--replan", type=bool, default=True, help="run the re-planning controller")
     parser.add_argument("--controller", type=ControllerConfig, default=ControllerConfig())
     parser.add_argument("--fault", type=FaultConfig | None, default=None, help="one fault to inject, or null")
@@ -265,7 +265,7 @@ def check_inputs(cfg: Namespace) -> None:
     if model_path is not None:
         if not Path(model_path).is_dir():
             raise ConfigError(f"model.model_path {model_path!r} is not a directory (a local HF checkpoint is needed)")
-        from resihp_lightning.models.checkpoint import read_model_type
+        from resihp_lightning.models.hf_checkpoint import read_model_type
 
         read_model_type(model_path)  # raises for a missing config.json or an unsupported architecture
     for option in ("source", "val_source"):
@@ -351,16 +351,16 @@ def run(raw: Namespace, extra_callbacks: Sequence[Any] = ()) -> Path:
     import lightning.pytorch as pl
     import transformers
 
-    from resihp_lightning.callbacks.controller import ReplanController
-    from resihp_lightning.callbacks.elastic import ElasticRestart
-    from resihp_lightning.callbacks.periodic_checkpoint import newest_checkpoint, periodic_checkpoint
+    from resihp_lightning.callbacks.replan.replan_controller import ReplanController
+    from resihp_lightning.callbacks.restart.elastic_restart import ElasticRestart
+    from resihp_lightning.callbacks.restart.periodic_checkpoint import newest_checkpoint, periodic_checkpoint
     from resihp_lightning.data.resumable import ResumableDataLoader
-    from resihp_lightning.elastic import launcher_shape
+    from resihp_lightning.launcher_env import launcher_shape
     from resihp_lightning.strategy.checkpoint_io import make_checkpoint_io
-    from resihp_lightning.callbacks.detector import StragglerDetector
-    from resihp_lightning.callbacks.fault_injector import FaultInjector
+    from resihp_lightning.callbacks.failslow.straggler_detector import StragglerDetector
+    from resihp_lightning.callbacks.faults.slowdowns.fault_injector import FaultInjector
     from resihp_lightning.callbacks.progress import ResiHPProgressBar, StepRecorder
-    from resihp_lightning.callbacks.recovery_log import FailStopReporter
+    from resihp_lightning.callbacks.failstop.failstop_reporter import FailStopReporter
     from resihp_lightning.models.lightning_module import CausalLMPipelineModule
     from resihp_lightning.strategy.strategy import ResiHPStrategy
 

@@ -38,7 +38,7 @@ def profile_layers(module: Any, batch: Any, micro_batch_size: int, repeats: int 
     """
     import torch
 
-    from resihp_lightning.strategy import batching
+    from resihp_lightning.runtime import batching
     from resihp_lightning.telemetry import LayerCost
 
     split = batching.split_batch(module, batch)
@@ -74,7 +74,7 @@ def profile_layers(module: Any, batch: Any, micro_batch_size: int, repeats: int 
 def plan_for_healthy_devices(costs: Sequence[Any], world_size: int, micro_batches: int, controller: Any,
                              planner: Any) -> Any:
     """The planner's best plan for ``world_size`` healthy devices (shared stage bounds, every device used)."""
-    from resihp_lightning.callbacks.replan_policy import build_problem
+    from resihp_lightning.callbacks.replan.replan_policy import build_problem
     from resihp_lightning.solver import solve
 
     problem = build_problem(costs, {}, range(world_size), micro_batches, controller, planner)

@@ -8,7 +8,7 @@
 #   RDZV_HOST=node0 MIN_NODES=3 MAX_NODES=4 NPROC=8 RUN_DIR=/shared/runs/llama examples/torchrun_multinode.sh \
 #       --config examples/configs/llama_finetune.yaml --model.model_path /models/llama --data.source /data/train.jsonl
 #
-# Trainer(num_nodes, devices) follow torchrun's world each round (resihp_lightning.elastic.launcher_shape):
+# Trainer(num_nodes, devices) follow torchrun's world each round (resihp_lightning.launcher_env.launcher_shape):
 # num_nodes = WORLD_SIZE / LOCAL_WORLD_SIZE, devices = --nproc-per-node.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -18,7 +18,7 @@ PORT=${PORT:-29400}
 RUN_DIR=${RUN_DIR:-runs/elastic-one-machine}
 CONFIG=${CONFIG:-examples/configs/elastic_cpu.yaml}
 # torch 2.13 shares the agent's store with the workers across restarts, where they can read their
-# predecessors' addresses; each round gets a fresh store with this (resihp_lightning/elastic.py).
+# predecessors' addresses; each round gets a fresh store with this (resihp_lightning/launcher_env.py).
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 OMP_NUM_THREADS=1
 mkdir -p "$RUN_DIR"
 pids=()

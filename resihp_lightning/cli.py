@@ -105,7 +105,7 @@ def _run_trace(args: argparse.Namespace) -> int:
 
     from resihp_lightning.errors import invalid_option
     from resihp_lightning.evaluation import HardwareSpec, Trace, WorkloadSpec, build_profile
-    from resihp_lightning.evaluation.policies import POLICY_NAMES
+    from resihp_lightning.evaluation.trace_policies import POLICY_NAMES
     from resihp_lightning.evaluation.cluster import Cluster
     from resihp_lightning.evaluation.run import healthy_tokens_per_s, run_trace
 
@@ -158,7 +158,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     from resihp_lightning.config import PlannerConfig
     from resihp_lightning.plan import Problem, evaluate, ideal_ms
     from resihp_lightning.solver import solve
-    from resihp_lightning.solver.policies import healthy_plan
+    from resihp_lightning.solver.baseline_policies import healthy_plan
 
     problem = Problem.load(args.problem)
     config = PlannerConfig(

@@ -221,7 +221,7 @@ class Survivable(Protocol):
 
     @property
     def last_recovery(self) -> Any:
-        """The last recovery (:class:`~resihp_lightning.strategy.fail_stop.RecoveryRecord`), or ``None``."""
+        """The last recovery (:class:`~resihp_lightning.failstop.recovery_record.RecoveryRecord`), or ``None``."""
 
     @property
     def fail_stop_listeners(self) -> list[Any]:

@@ -10,9 +10,9 @@ import pytest
 
 # Multi-process tests oversubscribe two cores; one thread per process keeps them predictable.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-sys.path.insert(0, str(Path(__file__).parent))
 
-from multiproc import free_port, run_distributed  # noqa: E402
+
+from resihp_lightning.testing.multiproc import free_port, run_distributed  # noqa: E402
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ special tokens, ``decode(ids)``, ``eos_token_id``, ``pad_token_id`` and ``vocab_
 
 The byte-level fallback (:class:`ByteTokenizer`) has a fixed vocabulary of 259 ids: ids 0–255 are
 the UTF-8 bytes, 256 is ``<pad>``, 257 is ``<bos>``, 258 is ``<eos>``. A model trained with it needs
-``vocab_size >= 259`` (:func:`resihp_lightning.models.checkpoint.tiny_config` uses 260).
+``vocab_size >= 259`` (:func:`resihp_lightning.models.hf_checkpoint.tiny_config` uses 260).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from resihp_lightning.config import PlannerConfig
 from resihp_lightning.evaluation.cluster import Cluster
 from resihp_lightning.evaluation.costs import CostModel
-from resihp_lightning.evaluation.policies import POLICY_NAMES, make_policy
+from resihp_lightning.evaluation.trace_policies import POLICY_NAMES, make_policy
 from resihp_lightning.evaluation.profiles import ModelProfile
 from resihp_lightning.evaluation.replay import Result, replay
 from resihp_lightning.evaluation.traces import Trace
@@ -45,7 +45,7 @@ def healthy_tokens_per_s(
 ) -> float:
     """Throughput of the healthy plan with nothing failing (the ceiling of every policy); ``cluster``
     as in :func:`run_trace`."""
-    from resihp_lightning.evaluation.policies import NoAdaptation, healthy_state
+    from resihp_lightning.evaluation.trace_policies import NoAdaptation, healthy_state
 
     cluster = cluster or Cluster(trace, profile, None, planner)
     layout = NoAdaptation().start(cluster)

@@ -18,7 +18,7 @@ from resihp_lightning.models.attention import (
     packed_attention_forward,
     positions_from_seq_lens,
 )
-from resihp_lightning.models.checkpoint import (
+from resihp_lightning.models.hf_checkpoint import (
     SUPPORTED_MODEL_TYPES,
     PipelineCausalLM,
     build_pipeline_model,

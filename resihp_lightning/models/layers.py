@@ -81,7 +81,7 @@ class HeadPipe(nn.Module):
 
     With ``tie_word_embeddings`` the head holds its own copy of the embedding matrix (the embedding
     and the head usually live on different stages); see
-    :func:`resihp_lightning.models.checkpoint.save_hf_checkpoint` for how that is saved.
+    :func:`resihp_lightning.models.hf_checkpoint.save_hf_checkpoint` for how that is saved.
 
     Args:
         norm: the HF final RMSNorm (``model.norm``).

@@ -1,7 +1,7 @@
 """A LightningModule that fine-tunes (or trains from scratch) a Llama / Qwen2 model with ResiHPStrategy.
 
 It satisfies :class:`resihp_lightning.strategy.ResiHPModule`'s contract with the pieces of this
-package: layers from :mod:`resihp_lightning.models.checkpoint`, the token-mean loss of
+package: layers from :mod:`resihp_lightning.models.hf_checkpoint`, the token-mean loss of
 :func:`resihp_lightning.models.layers.causal_lm_loss`, and batches from
 :func:`resihp_lightning.data.packed.collate_packed` (``pipeline_batch`` hands ``seq_lens`` to the
 strategy, hence to the straggler detector).
@@ -24,8 +24,8 @@ from resihp_lightning.data.packed import to_pipeline_batch
 from resihp_lightning.data.tokenizer import Tokenizer
 from resihp_lightning.config import ScratchModelConfig
 from resihp_lightning.errors import ConfigError, invalid_option
-from resihp_lightning import meta
-from resihp_lightning.models.checkpoint import (
+from resihp_lightning.torch_utils import meta
+from resihp_lightning.models.hf_checkpoint import (
     LOAD_MODES,
     SUPPORTED_MODEL_TYPES,
     HFLayerLoader,
@@ -215,7 +215,7 @@ class CausalLMPipelineModule(ResiHPModule):
 
     def pipeline_tensor_parallel_outputs(self, outputs: Tensor, group: Any) -> Tensor:
         """The whole logits from the members' vocabulary shards."""
-        from resihp_lightning.shards import gather_along
+        from resihp_lightning.torch_utils.shards import gather_along
 
         return gather_along(outputs, -1, group)
 
@@ -250,7 +250,7 @@ class CausalLMPipelineModule(ResiHPModule):
         attached to the trainer) this is collective: call it on every rank. Each stage of the first
         replica writes its own layers' trained values (float32; the fp32 masters of a bf16 engine) to
         one shard, and rank 0 writes the index, config, generation config and tokenizer
-        (:func:`~resihp_lightning.models.checkpoint.save_sharded_hf_checkpoint`); no rank assembles the
+        (:func:`~resihp_lightning.models.hf_checkpoint.save_sharded_hf_checkpoint`); no rank assembles the
         model. Outside the strategy it writes this module's own weights (reading any layer still on
         the meta device from ``model_path`` first).
 

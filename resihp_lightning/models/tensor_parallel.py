@@ -1,9 +1,9 @@
 """Tensor-parallel splits of a Llama / Qwen2 causal LM (``docs/tensor_parallel.md``).
 
 ``CausalLMPipelineModule`` hands them to ``ResiHPStrategy(tensor_degree=t)``; tested against the
-unsplit layer on real gloo processes (``tests/test_tensor_parallel.py``) and in a whole job
-(``tests/test_tensor_parallel_strategy.py``). Split parameters carry their split dimension
-(:mod:`resihp_lightning.shards`), so the strategy gathers them whole for checkpoints.
+unsplit layer on real gloo processes (``tests/models/test_tensor_parallel.py``) and in a whole job
+(``tests/tensor/test_tensor_parallel_strategy.py``). Split parameters carry their split dimension
+(:mod:`resihp_lightning.torch_utils.shards`), so the strategy gathers them whole for checkpoints.
 
 A group of ``t`` processes holds one decoder layer split Megatron-style:
 
@@ -40,7 +40,7 @@ from torch import nn
 
 from resihp_lightning.errors import ConfigError
 from resihp_lightning.models.layers import IGNORE_INDEX, DecoderPipe, EmbeddingPipe, HeadPipe
-from resihp_lightning.shards import group_shape, sharded_parameter
+from resihp_lightning.torch_utils.shards import group_shape, sharded_parameter
 
 
 class _SumGradOverGroup(torch.autograd.Function):

@@ -11,7 +11,7 @@ The pieces, one job each:
 * :mod:`.world`: :class:`ElasticWorld`, the lifecycle of the job's groups, generation by generation;
 * :mod:`.frameworks`: forgetting DeepSpeed's cached groups after a regroup.
 
-Tests and benchmarks run jobs whose members die on purpose with ``tests/harness.py``.
+Tests and benchmarks run jobs whose members die on purpose with ``resihp_lightning/testing/harness.py``.
 
 ``import resihp_lightning.resilience`` does not import torch; the names below load on first use.
 """
@@ -25,18 +25,18 @@ _LAZY = {
     "WorldConfig": "resihp_lightning.resilience.world",
     "Generation": "resihp_lightning.resilience.world",
     "is_transport_error": "resihp_lightning.resilience.world",
-    "DetectorConfig": "resihp_lightning.resilience.detector",
-    "FailureDetector": "resihp_lightning.resilience.detector",
-    "Failure": "resihp_lightning.resilience.detector",
+    "FailureDetectorConfig": "resihp_lightning.resilience.failure_detector",
+    "FailureDetector": "resihp_lightning.resilience.failure_detector",
+    "Failure": "resihp_lightning.resilience.failure_detector",
     "StoreConfig": "resihp_lightning.resilience.store",
     "RendezvousStore": "resihp_lightning.resilience.store",
     "SocketTracker": "resihp_lightning.resilience.sockets",
     "reset_deepspeed": "resihp_lightning.resilience.frameworks",
-    "ResilienceError": "resihp_lightning.resilience.errors",
-    "PeerFailure": "resihp_lightning.resilience.errors",
-    "EvictedError": "resihp_lightning.resilience.errors",
-    "RegroupError": "resihp_lightning.resilience.errors",
-    "StoreUnavailable": "resihp_lightning.resilience.errors",
+    "ResilienceError": "resihp_lightning.resilience.failures",
+    "PeerFailure": "resihp_lightning.resilience.failures",
+    "EvictedError": "resihp_lightning.resilience.failures",
+    "RegroupError": "resihp_lightning.resilience.failures",
+    "StoreUnavailable": "resihp_lightning.resilience.failures",
 }
 
 __all__ = sorted(_LAZY)

@@ -8,7 +8,7 @@ Only modules already imported are touched: resetting never imports DeepSpeed.
 
 After :func:`reset_deepspeed`, the caller runs ``deepspeed.init_distributed(...)`` again (it finds
 the new default group and wraps it) before building an engine. Code that remembers that it already
-initialised DeepSpeed must forget it too (resihp's ``strategy/engine.py`` keeps ``_comm_ready``).
+initialised DeepSpeed must forget it too (resihp's ``runtime/engine.py`` keeps ``_comm_ready``).
 """
 
 from __future__ import annotations

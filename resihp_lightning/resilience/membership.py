@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from resihp_lightning._logging import get_logger
-from resihp_lightning.resilience.errors import EvictedError, RegroupError
+from resihp_lightning.resilience.failures import EvictedError, RegroupError
 
 log = get_logger(__name__)
 

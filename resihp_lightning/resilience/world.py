@@ -63,8 +63,8 @@ from typing import Any
 
 from resihp_lightning._logging import get_logger
 from resihp_lightning.errors import invalid_option
-from resihp_lightning.resilience.detector import DetectorConfig, Failure, FailureDetector, abort_key
-from resihp_lightning.resilience.errors import (
+from resihp_lightning.resilience.failure_detector import FailureDetectorConfig, Failure, FailureDetector, abort_key
+from resihp_lightning.resilience.failures import (
     EvictedError,
     PeerFailure,
     RegroupError,
@@ -139,7 +139,7 @@ class WorldConfig:
     track_new_groups: bool = True
     reset_deepspeed: bool = True
     store: StoreConfig = field(default_factory=StoreConfig)
-    detector: DetectorConfig = field(default_factory=DetectorConfig)
+    detector: FailureDetectorConfig = field(default_factory=FailureDetectorConfig)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -242,7 +242,7 @@ class ElasticWorld:
 
     Example::
 
-        world = ElasticWorld(WorldConfig(detector=DetectorConfig(progress_timeout_s=60))).start()
+        world = ElasticWorld(WorldConfig(detector=FailureDetectorConfig(progress_timeout_s=60))).start()
         step = 0
         while step < steps:
             try:

@@ -5,7 +5,7 @@ stage costs and where it may end:
 
 * :func:`resihp_lightning.solver.milp_model.bottleneck`: integer time units of the MILP, memory in
   MB for ``min(P - j, k)`` micro-batches in flight (the tables of pure groups and the cuts);
-* :func:`resihp_lightning.solver.exact.min_bottleneck`: ms on one device class, memory through
+* :func:`resihp_lightning.solver.replica_search.min_bottleneck`: ms on one device class, memory through
   :meth:`~resihp_lightning.solver.exact_model.Model.stage_cap` (per-replica exact phase).
 
 :func:`resihp_lightning.solver.heuristic.bottleneck_bounds` is not built on it; its docstring says why.

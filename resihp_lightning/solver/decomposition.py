@@ -13,7 +13,7 @@ replica *compositions* (:mod:`resihp_lightning.solver.knapsack`), solved exactly
   its classes, :meth:`~.exact_model.Model.min_p2p_sum`) and
   ``X >= max(C / sum s (plus the p2p share), whole layers)``.
   Pure replicas get their exact value from the bottleneck dynamic programme
-  (:func:`~.exact.min_bottleneck`, memory included). When the knapsack over these values cannot
+  (:func:`~.replica_search.min_bottleneck`, memory included). When the knapsack over these values cannot
   reach M the shape is closed, before any partition of a mixed replica is searched.
 * **Exact values lazily.** Otherwise the compositions the knapsack chose get their exact value
   (the best arrangement of their classes over the stages, and its bounds), and the knapsack is
@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from resihp_lightning.solver.bounds import shape_lower_bound
 from resihp_lightning.solver.enumeration import count_bounds
 from resihp_lightning.solver.exact_model import Best, Model
+from resihp_lightning.solver.replica_search import BudgetExceeded, max_micro_batches, min_bottleneck
 from resihp_lightning.solver.knapsack import Mix, ReplicaKnapsack, TooLarge, free_upper
 from resihp_lightning.solver.microbatch_split import count, split
 
@@ -218,7 +219,6 @@ class _Shape:
 
     def pure(self, cls: int, limit: float) -> tuple[int, tuple[int, ...] | None]:
         """Exact: the most micro-batches of a pure replica of ``cls`` within ``limit``, its bounds."""
-        from resihp_lightning.solver.exact import min_bottleneck
 
         model, p = self.model, self.p
         total = model.pc[-1] / model.classes[cls].speed + model.pure_p2p_sum(cls, p)
@@ -299,14 +299,13 @@ class _Shape:
 
     # ------------------------------------------------------------------------- per replica
     def _exact_per_replica(self, k: tuple[int, ...], limit: float, ceiling: int):
-        from resihp_lightning.solver.exact import _BudgetExceeded, _max_micro_batches
 
         got, arg = 0, None
         for t in self.arrangements(k):
             ticks = [self.work.used]
             try:
-                m, b = _max_micro_batches(self.model, t, limit, self.most, ticks, self.work.budget, got + 1)
-            except _BudgetExceeded:
+                m, b = max_micro_batches(self.model, t, limit, self.most, ticks, self.work.budget, got + 1)
+            except BudgetExceeded:
                 raise _Open("work budget") from None
             self.work.used = ticks[0]
             if b is not None and m > got:

@@ -48,20 +48,16 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from typing import TYPE_CHECKING
 
 from resihp_lightning.errors import InfeasibleError
 from resihp_lightning.plan import Plan, Problem, evaluate
-from resihp_lightning.solver.bottleneck import min_max_partition
 from resihp_lightning.solver.bounds import shape_lower_bound
 from resihp_lightning.solver.decomposition import decomposition_search
 from resihp_lightning.solver.enumeration import all_bounds, count_bounds, layouts, used_vectors
 from resihp_lightning.solver.exact_model import Best, Model, build_plan
 from resihp_lightning.solver.heuristic import heuristic_search
+from resihp_lightning.solver.replica_search import BudgetExceeded, max_micro_batches, max_micro_batches_pure
 from resihp_lightning.solver.microbatch_split import count, fluid_value, split, split_functions, split_value
-
-if TYPE_CHECKING:
-    import numpy as np
 
 #: Work units (priced bounds candidates / branch-and-bound children) of the exact phase when it is a
 #: warm start (kept small, so that the MILP gets the time).
@@ -75,10 +71,6 @@ UNITS_PER_SECOND = 20_000
 DECOMPOSITION_BUDGET = 100_000
 #: Decomposition units per second of ``time_limit_s`` when ``exact`` is the chosen backend.
 DECOMPOSITION_UNITS_PER_SECOND = 200_000
-
-
-class _BudgetExceeded(Exception):
-    pass
 
 
 # ----------------------------------------------------------------------------------- exact phase
@@ -126,7 +118,7 @@ def _exact_shared(model: Model, p: int, d: int, grid: tuple, best: Best, ticks: 
     def visit(j: int, a: int, sums: list[float], maxes: list[float], caps: list[int]) -> None:
         ticks[0] += 1
         if ticks[0] > budget:
-            raise _BudgetExceeded
+            raise BudgetExceeded
         last = j == p - 1
         first_b = big_l if last else a + min_l
         last_b = big_l if last else big_l - (p - 1 - j) * min_l
@@ -171,7 +163,7 @@ def _exact_per_replica(
             n_bounds = count_bounds(model.L, p, model.min_layers)
             ticks[0] += n_bounds
             if ticks[0] > budget:
-                raise _BudgetExceeded
+                raise BudgetExceeded
             f = [math.inf] * (model.M + 2)
             fb: list[tuple[int, ...] | None] = [None] * (model.M + 2)
             for b in all_bounds(model.L, p, model.min_layers):
@@ -191,125 +183,13 @@ def _exact_per_replica(
     best.offer(value + allreduce, grid, [argb[r][counts[r]] for r in range(d)], counts)
 
 
-def min_bottleneck(model: Model, cls: int, p: int, m: int) -> tuple[float, tuple[int, ...] | None]:
-    """The least possible slowest-stage time of P stages on class ``cls`` with memory for m in flight.
-
-    The ms tables for :func:`~resihp_lightning.solver.bottleneck.min_max_partition` (stage j may
-    hold a..b-1 when :meth:`Model.stage_cap` allows m micro-batches; ties: the latest start).
-    ``(inf, None)`` when nothing fits.
-    """
-    import numpy as np
-
-    pc = np.asarray(model.pc, dtype=float)
-    span = (pc[None, :] - pc[:, None]) / model.classes[cls].speed
-    costs = [span + model.stage_p2p(cls, j, p) for j in range(p)]
-    allowed = [_fitting_stages(model, cls, p, j, m) for j in range(p)]
-    found = min_max_partition(costs, allowed, latest_start_on_ties=True)
-    if found is None:
-        return math.inf, None
-    return found
-
-
-def _fitting_stages(model: Model, cls: int, p: int, j: int, m: int) -> np.ndarray:
-    """Where stage j of P may hold layers a..b-1 on class ``cls`` with m micro-batches (bool array).
-
-    Only ends ``b`` that leave room for the later stages are marked (only ``b = L`` for the last
-    stage), and starts ``a >= j * min_layers``: no partition of all L layers ends a stage elsewhere.
-    """
-    import numpy as np
-
-    big_l, min_l = model.L, model.min_layers
-    fits = np.zeros((big_l + 1, big_l + 1), dtype=bool)
-    lo_b = big_l if j == p - 1 else (j + 1) * min_l
-    hi_b = big_l - (p - 1 - j) * min_l
-    for b in range(lo_b, hi_b + 1):
-        for a in range(b - min_l, j * min_l - 1, -1):
-            if model.stage_cap(a, b, cls, p - j) < m:
-                break  # longer stages (smaller a) need more memory still
-            fits[a, b] = True
-    return fits
-
-
-def _max_micro_batches_pure(model: Model, cls: int, p: int, limit: float, most: int, ticks: list[int], budget: int, cache: dict):
-    """:func:`_max_micro_batches` for a replica of one class: S is fixed, so only the bottleneck matters."""
-    total = model.pc[-1] / model.classes[cls].speed + model.pure_p2p_sum(cls, p)
-    for m in [p] + list(range(min(p - 1, most), 0, -1)):
-        key = ("pure", cls, p, m)
-        if key not in cache:
-            ticks[0] += max(1, p * model.L * model.L // 20)
-            if ticks[0] > budget:
-                raise _BudgetExceeded
-            cache[key] = min_bottleneck(model, cls, p, m)
-        worst, bounds = cache[key]
-        if bounds is None:
-            continue
-        if m == p:
-            got = count(limit, total, worst, most)
-            if got >= p:
-                return got, bounds
-        elif count(limit, total, worst, m) >= m:
-            return m, bounds
-    return 0, None
-
-
-def _max_micro_batches(
-    model: Model, types: tuple[int, ...], limit: float, most: int, ticks: list[int], budget: int, at_least: int = 1
-):
-    """The most micro-batches one replica of these classes can run within ``limit`` ms, and its bounds.
-
-    Branch and bound over the bounds: ``m(b) = min(cap(b), floor((limit - S(b)) / X(b)) + 1)`` is
-    maximised; a node's upper bound uses the partial memory cap and lower bounds on S and X (as in
-    :func:`_exact_shared`). Only answers of at least ``at_least`` are sought: ``(at_least - 1, None)``
-    means there is none. Stops early at ``most``.
-    """
-    p = len(types)
-    speeds = [model.classes[c].speed for c in types]
-    suffix_max = [max(speeds[j:]) for j in range(p)]
-    suffix_sum = [sum(speeds[j:]) for j in range(p)]
-    suffix_speeds = [tuple(speeds[j:]) for j in range(p)]
-    pc, big_l, min_l, p2p = model.pc, model.L, model.min_layers, model.problem.p2p_ms
-    found = [at_least - 1, None]
-    bounds = [0] * (p + 1)
-
-    def visit(j: int, a: int, total: float, worst: float, cap: int) -> None:
-        last = j == p - 1
-        first_b = big_l if last else a + min_l
-        last_b = big_l if last else big_l - (p - 1 - j) * min_l
-        for b in range(first_b, last_b + 1):
-            ticks[0] += 1
-            if ticks[0] > budget:
-                raise _BudgetExceeded
-            t = model.stage_time(a, b, types[j], j, p)
-            new_cap = min(cap, model.stage_cap(a, b, types[j], p - j))
-            if new_cap < 1:
-                break  # more layers only need more memory
-            new_total, new_worst = total + t, max(worst, t)
-            if last:
-                m = count(limit, new_total, new_worst, min(new_cap, most))
-                if m > found[0]:
-                    bounds[p] = b
-                    found[0], found[1] = m, tuple(bounds)
-                continue
-            rest = pc[big_l] - pc[b]
-            total_lb = new_total + rest / suffix_max[j + 1] + p2p * (p - 2 - j)
-            worst_lb = max(new_worst, rest / suffix_sum[j + 1], model.layer_bound(suffix_speeds[j + 1], b))
-            if count(limit, total_lb, worst_lb, min(new_cap, most)) > found[0]:
-                bounds[j + 1] = b
-                visit(j + 1, b, new_total, new_worst, new_cap)
-                if found[0] >= most:
-                    return
-
-    visit(0, 0, 0.0, 0.0, most)
-    return found[0], found[1]
-
-
 def _exact_per_replica_bnb(
     model: Model, p: int, d: int, grid: tuple, best: Best, ticks: list[int], budget: int, cache: dict
 ) -> None:
     """Per-replica partitions with an incumbent: asks "can every replica finish below it?" per kind.
 
     With ``limit`` just below the incumbent (minus the all-reduce), each replica kind's most
-    micro-batches within ``limit`` come from :func:`_max_micro_batches`; when they sum to M the
+    micro-batches within ``limit`` come from :func:`max_micro_batches`; when they sum to M the
     kinds' bounds give a strictly better plan (its exact split is taken) and the question is asked
     again, else this layout cannot beat the incumbent. Each round lowers the incumbent, so it ends.
     """
@@ -340,9 +220,9 @@ def _exact_per_replica_bnb(
             known = cache.get(key)
             if known is None or (known[1] is None and known[0] >= at_least):
                 if len(set(types)) == 1:
-                    known = _max_micro_batches_pure(model, types[0], p, limit, most, ticks, budget, cache)
+                    known = max_micro_batches_pure(model, types[0], p, limit, most, ticks, budget, cache)
                 else:
-                    known = _max_micro_batches(model, types, limit, most, ticks, budget, at_least)
+                    known = max_micro_batches(model, types, limit, most, ticks, budget, at_least)
                 cache[key] = known
             m, bounds = known
             if bounds is None or m < at_least:
@@ -364,7 +244,7 @@ def _exact_per_replica_bnb(
 
 
 def exact_search(model: Model, budget: int, best: Best) -> None:
-    """The complete search of the exact phase, into ``best``; raises ``_BudgetExceeded`` past ``budget``."""
+    """The complete search of the exact phase, into ``best``; raises ``BudgetExceeded`` past ``budget``."""
     problem = model.problem
     ticks = [0]
     counts = [len(c.ids) for c in model.classes]
@@ -372,7 +252,7 @@ def exact_search(model: Model, budget: int, best: Best) -> None:
     incumbent = not math.isinf(best.value)
     if not problem.shared_partition and not incumbent:
         if sum(count_bounds(model.L, p, model.min_layers) for p, _ in shapes) > budget:
-            raise _BudgetExceeded  # per-replica enumeration cannot finish: do not spend the time
+            raise BudgetExceeded  # per-replica enumeration cannot finish: do not spend the time
     for p, d in shapes:
         if shape_lower_bound(problem, p, d) >= best.value:
             continue
@@ -381,7 +261,7 @@ def exact_search(model: Model, budget: int, best: Best) -> None:
             for grid in layouts(p, d, used):
                 ticks[0] += 1
                 if ticks[0] > budget:
-                    raise _BudgetExceeded
+                    raise BudgetExceeded
                 if problem.shared_partition:
                     _exact_shared(model, p, d, grid, best, ticks, budget)
                 elif incumbent:
@@ -442,7 +322,7 @@ def solve_exact(problem: Problem, *, budget: int = DEFAULT_BUDGET, decomposition
         try:
             exact_search(model, budget, best)
             bound = best.value
-        except (_BudgetExceeded, RecursionError):  # too many replicas to enumerate their layouts
+        except (BudgetExceeded, RecursionError):  # too many replicas to enumerate their layouts
             status = "feasible"
     if math.isinf(best.value):
         error = InfeasibleError(infeasible_reason(problem))

@@ -23,7 +23,7 @@ so a stage's forward and backward events of one micro-batch take exactly ``t[r][
 (``allreduce_ms`` times the largest ``u`` among the devices used, when D > 1); the makespan is the
 latest replica plus the all-reduce.
 
-Relation to the formula ``T_r = sum_j t_j + (m - 1) max_j t_j`` (measured, see tests/test_simulator.py):
+Relation to the formula ``T_r = sum_j t_j + (m - 1) max_j t_j`` (measured, see tests/solver/test_simulator.py):
 
 * equal stage times (``t_j`` all equal, for every ``forward_fraction``): the simulated replica time
   equals the formula exactly, ``(m + P - 1) t``; so does one stage (P = 1) and one micro-batch (m = 1);

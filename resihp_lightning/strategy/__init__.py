@@ -1,11 +1,10 @@
-"""ResiHPStrategy: a Lightning strategy that runs a DeepSpeed pipeline x data-parallel job and re-plans it live.
+"""ResiHPStrategy: the Lightning wiring of a DeepSpeed pipeline x data-parallel job that re-plans live.
 
-Modules (each with one job): ``options`` (constructor options), ``module`` (the LightningModule
-contract), ``topology`` (placement of a Plan on ranks), ``pipeline_module`` (explicit stage bounds),
-``engine`` (build / destroy DeepSpeed engines), ``migration`` (moving layers between ranks),
-``batching`` (slicing the global batch), ``profiling`` (per-micro-batch and per-layer timing),
-``checkpoint`` (layer-keyed checkpoints), ``strategy`` (the Lightning strategy itself).
-Public names are imported lazily so that importing this package stays cheap.
+This package holds only what talks to Lightning: the strategy class, its options, the LightningModule
+contract (``module``), launcher and Trainer-option checks, checkpoint I/O. The plan-dependent DeepSpeed
+objects live in :mod:`resihp_lightning.runtime`, moving state in :mod:`resihp_lightning.state`, a job
+that can lose ranks in :mod:`resihp_lightning.failstop`. Public names are imported lazily so that
+importing this package stays cheap.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Validation, test and predict steps of :class:`~resihp_lightning.strategy.strategy.ResiHPStrategyMixin`.
 
 Lightning calls them per batch; each deals the batch out to the replicas and joins the results
-(:mod:`~resihp_lightning.strategy.evaluation`), so that every rank sees what one device would: the
+(:mod:`~resihp_lightning.runtime.eval_passes`), so that every rank sees what one device would: the
 mean loss over rows (logged as ``val_loss`` / ``test_loss``) or the last layer's outputs for every
 row. With fail-stop recovery a hot spare returns what the members computed; under tensor parallelism
 the last stage's members join their split outputs first.
@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from resihp_lightning.strategy import batching, evaluation
+from resihp_lightning.runtime import batching, eval_passes
 from resihp_lightning.strategy.loss_logging import LossLogRecorder
 
 
@@ -43,10 +43,10 @@ class EvaluationStepsMixin:
         call = self._job.mirror.next_call() if self._job is not None else 0
         if self.is_spare:
             return batching.to_device(self._job.mirror.wait(call).value, self.root_device)
-        _, _, outputs = evaluation.run_share(runtime, self.lightning_module, batch, self.micro_batch_size, compute_loss=False)
+        _, _, outputs = eval_passes.run_share(runtime, self.lightning_module, batch, self.micro_batch_size, compute_loss=False)
         if self._tensor is not None and outputs is not None:  # the last stage's members join their shards
             outputs = self._whole_outputs(outputs)
-        joined = evaluation.joined_outputs(runtime.position.replica, outputs, self.root_device)
+        joined = eval_passes.joined_outputs(runtime.position.replica, outputs, self.root_device)
         if self._job is not None:
             self._publish(call, batching.to_cpu(joined))
         return joined
@@ -64,9 +64,9 @@ class EvaluationStepsMixin:
             LossLogRecorder.log_values(module, result["logs"], self.root_device)
             return torch.tensor(result["loss"], device=self.root_device), result["rows"]
         with self._loss_log.recording(module):
-            split, items, losses = evaluation.run_share(self._require_runtime(), module, batch, self.micro_batch_size, True)
+            split, items, losses = eval_passes.run_share(self._require_runtime(), module, batch, self.micro_batch_size, True)
         logs = self._loss_log.replay(module, self.root_device)
-        loss = evaluation.mean_loss(items, losses, self.root_device)
+        loss = eval_passes.mean_loss(items, losses, self.root_device)
         if self._job is not None:
             self._publish(call, {"loss": float(loss), "rows": split.rows, "logs": logs})
         return loss, split.rows

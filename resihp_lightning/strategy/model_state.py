@@ -19,8 +19,8 @@ import torch
 from typing_extensions import override
 
 from resihp_lightning._logging import user_warn
-from resihp_lightning.strategy import checkpoint
-from resihp_lightning.strategy.module_weights import restore_full_precision, sync_module_layers, write_trained
+from resihp_lightning.state import layer_checkpoint
+from resihp_lightning.state.module_weights import restore_full_precision, sync_module_layers, write_trained
 
 
 class ModelStateMixin:
@@ -36,8 +36,8 @@ class ModelStateMixin:
         runtime = self._require_runtime()
         if self.is_spare:  # outside the members' group; rank 0 (a member) writes the checkpoint
             return {}
-        layers = checkpoint.gather_model_state(runtime.trained_tensors(), sends=self._sends_whole_layers())
-        return checkpoint.module_keyed(self.lightning_module, self._keys, layers) if self.global_rank == 0 else {}
+        layers = layer_checkpoint.gather_model_state(runtime.trained_tensors(), sends=self._sends_whole_layers())
+        return layer_checkpoint.module_keyed(self.lightning_module, self._keys, layers) if self.global_rank == 0 else {}
 
     def export_weights(self, path: str | os.PathLike) -> None:
         """Writes the trained model's ``state_dict`` (the module's own keys) to ``path`` on rank 0 (collective).
@@ -59,12 +59,12 @@ class ModelStateMixin:
             return {}
         # Collective under a DeepSpeed wrapper (each stage's data-parallel group): every rank is here.
         state = runtime.optimizer_checkpoint_state()
-        return checkpoint.gather_optimizer_state(bound.groups, bound.group_of, state, sends=self._sends_whole_layers())
+        return layer_checkpoint.gather_optimizer_state(bound.groups, bound.group_of, state, sends=self._sends_whole_layers())
 
     @override
     def save_checkpoint(self, checkpoint_dict: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         checkpoint_dict["resihp"] = {
-            "format": checkpoint.FORMAT,
+            "format": layer_checkpoint.FORMAT,
             "state_dict_keys": "module",
             "plan": self.current_plan.to_dict(),
             "micro_batches": self._num_micro,
@@ -80,7 +80,7 @@ class ModelStateMixin:
         section = checkpoint_dict.get("resihp")
         # Our checkpoints before module keys had layer keys; a plain Lightning checkpoint has module keys.
         layer_keyed = section is not None and section.get("state_dict_keys") != "module"
-        checkpoint.load_module_state(
+        layer_checkpoint.load_module_state(
             self.lightning_module, self._keys, checkpoint_dict["state_dict"], runtime.local_tensors(), layer_keyed, strict,
             shard=runtime.saved_shards(),
         )

@@ -143,7 +143,7 @@ class ResiHPModule(ResiHPModuleMixin, LightningModule):
       every ``nn.Module`` layer the process holds that still has tensors on meta; it must give those
       tensors storage on ``device`` and their values (e.g. read that layer's tensors from a
       checkpoint), keeping the ``Parameter`` objects (``torch.utils.swap_tensors``; see
-      :mod:`resihp_lightning.meta`). Layers a re-plan moves to a process are not loaded: they get
+      :mod:`resihp_lightning.torch_utils.meta`). Layers a re-plan moves to a process are not loaded: they get
       empty storage and their values (and optimizer state) from their previous holder, and a process
       that gives a layer away puts it back on meta. Non-persistent buffers (rotary frequencies, ...)
       travel nowhere, so they must be built on a real device. The other layers stay on meta in that
@@ -157,7 +157,7 @@ class ResiHPModule(ResiHPModuleMixin, LightningModule):
       ``ResiHPStrategy(tensor_degree=t)``, t > 1): the first returns this process's share of layer
       ``index`` split over the tensor-parallel process ``group`` (it gets a private copy of the unsplit
       layer and may change it in place); parameters cut into shards carry the dimension they are cut
-      along (:func:`resihp_lightning.shards.sharded_parameter`), every other parameter must stay whole
+      along (:func:`resihp_lightning.torch_utils.shards.sharded_parameter`), every other parameter must stay whole
       and equal on the group's members. The second is ``pipeline_loss`` on the split last layer's
       outputs, the same value on every member. ``pipeline_tensor_parallel_outputs(self, outputs, group)``
       (for ``trainer.predict``) joins the members' split outputs of one micro-batch into the whole ones.

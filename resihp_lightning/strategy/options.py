@@ -8,7 +8,7 @@ from typing import Any
 
 from resihp_lightning.errors import invalid_option
 from resihp_lightning.plan import Plan
-from resihp_lightning.strategy.fail_stop import FailStopConfig
+from resihp_lightning.failstop.fail_stop_config import FailStopConfig
 
 #: DeepSpeed config keys the strategy owns; an override of them is refused.
 RESERVED_DEEPSPEED_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")

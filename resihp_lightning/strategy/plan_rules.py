@@ -10,7 +10,7 @@ from resihp_lightning.errors import ConfigError, PlanError
 from resihp_lightning.placement import same_layout
 from resihp_lightning.plan import Device, Layer, Plan, Problem, even_split, validate
 from resihp_lightning.strategy.options import StrategyOptions
-from resihp_lightning.strategy.wrapped_state import wrapped_config_reason, wraps_optimizer
+from resihp_lightning.state.wrapped_state import wrapped_config_reason, wraps_optimizer
 
 
 def check_plan(

@@ -1,6 +1,6 @@
 """The fail-stop half of :class:`~resihp_lightning.strategy.strategy.ResiHPStrategyMixin`: steps of a job that can lose ranks.
 
-With ``fail_stop`` on, the strategy holds a :class:`~resihp_lightning.strategy.survivors.SurvivingJob`
+With ``fail_stop`` on, the strategy holds a :class:`~resihp_lightning.failstop.survivors.SurvivingJob`
 (``self._job``). This mixin is everything the strategy does with it between Lightning's hooks:
 
 * a training step runs as :meth:`_job_step` inside ``SurvivingJob.run_step``: a member applies a
@@ -27,12 +27,12 @@ from torch import Tensor
 
 from resihp_lightning._logging import user_info, user_warn
 from resihp_lightning.plan import Plan
-from resihp_lightning.resilience.errors import PeerFailure
-from resihp_lightning.strategy import batching
-from resihp_lightning.strategy.fail_stop import RecoveryRecord
+from resihp_lightning.resilience.failures import PeerFailure
+from resihp_lightning.runtime import batching
+from resihp_lightning.failstop.recovery_record import RecoveryRecord
 from resihp_lightning.strategy.loss_logging import LossLogRecorder
-from resihp_lightning.strategy.module_weights import sync_module_layers
-from resihp_lightning.strategy.spares import Reshape
+from resihp_lightning.state.module_weights import sync_module_layers
+from resihp_lightning.failstop.spares import Reshape
 
 
 class ResilientStepsMixin:

@@ -1,4 +1,4 @@
-"""``ResiHPStrategy``: Lightning wiring around a :class:`~resihp_lightning.strategy.runtime.PipelineRuntime`.
+"""``ResiHPStrategy``: Lightning wiring around a :class:`~resihp_lightning.runtime.pipeline_runtime.PipelineRuntime`.
 
 The strategy turns Lightning's hooks into runtime calls: setup builds the runtime for the initial
 plan, each training step applies a requested plan (:meth:`~ResiHPStrategyMixin.request_plan`) and
@@ -32,27 +32,27 @@ from resihp_lightning._logging import quiet_agreed_errors, user_warn
 from resihp_lightning.contract import DeviceConditions, MigrationRecord
 from resihp_lightning.errors import PlanError
 from resihp_lightning.placement import row_offset
-from resihp_lightning.resilience.errors import PeerFailure
+from resihp_lightning.resilience.failures import PeerFailure
 from resihp_lightning.plan import Plan
-from resihp_lightning.strategy import batching, link_probe
-from resihp_lightning.strategy.device_memory import memory_budget_mb
-from resihp_lightning.strategy.engine import init_deepspeed_comm
-from resihp_lightning.strategy.fail_stop import FailStopConfig
+from resihp_lightning.runtime import batching, link_probe
+from resihp_lightning.runtime.device_memory import memory_budget_mb
+from resihp_lightning.runtime.engine import init_deepspeed_comm
+from resihp_lightning.failstop.fail_stop_config import FailStopConfig
 from resihp_lightning.strategy.launcher import without_observer
 from resihp_lightning.strategy.loss_logging import LossLogRecorder
 from resihp_lightning.strategy.module import check_contract, layer_specs, resolve_gather_weights, tied_parameters
-from resihp_lightning.strategy.module_weights import LayerKeys
+from resihp_lightning.state.module_weights import LayerKeys
 from resihp_lightning.strategy.options import StrategyOptions
 from resihp_lightning.strategy.plan_rules import check_plan, initial_plan, settle_micro_batches
 from resihp_lightning.strategy.evaluation_steps import EvaluationStepsMixin
 from resihp_lightning.strategy.model_state import ModelStateMixin
 from resihp_lightning.strategy.resilient_steps import ResilientStepsMixin
-from resihp_lightning.strategy.runtime import PipelineRuntime, RuntimeConfig
-from resihp_lightning.strategy.survivors import SurvivingJob
-from resihp_lightning.strategy.tensor_groups import TensorParallelism
+from resihp_lightning.runtime.pipeline_runtime import PipelineRuntime, RuntimeConfig
+from resihp_lightning.failstop.survivors import SurvivingJob
+from resihp_lightning.tensor.tensor_groups import TensorParallelism
 from resihp_lightning.strategy.tensor_setup import check_tensor_parallel_job, create_tensor_groups
 from resihp_lightning.strategy.trainer_options import effective_deepspeed_config, refuse_unsupported
-from resihp_lightning.strategy.wrapped_state import wraps_optimizer
+from resihp_lightning.state.wrapped_state import wraps_optimizer
 from resihp_lightning.telemetry import LayerCost, LinkSample, MicroBatchStats, StepStats
 
 
@@ -290,7 +290,7 @@ class ResiHPStrategyMixin(ResilientStepsMixin, ModelStateMixin, EvaluationStepsM
     def layer_profile(self) -> list[LayerCost]:
         """Measured cost of every layer, gathered over ranks (collective: call on every rank).
 
-        See :meth:`~resihp_lightning.strategy.runtime.PipelineRuntime.layer_profile`.
+        See :meth:`~resihp_lightning.runtime.pipeline_runtime.PipelineRuntime.layer_profile`.
         """
         return self._require_runtime().layer_profile()
 
@@ -623,7 +623,7 @@ class ResiHPStrategy(ResiHPStrategyMixin, DDPStrategy):
     that of the global batch.
 
     Gradients (plain fp32 optimizer): each layer's gradient is averaged over the ranks that hold it,
-    one per replica (:mod:`~resihp_lightning.strategy.layerwise`), so replicas may have different
+    one per replica (:mod:`~resihp_lightning.runtime.layerwise`), so replicas may have different
     stage bounds, and ``gradient_clipping`` uses the exact global norm. With ZeRO-1 / bf16 / fp16
     DeepSpeed's own stage-paired reduction runs and every replica must have the same bounds.
 
@@ -634,7 +634,7 @@ class ResiHPStrategy(ResiHPStrategyMixin, DDPStrategy):
 
     Fail-stop (``fail_stop=...``): the job's process groups come from a world that can regroup; a
     rank that dies or hangs costs the step it interrupted, which the survivors redo exactly under a
-    plan for themselves (:mod:`~resihp_lightning.strategy.survivors`, :attr:`last_recovery`).
+    plan for themselves (:mod:`~resihp_lightning.failstop.survivors`, :attr:`last_recovery`).
 
     Args:
         pipeline_degree: P of the initial uniform plan (default 2 when the world size is even and
@@ -654,8 +654,8 @@ class ResiHPStrategy(ResiHPStrategyMixin, DDPStrategy):
             of ``fit``: ``"all"``, ``"rank0"``, ``"none"`` or ``"auto"`` (default: the module's
             ``pipeline_gather_weights()``, else ``"all"``).
         fail_stop: in-process recovery from dead or hung ranks
-            (:class:`~resihp_lightning.strategy.fail_stop.FailStopConfig`, ``True`` for the defaults;
-            default off). See :mod:`~resihp_lightning.strategy.survivors`.
+            (:class:`~resihp_lightning.failstop.fail_stop_config.FailStopConfig`, ``True`` for the defaults;
+            default off). See :mod:`~resihp_lightning.failstop.survivors`.
         options: all of the above as one :class:`StrategyOptions` (the other arguments are then ignored).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for
             Lightning's ``DDPStrategy``.

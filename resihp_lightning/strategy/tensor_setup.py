@@ -7,7 +7,7 @@ from typing import Any
 
 from resihp_lightning.errors import ConfigError
 from resihp_lightning.strategy.module import ResiHPModuleMixin
-from resihp_lightning.strategy.tensor_groups import TensorGroups, TensorParallelism
+from resihp_lightning.tensor.tensor_groups import TensorGroups, TensorParallelism
 
 #: The module hooks tensor parallelism needs (the contract's defaults refuse).
 TENSOR_HOOKS = ("pipeline_split_layer", "pipeline_tensor_parallel_loss")

@@ -1,0 +1,268 @@
+"""``StragglerDetector``: the Lightning callback around the fail-slow core (:mod:`.straggler`).
+
+Each rank reads ``trainer.strategy.last_step_stats`` (its own busy compute per micro-batch and the
+micro-batches' workload; the strategy must provide :class:`~resihp_lightning.contract.StepStatsSource`,
+checked at ``setup``) in ``on_train_batch_end`` and summarises it locally. Every report interval
+the summaries are all-gathered over the default process group (``all_gather_object``), so every rank
+folds the same data into its own :class:`~.straggler.StragglerCore` and holds the same speeds, flags
+and events, which lets a controller act on them without another round of communication.
+
+Links: every ``link_probe_interval_steps`` after the warm-up, when the strategy provides
+:class:`~resihp_lightning.contract.LinkProber`, the detector runs ``strategy.measure_links()`` (a
+collective at the step boundary) and folds it into a :class:`~.links.LinkCore`: a slow link is named
+like a slow device (``slow_link_detected`` / ``slow_link_recovered``), and the measured ``p2p_ms`` /
+``allreduce_ms`` and per-device ``link_speeds`` are what the controller gives the planner.
+
+Rank 0 writes ``fail_slow_detected`` / ``fail_slow_recovered`` (and the link events) to the event log and logs
+``gpu_relative_perf/{min,median,max}`` and ``gpu_individual_perf/{min,median,max}`` (the metric names
+of NVIDIA's ``StragglerDetectionCallback``) through the Lightning logger.
+
+Checkpoints (Lightning's ``state_dict`` / ``load_state_dict``): the detector saves the core (every
+rank's speed estimate, flag, streaks, recent step speeds, the version counter), every rank's
+workload model or fit progress and its summaries not yet reported, and the report schedule. A
+job resumed mid-fault therefore still knows the slow rank, and measures the next step against the
+saved models without a new warm-up and fit. Lightning writes rank 0's ``state_dict`` and loads it on
+every rank, so ``state_dict`` gathers the per-rank parts (it is a collective, like the strategy's own
+checkpoint gathering: Lightning calls it on every rank) and each rank takes its own back on load.
+The list of :attr:`StragglerDetector.detections` is not saved (the event log keeps them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from resihp_lightning._logging import get_logger, user_info
+from resihp_lightning.callbacks.events import EventLog
+from resihp_lightning.callbacks.failslow.link_core import LinkCore
+from resihp_lightning.callbacks.failslow.straggler_core import (
+    StragglerConfig,
+    LocalTracker,
+    RankSummary,
+    StragglerCore,
+)
+from resihp_lightning.torch_utils.collectives import all_gather_objects, broadcast_from_zero
+from resihp_lightning.config import config_from_options
+from resihp_lightning.contract import (
+    LinkProber, StepStatsSource, Survivable, provides, reports_device, require, tensor_degree_of,
+)
+
+log = get_logger(__name__)
+
+
+class StragglerDetector(Callback):
+    """Per-rank speed estimates (1.0 healthy, 0.5 half speed) from workload-normalised busy time.
+
+    Args:
+        config: detector options; alternatively pass them as keyword arguments (same names).
+        events: the event log; default ``<trainer.log_dir>/events.jsonl``.
+        log_dir: where to put the default event log instead of the trainer's log directory.
+        **options: fields of :class:`~.straggler.StragglerConfig` (when ``config`` is not given).
+    """
+
+    def __init__(
+        self,
+        config: StragglerConfig | None = None,
+        *,
+        events: EventLog | None = None,
+        log_dir: str | None = None,
+        **options: Any,
+    ) -> None:
+        self.config = config_from_options(StragglerConfig, config, options, "StragglerDetector")
+        self.events = events
+        self.log_dir = log_dir
+        self.core = StragglerCore(self.config)
+        self.tracker = LocalTracker(self.config.warmup_steps, self.config.fit_steps)
+        cfg = self.config
+        self.links = LinkCore(cfg.link_slow_threshold, cfg.link_recovery_threshold, cfg.link_patience, cfg.link_window,
+                              cfg.link_min_extra_ms)
+        self._probe_links = False
+        self.detections: list[dict[str, Any]] = []
+        self.rank = 0
+        self._pending: list[RankSummary] = []
+        self._interval = self.config.report_interval_steps
+        self._last_step: int | None = None
+        self._next_report: int | None = None
+
+    # ------------------------------------------------------------------------------ results
+    @property
+    def speeds(self) -> dict[int, float]:
+        """Speed per rank (flagged ranks: their estimate; others 1.0); the same on every rank."""
+        return self.core.speeds
+
+    @property
+    def flagged(self) -> list[int]:
+        """Ranks flagged slow, ascending (the same on every rank)."""
+        return self.core.flagged
+
+    @property
+    def link_speeds(self) -> dict[int, float]:
+        """Link speed per device whose link is flagged slow (others 1.0); the same on every rank."""
+        return self.links.speeds
+
+    @property
+    def p2p_ms(self) -> float | None:
+        """Measured round trip of one micro-batch's stage-boundary activation (``None``: not probed yet)."""
+        return self.links.p2p_ms
+
+    @property
+    def allreduce_ms(self) -> float | None:
+        """Measured gradient all-reduce per iteration (``None``: not probed yet)."""
+        return self.links.allreduce_ms
+
+    @property
+    def version(self) -> int:
+        """Bumps whenever a flag or reported speed (of a device or a link) changes (same on every rank)."""
+        return self.core.version + self.links.version
+
+    # ---------------------------------------------------------------------------- callbacks
+    @override
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        require(trainer.strategy, StepStatsSource, "StragglerDetector")
+        if provides(trainer.strategy, Survivable) and self._resync not in trainer.strategy.recovery_listeners:
+            trainer.strategy.recovery_listeners.append(self._resync)
+        self.rank = trainer.global_rank
+        # Under tensor parallelism a probe's pairs would mix a group's own members with other groups'.
+        probing = self.config.link_probe_interval_steps > 0 and provides(trainer.strategy, LinkProber)
+        self._probe_links = probing and tensor_degree_of(trainer.strategy) == 1
+        if probing and not self._probe_links:
+            user_info("StragglerDetector: links are not probed under tensor parallelism (slow links are not detected)")
+        if self.events is None:
+            log_dir = self.log_dir or trainer.log_dir or trainer.default_root_dir
+            self.events = EventLog(Path(log_dir), rank=self.rank)
+
+    @override
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        strategy: StepStatsSource = trainer.strategy
+        self.rank = trainer.global_rank  # it changes when lost ranks' survivors regroup
+        if self.events is not None:
+            self.events.rank = self.rank
+        stats = strategy.last_step_stats
+        if stats is None or strategy.collectives_interrupted:
+            return  # no step measured yet, or the survivors of a lost rank meet again at the next step
+        if stats.step == self._last_step:
+            return  # no new step
+        self._last_step = stats.step
+        summary = self.tracker.summarize(stats)
+        if reports_device(strategy):  # one summary per device: a tensor-parallel group's first member
+            self._pending.append(summary)
+        if self._next_report is None:
+            self._next_report = stats.step
+        if stats.step >= self._next_report:
+            self.report(trainer, stats.step)
+        # Every link_probe_interval_steps; and at the next step while a flag change awaits confirmation
+        # (the link core is the same on every rank, so every rank probes at the same step).
+        if (self._probe_links and stats.step >= self.config.warmup_steps
+                and (stats.step % self.config.link_probe_interval_steps == 0 or self.links.undecided)):
+            self.probe_links(trainer)
+
+    def probe_links(self, trainer: Any) -> None:
+        """Measures the links now and folds the probe in (collective: every rank at the same step)."""
+        strategy = trainer.strategy
+        first_round = self.links.probes * self.config.link_probe_rounds
+        done, sample = strategy.collective(lambda: strategy.measure_links(first_round))
+        if not done:
+            return
+        for event in self.links.update(sample):
+            self.detections.append(event)
+            self.events.log(event["event"], event["step"], rank=event["rank"], link_speed=event["link_speed"])
+            verb = "is slow" if event["event"] == "slow_link_detected" else "recovered"
+            user_info(f"links: rank {event['rank']}'s link {verb} (speed {event['link_speed']:.2f}, step {event['step']})")
+
+    # ------------------------------------------------------------------------------ report
+    def report(self, trainer: Any, step: int) -> None:
+        """Gathers every rank's pending summaries and folds them into the core (collective)."""
+        strategy: StepStatsSource = trainer.strategy
+        done, gathered = strategy.collective(lambda: all_gather_objects(self._pending))
+        if not done:
+            return  # a peer was lost: the survivors regrouped and _resync made their state agree
+        self._pending = []
+        by_step: dict[int, list[RankSummary]] = {}
+        for part in gathered:
+            for summary in part or []:
+                by_step.setdefault(summary.step, []).append(summary)
+        step_ms = []
+        for at in sorted(by_step):
+            for event in self.core.update(by_step[at]):
+                self.detections.append(event)
+                fields_ = {k: v for k, v in event.items() if k not in ("event", "step")}
+                self.events.log(event["event"], event["step"], **fields_)
+                if event["event"] == "fail_slow_detected":
+                    user_info(f"straggler: rank {event['rank']} runs at speed {event['speed']:.2f} (step {event['step']})")
+                    if self.config.stop_if_detected:
+                        trainer.should_stop = True
+                else:
+                    user_info(f"straggler: rank {event['rank']} recovered (step {event['step']})")
+            step_ms.extend(s.step_ms for s in by_step[at] if s.step_ms > 0)
+        self._schedule(step, step_ms)
+        self._log_scores(trainer, step)
+
+    def _schedule(self, step: int, step_ms: list[float]) -> None:
+        interval = self.config.report_interval_steps
+        if self.config.report_time_interval is not None and step_ms:
+            typical = sorted(step_ms)[len(step_ms) // 2]
+            interval = max(1, round(self.config.report_time_interval * 1000.0 / max(typical, 1e-6)))
+        self._interval = interval
+        self._next_report = step + interval
+
+    # -------------------------------------------------------------------------- checkpoint
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """The detector's state, the same on every rank (collective while a process group is up)."""
+        mine = {"tracker": self.tracker.state_dict(), "pending": [s.to_dict() for s in self._pending]}
+        ranks = dict(all_gather_objects((self.rank, mine)))
+        return {
+            "core": self.core.state_dict(),
+            "links": self.links.state_dict(),
+            "ranks": ranks,
+            "last_step": self._last_step,
+            "next_report": self._next_report,
+            "interval": self._interval,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restores the core and this rank's own tracker (Lightning calls it after ``setup``)."""
+        self.core.load_state_dict(state_dict["core"])
+        if "links" in state_dict:  # absent in checkpoints written before link probing
+            self.links.load_state_dict(state_dict["links"])
+        mine: Mapping[str, Any] | None = state_dict["ranks"].get(self.rank)
+        if mine is not None:  # a rank new to the job starts its own warm-up
+            self.tracker.load_state_dict(mine["tracker"])
+            self._pending = [RankSummary.from_dict(s) for s in mine["pending"]]
+        self._last_step = state_dict["last_step"]
+        self._next_report = state_dict["next_report"]
+        self._interval = state_dict["interval"]
+
+    def _resync(self) -> None:
+        """Inside a fail-stop recovery: every survivor takes the cross-rank state of the new rank 0.
+
+        Survivors can be interrupted at different collectives of a step (one folded step s into its
+        core, another did not), so their states may differ; the decisions they take at the same step
+        must not. Each keeps its own tracker (its own measurements); pending summaries are dropped.
+        """
+        import torch.distributed as dist
+
+        mine = {"core": self.core.state_dict(), "links": self.links.state_dict(), "last_step": self._last_step,
+                "next_report": self._next_report, "interval": self._interval}
+        state = broadcast_from_zero(mine if dist.get_rank() == 0 else None)
+        self.core.load_state_dict(state["core"])
+        self.links.load_state_dict(state["links"])
+        self._last_step, self._next_report, self._interval = state["last_step"], state["next_report"], state["interval"]
+        self._pending = []
+
+    def _log_scores(self, trainer: Any, step: int) -> None:
+        if self.rank != 0:
+            return
+        summary = self.core.score_summary()
+        if self.config.enable_ptl_logging and summary and trainer.loggers:
+            for logger in trainer.loggers:
+                logger.log_metrics(summary, step=step)
+        count = self.config.num_gpu_perf_scores_to_print
+        if count and self.core.raw_speeds:
+            worst = sorted(self.core.raw_speeds.items(), key=lambda kv: kv[1])[:count]
+            user_info("straggler: lowest speeds " + ", ".join(f"rank {r}: {s:.2f}" for r, s in worst))

@@ -1,0 +1,112 @@
+"""``FailStopConfig``: the options of in-process recovery from lost ranks (``ResiHPStrategy(fail_stop=...)``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from resihp_lightning.config import SOLVERS
+from resihp_lightning.errors import invalid_option
+
+#: Exit status when the job cannot recover in-process (a launcher's restart policy takes over).
+UNRECOVERABLE_EXIT_CODE = 75
+
+
+@dataclass(frozen=True, kw_only=True)
+class FailStopConfig:
+    """Options of in-process fail-stop recovery.
+
+    Attributes:
+        detect_timeout_s: a rank whose heartbeat is silent this long is dead (> 2 x ``interval_s``).
+        interval_s: seconds between heartbeats and checks.
+        progress_timeout_s: a rank whose training step has not advanced for this long is evicted as
+            hung (``None``: only silent ranks; set it above the longest step, evaluation and
+            checkpoint).
+        join_timeout_s: how long the survivors wait for a member that neither joined the regroup nor
+            was reported dead.
+        regroup_timeout_s: bound of one regroup.
+        solver: planner backend for the survivors' plan (``exact`` is instant at small scale).
+        min_data_degree: the fewest replicas the survivors' plan should keep (>= 1; default 2), so that
+            the next death also loses no layer. Where no such plan fits (too few survivors, memory),
+            the survivors run the best plan with fewer replicas and a warning says so.
+        exit_code: process exit status when recovery is impossible (a layer lost with every holder,
+            the store lost, this rank evicted).
+        kill_evicted: SIGKILL a hung or silent rank the survivors left out when it runs on the machine
+            of the survivors' leader (pid and start time checked), so that it releases its device and
+            its launcher can exit; ``false`` leaves it frozen (e.g. to attach a debugger to it).
+        store_port: the rendezvous store host's port. ``None`` (one machine): a free port, found by the
+            job's processes through a file in the temporary directory. Several machines need a fixed
+            port; the host then runs on node 0 at ``$MASTER_ADDR`` (that machine is a single point of
+            failure: losing it ends the job, for a restart).
+    """
+
+    detect_timeout_s: float = 1.0
+    interval_s: float = 0.2
+    progress_timeout_s: float | None = None
+    join_timeout_s: float = 30.0
+    regroup_timeout_s: float = 120.0
+    solver: str = "exact"
+    min_data_degree: int = 2
+    exit_code: int = UNRECOVERABLE_EXIT_CODE
+    kill_evicted: bool = True
+    store_port: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.solver not in SOLVERS:
+            raise invalid_option("fail_stop.solver", self.solver, SOLVERS)
+        for name in ("interval_s", "join_timeout_s", "regroup_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise invalid_option(f"fail_stop.{name}", value, "seconds > 0")
+        if not isinstance(self.detect_timeout_s, (int, float)) or not self.detect_timeout_s >= 2 * self.interval_s:
+            raise invalid_option("fail_stop.detect_timeout_s", self.detect_timeout_s, f"seconds >= 2 x interval_s ({2 * self.interval_s:g})")
+        if self.progress_timeout_s is not None and not (
+            isinstance(self.progress_timeout_s, (int, float)) and self.progress_timeout_s >= 2 * self.interval_s
+        ):
+            raise invalid_option("fail_stop.progress_timeout_s", self.progress_timeout_s, "null or seconds >= 2 x interval_s")
+        if self.join_timeout_s >= self.regroup_timeout_s:
+            raise invalid_option("fail_stop.join_timeout_s", self.join_timeout_s, f"< regroup_timeout_s ({self.regroup_timeout_s:g})")
+        if not isinstance(self.min_data_degree, int) or isinstance(self.min_data_degree, bool) or self.min_data_degree < 1:
+            raise invalid_option("fail_stop.min_data_degree", self.min_data_degree, "an integer >= 1")
+        if not isinstance(self.kill_evicted, bool):
+            raise invalid_option("fail_stop.kill_evicted", self.kill_evicted, "true or false")
+        if not isinstance(self.exit_code, int) or not 1 <= self.exit_code <= 255:
+            raise invalid_option("fail_stop.exit_code", self.exit_code, "an integer 1..255")
+        if self.store_port is not None and (not isinstance(self.store_port, int) or not 1 <= self.store_port <= 65535):
+            raise invalid_option("fail_stop.store_port", self.store_port, "null or a TCP port 1..65535")
+
+    @classmethod
+    def from_value(cls, value: Any) -> FailStopConfig | None:
+        """``None``/``False``: off; ``True``: defaults; a dict or a config: as given."""
+        if value is None or value is False:
+            return None
+        if value is True:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, Mapping):
+            unknown = set(value) - {f.name for f in fields(cls)}
+            if unknown:
+                raise invalid_option(f"fail_stop.{sorted(unknown)[0]}", value[sorted(unknown)[0]], [f.name for f in fields(cls)])
+            return cls(**value)
+        raise invalid_option("fail_stop", value, "null, true, false, a FailStopConfig or its dict")
+
+    def world_config(self, backend: str, collective_timeout_s: float, node_rank: int = 0) -> Any:
+        """The :class:`~resihp_lightning.resilience.world.WorldConfig` these options describe."""
+        from resihp_lightning.resilience.failure_detector import FailureDetectorConfig
+        from resihp_lightning.resilience.store import StoreConfig
+        from resihp_lightning.resilience.world import WorldConfig
+
+        store = StoreConfig() if self.store_port is None else StoreConfig(port=self.store_port, spawn=node_rank == 0)
+        return WorldConfig(
+            store=store,
+            backend=backend,
+            collective_timeout_s=collective_timeout_s,
+            join_timeout_s=self.join_timeout_s,
+            regroup_timeout_s=self.regroup_timeout_s,
+            kill_evicted=self.kill_evicted,
+            detector=FailureDetectorConfig(
+                interval_s=self.interval_s, timeout_s=self.detect_timeout_s, progress_timeout_s=self.progress_timeout_s
+            ),
+        )

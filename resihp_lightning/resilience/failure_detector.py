@@ -1,0 +1,432 @@
+"""Failure detection over the rendezvous store: every process watches every other one.
+
+Each process runs one daemon thread. Every ``interval_s`` (0.2 s) it writes its beat,
+``hb/<rank>`` = ``"<counter>:<step>:<waiting>:<generation>"``, reads every peer's beat in one
+``multi_get``, checks the current generation's abort marker, and decides, on *its own monotonic
+clock* (so clock skew between machines does not matter), who failed:
+
+* ``exited``: a peer on the same machine (same pid namespace) whose process is gone or a zombie.
+  This is what makes a ``kill -9`` visible within one poll instead of after the silence timeout;
+* ``silent``: a peer whose beat has not changed for ``timeout_s`` (1 s): a dead process on another
+  machine, a SIGSTOPped one, a lost machine;
+* ``hung`` (with ``progress_timeout_s``): a peer whose *step* (:meth:`FailureDetector.progress`) has
+  not moved for that long, whose main thread is not inside a communication call, while another
+  member is waiting in one or is ahead. The condition on the others is what makes the right rank
+  take the blame: when one rank is stuck in its step, the others stop advancing too, blocked in the
+  next collective; a bare "no progress" rule would evict all of them. Each process sets ``waiting``
+  in its own beat by looking at its main thread's innermost Python frames (``comm_frames``:
+  ``torch.distributed``, ``deepspeed.comm``, DeepSpeed's pipeline p2p, this package). When every
+  member is stalled and nobody waits (a long evaluation or checkpoint everywhere), nobody is blamed.
+
+Every process reaches its verdicts by itself, so every survivor learns of a failure, not only rank 0,
+and a failure of rank 0 is no special case. Verdicts are final: a rank found failed is never
+reinstated (the survivors will regroup without it). A verdict is handed to ``on_failures`` (the
+world aborts the generation and publishes ``gen<g>/abort``); peers that see the marker abort at their
+next poll and adopt the failures it names, so after the first detection everyone aborts within about
+one interval.
+
+If this thread itself was not scheduled for more than half of ``timeout_s`` (an overloaded machine),
+its next poll only refreshes the peers' clocks: a late observer must not blame punctual peers.
+If the store cannot be reached for ``store_grace_s``, :attr:`FailureDetector.store_lost` is set and
+logged; training may go on (gloo needs no store after its groups exist) but no regroup is possible,
+and from then on the thread only watches for local exits (which still abort the generation, so that
+nobody hangs; the regroup that follows raises :class:`~.errors.StoreUnavailable`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from resihp_lightning._logging import get_logger
+from resihp_lightning.errors import invalid_option
+from resihp_lightning.resilience.procs import ProcessIdentity
+from resihp_lightning.resilience.store import beat_key
+
+log = get_logger(__name__)
+
+_SEP = os.sep
+DEFAULT_COMM_FRAMES = (
+    f"torch{_SEP}distributed{_SEP}",
+    f"deepspeed{_SEP}comm{_SEP}",
+    f"deepspeed{_SEP}runtime{_SEP}pipe{_SEP}p2p.py",
+    f"resihp_lightning{_SEP}resilience{_SEP}world.py",
+    f"resihp_lightning{_SEP}resilience{_SEP}membership.py",
+    f"resihp_lightning{_SEP}strategy{_SEP}spares.py",  # a spare waiting for the members' step
+)
+# Entry points that wrap a whole program (torchrun's @record) are not communication.
+_NOT_COMM_FRAMES = (f"torch{_SEP}distributed{_SEP}elastic{_SEP}", f"torch{_SEP}distributed{_SEP}run.py")
+
+EXITED, SILENT, HUNG = "exited", "silent", "hung"
+
+
+def abort_key(generation: int) -> str:
+    """The job key that marks ``generation`` as aborted (value: JSON with ``by``, ``reason``, ``failed``)."""
+    return f"gen{generation}/abort"
+
+
+@dataclass(frozen=True, kw_only=True)
+class FailureDetectorConfig:
+    """Options of failure detection.
+
+    Attributes:
+        interval_s: seconds between beats and checks.
+        timeout_s: a peer whose beat has not changed for this long has failed (``silent``).
+        progress_timeout_s: a peer stuck in its step for this long has failed (``hung``); None
+            turns the check off. Must exceed the longest legitimate gap between two
+            :meth:`FailureDetector.progress` calls on one rank while others wait for it.
+        probe_local_pids: check peers on this machine through ``/proc`` (detects exits at once).
+        store_grace_s: store errors for this long set :attr:`FailureDetector.store_lost`.
+        comm_frames: path fragments of modules whose frames mean "waiting in communication".
+        comm_frame_depth: how many innermost frames of the main thread are looked at (few: the
+            outer frames of any program eventually include its launcher's).
+    """
+
+    interval_s: float = 0.2
+    timeout_s: float = 1.0
+    progress_timeout_s: float | None = None
+    probe_local_pids: bool = True
+    store_grace_s: float = 5.0
+    comm_frames: tuple[str, ...] = DEFAULT_COMM_FRAMES
+    comm_frame_depth: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("interval_s", "timeout_s", "store_grace_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise invalid_option(f"resilience.detector.{name}", value, "seconds > 0")
+        if self.timeout_s < 2 * self.interval_s:
+            raise invalid_option(
+                "resilience.detector.timeout_s", self.timeout_s, f">= 2 x interval_s ({2 * self.interval_s})"
+            )
+        if self.progress_timeout_s is not None and not (
+            isinstance(self.progress_timeout_s, (int, float)) and self.progress_timeout_s >= 2 * self.interval_s
+        ):
+            raise invalid_option(
+                "resilience.detector.progress_timeout_s", self.progress_timeout_s, "null or seconds >= 2 x interval_s"
+            )
+        if not isinstance(self.comm_frame_depth, int) or self.comm_frame_depth < 1:
+            raise invalid_option("resilience.detector.comm_frame_depth", self.comm_frame_depth, "an integer >= 1")
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One verdict: ``rank`` (original) failed for ``reason``, decided by ``reporter`` at ``at``.
+
+    ``at`` is the reporter's ``time.monotonic()`` (comparable across processes of one machine).
+    """
+
+    rank: int
+    reason: str
+    reporter: int
+    at: float
+
+
+@dataclass
+class _Peer:
+    beat: bytes | None = None
+    changed: float = 0.0
+    step: int = -1
+    step_changed: float = 0.0
+    waiting: bool = False
+
+
+@dataclass
+class _Watch:
+    members: tuple[int, ...] = ()
+    generation: int = 0
+    peers: dict[int, _Peer] = field(default_factory=dict)
+    marker_seen: bool = False
+    judge_unseen: bool = True
+
+
+def main_thread_waiting(thread_id: int, fragments: Iterable[str], depth: int) -> bool:
+    """Whether the thread's innermost ``depth`` Python frames include a communication module."""
+    frame = sys._current_frames().get(thread_id)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        name = frame.f_code.co_filename
+        if any(f in name for f in fragments) and not any(f in name for f in _NOT_COMM_FRAMES):
+            return True
+        frame = frame.f_back
+    return False
+
+
+class FailureDetector:
+    """This process's heartbeat and failure-detection thread.
+
+    Args:
+        config: detection options.
+        rank: this process's original rank.
+        connect: returns a new store connection seen through the job's key namespace (the thread's
+            own; it is never shared with the main thread).
+        on_failures: called from the thread with the new failures (of current members only).
+        on_abort_marker: called from the thread when another process aborted the current
+            generation, with the generation and the marker's payload.
+    """
+
+    def __init__(
+        self,
+        config: FailureDetectorConfig | None = None,
+        *,
+        rank: int,
+        connect: Callable[[], Any],
+        on_failures: Callable[[list[Failure]], None] | None = None,
+        on_abort_marker: Callable[[int, dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.config = config or FailureDetectorConfig()
+        self.rank = rank
+        self._connect = connect
+        self.on_failures = on_failures
+        self.on_abort_marker = on_abort_marker
+        self.store: Any = None
+        self.store_lost = False
+        self._failed: dict[int, Failure] = {}
+        self._identities: dict[int, ProcessIdentity] = {}
+        self._watch = _Watch()
+        self._step = 0
+        self._hold = True  # no hang verdicts until the first watch()
+        self._counter = 0
+        self._main_id = threading.main_thread().ident or 0
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_tick = 0.0
+        self._errors_since: float | None = None
+
+    # --------------------------------------------------------------------------- public
+    @property
+    def failed(self) -> dict[int, Failure]:
+        """Original rank -> verdict, for every failure seen so far (all generations)."""
+        with self._lock:
+            return dict(self._failed)
+
+    @property
+    def identities(self) -> dict[int, ProcessIdentity]:
+        """Original rank -> process identity, for the peers known so far."""
+        with self._lock:
+            return dict(self._identities)
+
+    @property
+    def thread(self) -> threading.Thread | None:
+        return self._thread
+
+    def start(self) -> FailureDetector:
+        """Connects, writes the first beat and starts the thread (no verdicts before :meth:`watch`)."""
+        if self._thread is not None:
+            return self
+        self.store = self._connect()
+        self._beat()
+        self._last_tick = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name=f"resihp-detector-{self.rank}", daemon=True)
+        self._thread.start()
+        return self
+
+    def watch(self, members: Iterable[int], generation: int, *, judge_unseen: bool = True, hold: bool = False) -> None:
+        """Watches ``members`` (original ranks) of ``generation`` from now on, with fresh clocks.
+
+        Args:
+            members: original ranks (this process's own is ignored).
+            generation: whose abort marker to watch.
+            judge_unseen: whether a peer never heard from can be found ``silent`` (not while the
+                job starts: ranks start seconds apart; an exit is still seen once it registered).
+            hold: no hang verdicts until the next ``watch`` (while the generation forms).
+        """
+        now = time.monotonic()
+        with self._lock:
+            peers = {r: _Peer(changed=now, step_changed=now) for r in members if r != self.rank}
+            for rank, peer in peers.items():
+                old = self._watch.peers.get(rank)
+                if old is not None:
+                    peer.beat, peer.step = old.beat, old.step
+            self._watch = _Watch(tuple(members), generation, peers, judge_unseen=judge_unseen)
+            self._hold = hold
+
+    def hold(self) -> None:
+        """Suspends hang verdicts (while the generation is aborted and being replaced)."""
+        with self._lock:
+            self._hold = True
+
+    def progress(self, step: int) -> None:
+        """Tells peers that this process's training loop reached ``step`` (call once per step)."""
+        self._step = step
+
+    def declare(self, failures: Iterable[Failure]) -> list[Failure]:
+        """Records verdicts reached elsewhere (e.g. named by a peer's abort marker); returns the new ones."""
+        new = []
+        with self._lock:
+            for failure in failures:
+                if failure.rank != self.rank and failure.rank not in self._failed:
+                    self._failed[failure.rank] = failure
+                    new.append(failure)
+        return new
+
+    def probe_exits(self, ranks: Iterable[int]) -> list[Failure]:
+        """Checks now, from any thread, whether peers among ``ranks`` on this machine have exited.
+
+        Uses the identities the thread has already read (no store access), records the exits as
+        failures and returns the new ones. The regroup calls it while it waits, so that it need not
+        wait for the thread's next poll to learn that a killed peer is gone.
+        """
+        if not self.config.probe_local_pids:
+            return []
+        with self._lock:
+            known = dict(self._identities)
+        now = time.monotonic()
+        gone = [
+            Failure(rank, EXITED, self.rank, now)
+            for rank in ranks
+            if (identity := known.get(rank)) is not None and identity.comparable() and not identity.alive()
+        ]
+        return self.declare(gone)
+
+    def know(self, identities: Mapping[int, ProcessIdentity]) -> None:
+        """Records peers' process identities (read once by whoever has them; the thread reads
+        missing ones from the store itself, at its next poll)."""
+        with self._lock:
+            self._identities.update(identities)
+
+    def stop(self) -> None:
+        """Stops the thread (peers will see this process go silent unless it has left)."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.config.interval_s * 5 + 1)
+        self._thread = None
+
+    # --------------------------------------------------------------------------- thread
+    def _run(self) -> None:
+        cfg = self.config
+        while not self._stop.wait(cfg.interval_s):
+            try:
+                self._tick()
+                self._errors_since = None
+            except Exception as err:  # noqa: BLE001 - a lost store shows up as any network error
+                if self._stop.is_set():
+                    return
+                now = time.monotonic()
+                self._errors_since = self._errors_since or now
+                log.debug("detector on rank %d: store error: %s", self.rank, err)
+                if not self.store_lost and now - self._errors_since > cfg.store_grace_s:
+                    self.store_lost = True
+                    log.error("rank %d lost the rendezvous store (%s); no regroup is possible", self.rank, err)
+
+    def _beat(self) -> None:
+        self._counter += 1
+        waiting = main_thread_waiting(self._main_id, self.config.comm_frames, self.config.comm_frame_depth)
+        with self._lock:
+            generation = self._watch.generation
+        self.store.set(beat_key(self.rank), f"{self._counter}:{self._step}:{int(waiting)}:{generation}")
+
+    def _tick(self) -> None:
+        if self.store_lost:
+            # No store: no beats, markers or verdicts from silence; local exits still abort.
+            with self._lock:
+                watch = self._watch
+            self._notify(watch, self.probe_exits(watch.peers))
+            return
+        now = time.monotonic()
+        late = now - self._last_tick > self.config.timeout_s / 2
+        self._last_tick = now
+        self._beat()
+        with self._lock:
+            watch = self._watch
+        self._check_marker(watch)
+        failed = self.failed
+        peers = {r: p for r, p in watch.peers.items() if r not in failed}
+        values = self._read_beats(peers)
+        now = time.monotonic()
+        new: list[Failure] = []
+        for rank, peer in peers.items():
+            beat = values.get(rank)
+            if beat != peer.beat or late:
+                if beat != peer.beat and beat is not None:
+                    self._parse(peer, beat, now)
+                peer.beat, peer.changed = beat, now
+                if late:
+                    peer.step_changed = now
+            if self.config.probe_local_pids and self._exited(rank):
+                new.append(Failure(rank, EXITED, self.rank, now))
+            elif (peer.beat is not None or watch.judge_unseen) and now - peer.changed > self.config.timeout_s:
+                new.append(Failure(rank, SILENT, self.rank, now))
+        if not late:
+            new.extend(self._hung(watch, peers, {f.rank for f in new}, now))
+        if new:
+            self._report(watch, new)
+
+    def _check_marker(self, watch: _Watch) -> None:
+        if watch.marker_seen or self.on_abort_marker is None:
+            return
+        key = abort_key(watch.generation)
+        if self.store.check([key]):
+            watch.marker_seen = True
+            self.on_abort_marker(watch.generation, json.loads(self.store.get(key)))
+
+    def _read_beats(self, peers: Mapping[int, _Peer]) -> dict[int, bytes]:
+        # multi_get waits for missing keys; only ask for beats known to exist.
+        present = [r for r, p in peers.items() if p.beat is not None or self.store.check([beat_key(r)])]
+        if not present:
+            return {}
+        return dict(zip(present, self.store.multi_get([beat_key(r) for r in present])))
+
+    @staticmethod
+    def _parse(peer: _Peer, beat: bytes, now: float) -> None:
+        try:
+            _, step, waiting, _ = beat.decode().split(":")
+        except ValueError:
+            return
+        if int(step) != peer.step:
+            peer.step, peer.step_changed = int(step), now
+        peer.waiting = waiting == "1"
+
+    def _exited(self, rank: int) -> bool:
+        with self._lock:
+            identity = self._identities.get(rank)
+        if identity is None:
+            key = f"proc/{rank}"
+            if not self.store.check([key]):
+                return False
+            identity = ProcessIdentity.from_json(self.store.get(key))
+            self.know({rank: identity})
+        return identity.comparable() and not identity.alive()
+
+    def _hung(self, watch: _Watch, peers: Mapping[int, _Peer], dead: set[int], now: float) -> list[Failure]:
+        timeout = self.config.progress_timeout_s
+        with self._lock:
+            if timeout is None or self._hold:
+                return []
+        me = _Peer(step=self._step, waiting=main_thread_waiting(
+            self._main_id, self.config.comm_frames, self.config.comm_frame_depth
+        ))
+        live = {r: p for r, p in peers.items() if r not in dead}
+        everyone = {**live, self.rank: me}
+        verdicts = []
+        for rank, peer in live.items():
+            if peer.waiting or now - peer.step_changed <= timeout:
+                continue
+            others = [p for r, p in everyone.items() if r != rank]
+            if any(p.waiting or p.step > peer.step for p in others):
+                verdicts.append(Failure(rank, HUNG, self.rank, now))
+        return verdicts
+
+    def _report(self, watch: _Watch, failures: list[Failure]) -> None:
+        self._notify(watch, self.declare(failures))
+
+    def _notify(self, watch: _Watch, new: list[Failure]) -> None:
+        if not new:
+            return
+        log.warning(
+            "rank %d: generation %d lost %s",
+            self.rank, watch.generation, ", ".join(f"rank {f.rank} ({f.reason})" for f in new),
+        )
+        if self.on_failures is not None:
+            try:
+                self.on_failures(new)
+            except Exception:  # noqa: BLE001 - the thread must keep beating
+                log.exception("on_failures hook failed")

@@ -1,0 +1,274 @@
+"""In-process recovery with real gloo processes: kill, stop or hang a rank; the survivors go on.
+
+Each test runs 4 fresh processes (``resihp_lightning/testing/harness.py``: a rank that dies is an
+outcome, not a harness failure; everything still running at the end is SIGKILLed, so nothing hangs)
+in a loop of collectives under :class:`ElasticWorld`. The victim leaves the ``time.monotonic()`` of
+its failure (one clock for all processes of a machine); the survivors report when their blocked
+collective was released (:class:`PeerFailure` caught) and when the new generation was formed, and
+prove it with an all_reduce whose exact sum names its members.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from resihp_lightning.testing.harness import last_words, run_job
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _sum_of(members) -> float:
+    """What the final all_reduce of (original rank + 1) gives over exactly these members."""
+    return float(sum(r + 1 for r in members))
+
+
+def _fail(run_dir: str, rank: int, kind: str) -> None:
+    last_words(run_dir, rank, at=time.monotonic(), kind=kind)
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif kind == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return  # resumed (SIGCONT) after its peers went on without it
+    elif kind == "hang":  # stuck in compute: the heartbeat thread keeps beating
+        time.sleep(120)
+    raise AssertionError(f"rank {rank} outlived its failure ({kind})")
+
+
+def _step(world, mode: str, step: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    if mode == "all_reduce":
+        value = torch.ones(4)
+        dist.all_reduce(value)
+        assert value[0].item() == world.world_size
+        return
+    # "p2p": a pipeline's forward then backward pass along a chain of ranks, blocking send/recv.
+    rank, size = world.rank, world.world_size
+    activation = torch.zeros(4)
+    if rank > 0:
+        dist.recv(activation, rank - 1)
+    activation += 1
+    if rank < size - 1:
+        dist.send(activation, rank + 1)
+        dist.recv(activation, rank + 1)  # the gradient coming back
+    if rank > 0:
+        dist.send(activation, rank - 1)
+    assert activation[0].item() == size
+
+
+def _exact_sum(world) -> float:
+    import torch
+    import torch.distributed as dist
+
+    value = torch.tensor([float(world.original_rank + 1)])
+    dist.all_reduce(value)
+    return value.item()
+
+
+def _train(rank, world_size, run_dir, *, mode, failures, steps, progress_timeout_s=None, dies_after_joining=None,
+           resume=None, stall=None, join_timeout_s=10.0):
+    import torch
+    import torch.distributed as dist
+
+    from resihp_lightning.resilience import (
+        FailureDetectorConfig,
+        ElasticWorld,
+        EvictedError,
+        PeerFailure,
+        StoreConfig,
+        WorldConfig,
+    )
+    from resihp_lightning.resilience.procs import ProcessIdentity
+
+    config = WorldConfig(
+        store=StoreConfig(run_dir=run_dir, linger_s=1.0),
+        detector=FailureDetectorConfig(progress_timeout_s=progress_timeout_s),
+        join_timeout_s=join_timeout_s,
+        regroup_timeout_s=30.0,
+        collective_timeout_s=60.0,
+        kill_evicted=resume is None,  # a rank woken after its eviction must be left alive to learn it is out
+    )
+    world = ElasticWorld(config).start()
+    if rank == dies_after_joining:
+        # Joins the next generation's member list, then dies before its groups are formed.
+        world._teardown = lambda generation: _fail(run_dir, rank, "kill")
+    events = []
+    step = 0
+    while step < steps:
+        for victim, at, kind in failures:
+            if rank == victim and step == at:
+                _fail(run_dir, rank, kind)
+        try:
+            with world.guard():
+                _step(world, mode, step)
+            step += 1
+            world.progress(step)
+            time.sleep(0.002)  # a little compute; keeps 4 busy processes from starving 2 cores
+        except PeerFailure as failure:
+            released = time.monotonic()
+            if stall is not None and rank == stall[0]:  # alive, but late for the regroup (e.g. stuck)
+                last_words(run_dir, rank, at=time.monotonic())
+                time.sleep(stall[1])
+            try:
+                world.regroup()
+            except EvictedError as evicted:
+                world.close()
+                return {"evicted": evicted.members, "generation": evicted.generation, "events": events}
+            regrouped = time.monotonic()
+            if resume is not None and world.rank == 0:  # wake the stopped rank: it must learn it is out
+                os.kill(ProcessIdentity.from_json(world.store.control.get(f"proc/{resume}")).pid, signal.SIGCONT)
+            # Resume at the step the slowest survivor had not finished (the real loop redoes it).
+            agreed = torch.tensor([step])
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+            step = int(agreed.item())
+            events.append({
+                "released": released, "regrouped": regrouped, "aborted_generation": failure.generation,
+                "generation": world.generation, "members": list(world.members), "rank": world.rank,
+                "sum": _exact_sum(world), "failed": dict(world.failed),
+            })
+    result = {"events": events, "members": list(world.members), "generation": world.generation,
+              "sum": _exact_sum(world), "rank_of": {r: world.rank_of(r) for r in world.members}}
+    world.close()
+    return result
+
+
+def _survivors(outcome, expected):
+    values = outcome.values()
+    assert sorted(values) == expected, outcome.describe()
+    return values
+
+
+def _deaths(outcome):
+    return {r.rank: r.last_words["at"] for r in outcome.ranks if r.last_words}
+
+
+@pytest.mark.parametrize("mode", ["all_reduce", "p2p"])
+def test_sigkill_of_rank_two_releases_the_survivors_who_regroup_into_three(mode):
+    outcome = run_job(_train, 4, timeout=45, wait_for=[0, 1, 3], store_host_grace_s=4.0,
+                      mode=mode, failures=[(2, 20, "kill")], steps=40)
+    values = _survivors(outcome, [0, 1, 3])
+    died = _deaths(outcome)[2]
+    for rank, value in values.items():
+        (event,) = value["events"]
+        assert event["generation"] == 1 and event["members"] == [0, 1, 3]
+        assert event["sum"] == _sum_of([0, 1, 3]) == value["sum"]
+        assert event["released"] - died < 2.0, f"rank {rank} released after {event['released'] - died:.2f} s"
+        assert event["regrouped"] - died < 4.0
+        assert value["rank_of"] == {0: 0, 1: 1, 3: 2}
+    assert outcome.store_host_ended_by_itself, "the store host outlived the job"
+
+
+def test_rank_zero_then_rank_three_die_in_a_pipeline_chain_and_the_store_survives():
+    outcome = run_job(_train, 4, timeout=50, wait_for=[1, 2], mode="p2p",
+                      failures=[(0, 15, "kill"), (3, 35, "kill")], steps=50)
+    values = _survivors(outcome, [1, 2])
+    deaths = _deaths(outcome)
+    for rank, value in values.items():
+        first, second = value["events"]
+        assert (first["generation"], first["members"], first["sum"]) == (1, [1, 2, 3], _sum_of([1, 2, 3]))
+        assert (second["generation"], second["members"], second["sum"]) == (2, [1, 2], _sum_of([1, 2]))
+        assert first["released"] - deaths[0] < 2.0 and second["released"] - deaths[3] < 2.0
+        assert value["rank_of"] == {1: 0, 2: 1}
+
+
+def test_a_stopped_rank_is_evicted_the_others_go_on_and_it_learns_so_when_resumed():
+    outcome = run_job(_train, 4, timeout=45, mode="all_reduce",
+                      failures=[(1, 20, "stop")], steps=40, progress_timeout_s=1.5, resume=1)
+    values = _survivors(outcome, [0, 1, 2, 3])
+    stopped = _deaths(outcome)[1]
+    assert values.pop(1) == {"evicted": [0, 2, 3], "generation": 1, "events": []}
+    for value in values.values():
+        (event,) = value["events"]
+        assert event["members"] == [0, 2, 3] and event["sum"] == _sum_of([0, 2, 3])
+        # Nothing breaks on the wire: only the detector (1 s of silence) can release them.
+        assert 0.8 < event["released"] - stopped < 3.0
+    # Who saw it first names the cause; the others adopted it or learned it from the member list.
+    reasons = [value["events"][0]["failed"][1] for value in values.values()]
+    assert any(reason.startswith("silent") for reason in reasons), reasons
+
+
+def test_a_rank_stuck_in_its_step_is_evicted_as_hung_not_the_ones_waiting_for_it():
+    outcome = run_job(_train, 4, timeout=45, wait_for=[0, 1, 2], mode="p2p",
+                      failures=[(3, 20, "hang")], steps=40, progress_timeout_s=1.5)
+    values = _survivors(outcome, [0, 1, 2])
+    stuck = _deaths(outcome)[3]
+    for value in values.values():
+        (event,) = value["events"]
+        assert event["members"] == [0, 1, 2] and event["sum"] == _sum_of([0, 1, 2])
+        assert 1.2 < event["released"] - stuck < 4.0
+    reasons = [value["events"][0]["failed"][3] for value in values.values()]
+    assert any(reason.startswith("hung") for reason in reasons), reasons
+
+
+def test_a_rank_dying_after_it_joined_the_regroup_costs_one_more_generation_not_a_hang():
+    outcome = run_job(_train, 4, timeout=45, wait_for=[0, 1], mode="all_reduce",
+                      failures=[(2, 20, "kill")], steps=40, dies_after_joining=3)
+    values = _survivors(outcome, [0, 1])
+    deaths = _deaths(outcome)
+    for value in values.values():
+        (event,) = value["events"]  # one regroup() call: generation 1 failed while forming, 2 formed
+        assert (event["generation"], event["members"], event["sum"]) == (2, [0, 1], _sum_of([0, 1]))
+        assert event["regrouped"] - deaths[3] < 4.0
+
+
+def _loses_the_store(rank, world_size, run_dir):
+    import torch
+    import torch.distributed as dist
+
+    from resihp_lightning.resilience import ElasticWorld, PeerFailure, StoreConfig, StoreUnavailable, WorldConfig
+
+    world = ElasticWorld(WorldConfig(store=StoreConfig(run_dir=run_dir, timeout_s=5), join_timeout_s=5,
+                                     regroup_timeout_s=20)).start()
+    value = torch.ones(1)
+    try:
+        for step in range(40):
+            if step == 10 and rank == 0:
+                os.kill(world.store.host_identity.pid, signal.SIGKILL)
+            if step == 20 and rank == 2:
+                _fail(run_dir, rank, "kill")
+            with world.guard():
+                dist.all_reduce(value)
+            time.sleep(0.02)
+    except PeerFailure as failure:
+        started = time.monotonic()
+        try:
+            world.regroup()
+        except StoreUnavailable:
+            return {"store_unavailable_after": time.monotonic() - started, "aborted": failure.generation}
+    raise AssertionError("no failure or no StoreUnavailable")
+
+
+def test_without_its_store_host_the_job_trains_on_and_a_later_failure_ends_it_cleanly():
+    """The store host's death is the one loss the job cannot regroup from (restart path)."""
+    outcome = run_job(_loses_the_store, 4, timeout=45, wait_for=[0, 1, 3])
+    values = _survivors(outcome, [0, 1, 3])
+    for value in values.values():
+        assert value["aborted"] == 0 and value["store_unavailable_after"] < 5.0
+
+
+def test_a_leader_alive_but_late_for_the_regroup_is_left_out_and_the_others_go_on(tmp_path):
+    """Rank 0, the regroup's leader, stalls after rank 2 dies: alive (its detector keeps beating), so
+    nobody names it failed, and it never joins. After ``join_timeout_s`` the lowest rank that joined (1)
+    proposes in its place; ranks 1 and 3 go on as generation 1. Before, everyone waited for the leader's
+    proposal until the regroup timeout. The leader, left out, is killed on this machine (kill_evicted)."""
+    outcome = run_job(_train, 4, timeout=60, wait_for=[1, 3], mode="all_reduce", run_dir=str(tmp_path),
+                      failures=[(2, 20, "kill")], steps=40, stall=(0, 40.0), join_timeout_s=2.0)
+    values = _survivors(outcome, [1, 3])
+    for value in values.values():
+        (event,) = value["events"]
+        assert event["generation"] == 1 and event["members"] == [1, 3], event
+        assert event["sum"] == _sum_of([1, 3]) == value["sum"]
+        assert value["rank_of"] == {1: 0, 3: 1}
+    leader = outcome.ranks[0]
+    assert leader.status == "died" and leader.exitcode == -signal.SIGKILL, outcome.describe()
+    # Where the late leader was stuck: its threads' stacks, dumped join_timeout_s after the abort (the
+    # main thread in the test's stall); the survivors, in time, leave no file.
+    dumps = sorted(p.name for p in Path(outcome.run_dir).glob("stalled-rank*.txt"))
+    assert dumps == ["stalled-rank0.txt"], dumps
+    assert "in _train" in (Path(outcome.run_dir) / "stalled-rank0.txt").read_text()

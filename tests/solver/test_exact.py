@@ -1,0 +1,555 @@
+"""The exact planner and solve() against a brute-force enumeration, plus edge cases."""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import math
+import random
+import time
+from dataclasses import replace
+
+import pytest
+from resihp_lightning.testing.brute_oracle import count_candidates, price, random_link_problem, solve_brute
+
+from resihp_lightning.config import PlannerConfig
+from resihp_lightning.errors import InfeasibleError, ProblemError
+from resihp_lightning.plan import Device, Layer, Plan, Problem, Replica, evaluate, validate
+from resihp_lightning.solver import solve
+from resihp_lightning.solver.bounds import shape_lower_bound
+from resihp_lightning.solver.enumeration import all_bounds, layouts
+from resihp_lightning.solver.exact import exact_search, solve_exact
+from resihp_lightning.solver.replica_search import min_bottleneck
+from resihp_lightning.solver.exact_model import Best, Model, build_plan
+from resihp_lightning.solver.heuristic import heuristic_search
+from resihp_lightning.solver.microbatch_split import split
+
+REL = 1e-9
+
+
+def random_problem(seed: int) -> Problem:
+    """A small random problem; options drawn so that every one of them is exercised."""
+    rng = random.Random(seed)
+    n = rng.randint(1, 4)
+    num_layers = rng.randint(1, 5)
+    speeds = [rng.choice([1.0, 1.0, 0.5, 0.8, 0.3]) for _ in range(n)]
+    tight = rng.random() < 0.4
+    layers = [
+        Layer(rng.choice([0.5, 1.0, 2.0, 3.0]), rng.choice([10.0, 20.0, 30.0]), rng.choice([0.0, 5.0, 10.0]))
+        for _ in range(num_layers)
+    ]
+    devices = [Device(i, speeds[i], rng.choice([40.0, 60.0, 80.0, 200.0]) if tight else 1e6) for i in range(n)]
+    degrees = tuple(sorted(rng.sample([1, 2, 3, 4], rng.randint(1, 3)))) if rng.random() < 0.3 else None
+    return Problem(
+        tuple(layers),
+        tuple(devices),
+        rng.randint(1, 6),
+        p2p_ms=rng.choice([0.0, 0.1, 0.5]),
+        allreduce_ms=rng.choice([0.0, 1.0, 3.0]),
+        pipeline_degrees=degrees,
+        shared_partition=rng.random() < 0.5,
+        allow_exclude=rng.random() < 0.4,
+        min_layers_per_stage=rng.choice([1, 1, 1, 2]),
+    )
+
+
+def _optimum(solver, problem: Problem) -> float | None:
+    try:
+        return solver(problem).iteration_ms
+    except InfeasibleError:
+        return None
+
+
+def _close(a: float | None, b: float | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return abs(a - b) <= REL * max(1.0, abs(b))
+
+
+SEEDS = range(180)
+
+
+def test_random_problems_cover_every_option():
+    problems = [random_problem(s) for s in SEEDS]
+    assert sum(p.shared_partition for p in problems) > 40
+    assert sum(not p.shared_partition for p in problems) > 40
+    assert sum(p.allow_exclude for p in problems) > 30
+    assert sum(p.min_layers_per_stage > 1 for p in problems) > 20
+    assert sum(p.pipeline_degrees is not None for p in problems) > 20
+    assert sum(any(d.memory_mb < 1e6 for d in p.devices) for p in problems) > 40
+
+
+def test_exact_agrees_with_brute_force_on_random_problems():
+    mismatches, infeasible, proved = [], 0, 0
+    for seed in SEEDS:
+        problem = random_problem(seed)
+        assert count_candidates(problem) < 200_000
+        want = _optimum(solve_brute, problem)
+        try:
+            plan = solve_exact(problem)
+        except InfeasibleError:
+            got = None
+        else:
+            got = plan.iteration_ms
+            validate(problem, plan)  # legal, memory included
+            assert plan.status == "optimal" and plan.solver == "exact"
+            assert got == evaluate(problem, plan).iteration_ms
+            proved += 1
+        infeasible += want is None
+        if not _close(got, want):
+            mismatches.append((seed, want, got))
+    assert not mismatches
+    assert 5 <= infeasible <= len(SEEDS) - 100  # memory-tight problems are part of the set
+    assert proved >= 100
+
+
+def test_solve_exact_backend_agrees_with_brute_force():
+    config = PlannerConfig(solver="exact")
+    for seed in SEEDS:
+        problem = random_problem(seed)
+        want = _optimum(solve_brute, problem)
+        got = _optimum(lambda p: solve(p, config), problem)
+        assert _close(got, want), seed
+
+
+# Required dependencies: a backend that cannot be imported fails these tests (never skips them).
+MILP_BACKENDS = ["cpsat", "pulp"]
+
+
+@pytest.mark.parametrize("backend", MILP_BACKENDS)
+def test_milp_backends_agree_with_brute_force(backend):
+    # An import failure of the backend fails here (the solvers are required dependencies).
+    config = PlannerConfig(solver=backend, time_limit_s=20.0, num_workers=1)
+    for seed in range(1, 180, 9):
+        problem = random_problem(seed)
+        want = _optimum(solve_brute, problem)
+        try:
+            plan = solve(problem, config)
+        except InfeasibleError:
+            assert want is None, seed
+            continue
+        assert plan.solver == backend
+        assert plan.status == "optimal"
+        assert _close(plan.iteration_ms, want), seed
+        assert _close(evaluate(problem, plan).iteration_ms, want), seed
+
+
+@pytest.mark.parametrize("backend", MILP_BACKENDS)
+def test_milp_time_limit_is_never_worse_than_exact(backend):
+    rng = random.Random(5)
+    speeds = [1.0] * 16
+    speeds[3] = speeds[12] = 0.5
+    problem = Problem(
+        tuple(Layer(rng.uniform(2, 3), 1200.0, 150.0) for _ in range(32)),
+        tuple(Device(i, s, 16000.0) for i, s in enumerate(speeds)),
+        64,
+        p2p_ms=0.2,
+        allreduce_ms=6.0,
+    )
+    reference = solve_exact(problem)
+    assert reference.status == "feasible"  # too big for the exact phase: the heuristic answered
+    plan = solve(problem, PlannerConfig(solver=backend, time_limit_s=0.5, num_workers=1))
+    validate(problem, plan)
+    assert plan.solver == backend
+    assert plan.iteration_ms <= reference.iteration_ms * (1 + 1e-12)
+    assert plan.status in ("optimal", "feasible")
+
+
+@pytest.mark.parametrize("backend", MILP_BACKENDS)
+def test_milp_backends_alone_agree_with_brute_force(backend):
+    """The MILP without the exact plan as hint (optimal up to its integer time units, ~1e-7)."""
+    module = importlib.import_module(f"resihp_lightning.solver.{'cpsat' if backend == 'cpsat' else 'pulp_backend'}")
+    function = getattr(module, f"solve_{backend}")
+    config = PlannerConfig(solver=backend, time_limit_s=20.0, num_workers=1)
+    for seed in range(2, 180, 9):
+        problem = random_problem(seed)
+        want = _optimum(solve_brute, problem)
+        try:
+            plan = function(problem, config, None)
+        except InfeasibleError:
+            assert want is None, seed
+            continue
+        validate(problem, plan)
+        assert want is not None
+        assert plan.status == "optimal", seed
+        assert evaluate(problem, plan).iteration_ms == pytest.approx(want, rel=1e-5), seed
+
+
+def test_heuristic_phase_is_valid_and_never_below_the_optimum():
+    for seed in range(0, 180, 4):
+        problem = random_problem(seed)
+        want = _optimum(solve_brute, problem)
+        try:
+            plan = solve_exact(problem, budget=0)
+        except InfeasibleError:
+            continue  # the heuristic may miss a memory-tight layout; the exact phase does not
+        validate(problem, plan)
+        assert want is not None and plan.iteration_ms >= want * (1 - REL)
+        # With no budget only the heuristic ran, unless the shape bounds alone prove its plan.
+        assert plan.status == "feasible" or _close(plan.iteration_ms, want)
+
+
+def test_heuristic_phase_is_close_on_medium_problems():
+    gaps = []
+    for seed in range(12):
+        rng = random.Random(1000 + seed)
+        n = rng.choice([4, 6, 8])
+        speeds = [1.0] * n
+        for i in rng.sample(range(n), rng.randint(1, 2)):
+            speeds[i] = rng.choice([0.3, 0.5, 0.8])
+        problem = Problem(
+            tuple(Layer(rng.uniform(1, 3), 10, 5) for _ in range(rng.randint(4, 8))),
+            tuple(Device(i, speeds[i]) for i in range(n)),
+            rng.randint(n, 3 * n),
+            p2p_ms=0.1,
+            allreduce_ms=1.0,
+            shared_partition=rng.random() < 0.5,
+        )
+        best = solve_exact(problem, budget=10**7)
+        assert best.status == "optimal"
+        quick = solve_exact(problem, budget=0)
+        gaps.append(quick.iteration_ms / best.iteration_ms - 1)
+    assert min(gaps) >= -REL
+    assert max(gaps) < 0.02
+
+
+# ----------------------------------------------------------------------------------- edge cases
+def _problem(speeds, layers=4, m=4, memory=math.inf, **kw) -> Problem:
+    return Problem(
+        tuple(Layer(1.0 + 0.5 * (l % 2), 100.0, 10.0) for l in range(layers)),
+        tuple(Device(i, s, memory) for i, s in enumerate(speeds)),
+        m,
+        **kw,
+    )
+
+
+def test_one_device():
+    problem = _problem([0.5], layers=3, m=5, p2p_ms=1.0, allreduce_ms=9.0)
+    plan = solve_exact(problem)
+    # One device, one stage, no p2p and no all-reduce: m * compute / speed.
+    assert plan.pipeline_degree == 1 and plan.data_degree == 1
+    compute = sum(layer.compute_ms for layer in problem.layers)
+    assert plan.iteration_ms == pytest.approx(5 * compute / 0.5)
+    assert plan.status == "optimal"
+
+
+def test_pipeline_degree_equal_to_layer_count():
+    problem = _problem([1.0, 1.0, 1.0, 1.0], layers=4, m=3, pipeline_degrees=(4,))
+    plan = solve_exact(problem)
+    assert plan.pipeline_degree == 4
+    assert all(r.bounds == (0, 1, 2, 3, 4) for r in plan.replicas)
+    assert plan.iteration_ms == pytest.approx(solve_brute(problem).iteration_ms)
+
+
+def test_all_devices_slow_scales_the_healthy_time():
+    healthy = _problem([1.0] * 4, layers=6, m=8, p2p_ms=0.0, allreduce_ms=0.0)
+    slow = _problem([0.25] * 4, layers=6, m=8, p2p_ms=0.0, allreduce_ms=0.0)
+    # Without communication every time scales by 1 / speed.
+    assert solve_exact(slow).iteration_ms == pytest.approx(4 * solve_exact(healthy).iteration_ms)
+
+
+def test_very_slow_device_is_excluded_when_allowed():
+    speeds = [1.0, 1.0, 1.0, 0.05]
+    kept = solve_exact(_problem(speeds, layers=4, m=6, allreduce_ms=0.5))
+    dropped = solve_exact(_problem(speeds, layers=4, m=6, allreduce_ms=0.5, allow_exclude=True))
+    assert 3 not in dropped.device_ids
+    assert dropped.iteration_ms < kept.iteration_ms
+    brute = solve_brute(_problem(speeds, layers=4, m=6, allreduce_ms=0.5, allow_exclude=True))
+    assert dropped.iteration_ms == pytest.approx(brute.iteration_ms)
+
+
+def test_memory_infeasible_raises_one_line_naming_memory():
+    problem = _problem([1.0, 1.0], layers=4, m=4, memory=150.0)  # every stage needs >= 110 MB + layers
+    with pytest.raises(InfeasibleError) as info:
+        solve_exact(problem)
+    message = str(info.value)
+    assert "memory" in message and "\n" not in message
+    with pytest.raises(InfeasibleError):
+        solve_brute(problem)
+    with pytest.raises(InfeasibleError):
+        solve(problem, PlannerConfig(solver="exact"))
+
+
+def test_memory_limits_micro_batches_in_flight():
+    # With 4 stages, stage 0 holds min(4, m) micro-batches' activations: 55 MB fits 2, not 3.
+    problem = Problem(
+        tuple(Layer(1.0, 10.0, 20.0) for _ in range(4)),
+        tuple(Device(i, 1.0, 55.0) for i in range(4)),
+        2,
+        pipeline_degrees=(4,),
+    )
+    plan = solve_exact(problem)
+    validate(problem, plan)
+    assert plan.replicas[0].micro_batches == 2  # 10 + 2 * 20 = 50 <= 55
+    tight = Problem(problem.layers, problem.devices, 3, pipeline_degrees=(4,))
+    with pytest.raises(InfeasibleError):
+        solve_exact(tight)  # 3 in flight on stage 0 needs 70 MB
+
+
+def test_brute_force_refuses_big_problems():
+    with pytest.raises(ProblemError, match="brute force"):
+        solve_brute(_problem([1.0] * 8, layers=16, m=16))
+
+
+def test_config_options_are_applied():
+    problem = _problem([1.0, 1.0, 0.5, 1.0], layers=6, m=8)
+    plan = solve(problem, PlannerConfig(solver="exact", pipeline_degrees=(2,), shared_partition=False))
+    assert plan.pipeline_degree == 2
+    plan1 = solve(problem, PlannerConfig(solver="exact", pipeline_degrees=(1,)))
+    assert plan1.pipeline_degree == 1 and plan1.status == "optimal"
+
+
+def test_min_bottleneck_matches_enumeration():
+    """The exact planner's bottleneck partition (ms, memory by Model.stage_cap) against every bounds vector."""
+    checked = 0
+    problems = [random_problem(seed) for seed in range(0, 180, 3)] + [link_problem(seed) for seed in range(0, 150, 5)]
+    for problem in problems:
+        model = Model(problem)
+        for p in range(1, problem.num_layers // problem.min_layers_per_stage + 1):
+            for cls in range(len(model.classes)):
+                for m in range(1, p + 2):
+                    best = math.inf
+                    for bounds in all_bounds(model.L, p, model.min_layers):
+                        stages = [(bounds[j], bounds[j + 1]) for j in range(p)]
+                        if all(model.stage_cap(a, b, cls, p - j) >= m for j, (a, b) in enumerate(stages)):
+                            best = min(best, max(model.stage_time(a, b, cls, j, p) for j, (a, b) in enumerate(stages)))
+                    value, bounds = min_bottleneck(model, cls, p, m)
+                    assert value == best, (problem.to_json(), p, cls, m)
+                    if bounds is not None:
+                        assert max(model.stage_time(bounds[j], bounds[j + 1], cls, j, p) for j in range(p)) == best
+                        assert all(model.stage_cap(bounds[j], bounds[j + 1], cls, p - j) >= m for j in range(p))
+                    checked += 1
+    assert checked > 300
+
+
+def test_shape_lower_bound_is_below_every_plan_of_its_degree():
+    problems = [random_problem(seed) for seed in range(0, 180, 7)] + [link_problem(seed) for seed in range(0, 150, 6)]
+    for problem in problems:
+        for p in sorted({shape[0] for shape in problem.candidate_shapes()}):
+            one_degree = replace(problem, pipeline_degrees=(p,))
+            try:
+                optimum = solve_brute(one_degree).iteration_ms
+            except InfeasibleError:
+                continue
+            bound = min(shape_lower_bound(problem, p, d) for q, d in problem.candidate_shapes() if q == p)
+            assert bound <= optimum * (1 + REL), (problem.to_json(), p)
+
+
+def test_split_is_optimal_for_fixed_replica_costs():
+    rng = random.Random(7)
+    for _ in range(200):
+        groups = [(rng.uniform(1, 5), rng.uniform(0.1, 3), rng.randint(1, 6), 1) for _ in range(rng.randint(1, 4))]
+        total = rng.randint(len(groups), 12)
+        best = math.inf
+        ranges = [range(1, g[2] + 1) for g in groups]
+        for counts in itertools.product(*ranges):
+            if sum(counts) == total:
+                best = min(best, max(g[0] + (m - 1) * g[1] for g, m in zip(groups, counts)))
+        result = split(groups, total)
+        if math.isinf(best):
+            assert result is None
+        else:
+            value, rows = result
+            assert sum(r[0] for r in rows) == total
+            assert all(1 <= r[0] <= g[2] for r, g in zip(rows, groups))
+            assert value == pytest.approx(best, rel=1e-12)
+
+
+def test_layouts_are_distinct_up_to_replica_order():
+    got = list(layouts(2, 2, (2, 2)))
+    canonical = {tuple(sorted(g)) for g in got}
+    assert len(canonical) == len(got)
+    # Independently: all ways to fill a 2x2 grid with two devices of class 0 and two of class 1.
+    want = set()
+    for cells in set(itertools.permutations((0, 0, 1, 1))):
+        want.add(tuple(sorted((cells[0:2], cells[2:4]))))
+    assert canonical == want
+
+
+def test_large_problem_warm_start_is_fast():
+    rng = random.Random(3)
+    speeds = [1.0] * 256
+    for i, s in zip(rng.sample(range(256), 4), (0.5, 0.5, 0.7, 0.7)):
+        speeds[i] = s
+    problem = Problem(
+        tuple(Layer(rng.uniform(2, 3), 2000.0, 50.0) for _ in range(128)),
+        tuple(Device(i, speeds[i], 80000.0) for i in range(256)),
+        1024,
+        p2p_ms=0.1,
+        allreduce_ms=5.0,
+    )
+    start = time.perf_counter()
+    plan = solve_exact(problem)
+    elapsed = time.perf_counter() - start
+    validate(problem, plan)
+    assert elapsed < 3.0
+    uniform = Plan.uniform([d.id for d in problem.devices], 128, 4, 1024)
+    assert plan.iteration_ms < evaluate(problem, uniform).iteration_ms
+
+
+# ---------------------------------------------------------------------------------- slow links
+LINK_SEEDS = range(150)
+
+
+def link_problem(seed: int) -> Problem:
+    """A small problem with slow links (resihp_lightning/testing/brute_oracle.py), one per seed."""
+    return random_link_problem(random.Random(10_000 + seed))
+
+
+def _healthy_links(problem: Problem) -> Problem:
+    return replace(problem, devices=tuple(replace(d, link_speed=1.0) for d in problem.devices))
+
+
+def test_link_problems_cover_every_option_and_links_matter():
+    problems = [link_problem(s) for s in LINK_SEEDS]
+    assert sum(p.shared_partition for p in problems) > 40 and sum(not p.shared_partition for p in problems) > 40
+    assert sum(p.allow_exclude for p in problems) > 40
+    assert sum(any(d.link_speed < 1 for d in p.devices) for p in problems) > 90
+    assert sum(any(d.link_speed > 1 for d in p.devices) for p in problems) > 20
+    # The optimum moves with the links in a good share of them (else the tests below prove little).
+    moved = sum(
+        not _close(_optimum(solve_brute, p), _optimum(solve_brute, _healthy_links(p))) for p in problems[::2]
+    )
+    assert moved >= 20
+
+
+def test_evaluate_prices_links_as_the_transfer_by_transfer_oracle():
+    rng = random.Random(11)
+    checked = 0
+    for seed in LINK_SEEDS:
+        problem = link_problem(seed)
+        ids = [d.id for d in problem.devices]
+        for _ in range(5):
+            p, d = rng.choice(problem.candidate_shapes())
+            chosen = rng.sample(ids, p * d) if problem.allow_exclude else rng.sample(ids, len(ids))
+            cuts = sorted(rng.sample(range(1, problem.num_layers), p - 1)) if p > 1 else []
+            bounds = (0, *cuts, problem.num_layers)
+            if any(bounds[j + 1] - bounds[j] < problem.min_layers_per_stage for j in range(p)):
+                continue
+            counts = [1] * d
+            for _ in range(problem.micro_batches - d):
+                counts[rng.randrange(d)] += 1
+            plan = Plan(tuple(Replica(tuple(chosen[r * p:(r + 1) * p]), bounds, counts[r]) for r in range(d)))
+            assert evaluate(problem, plan).iteration_ms == pytest.approx(price(problem, plan), rel=1e-12)
+            checked += 1
+    assert checked > 300
+
+
+def test_exact_agrees_with_brute_force_on_slow_link_problems():
+    config = PlannerConfig(solver="exact")
+    mismatches, proved = [], 0
+    for seed in LINK_SEEDS:
+        problem = link_problem(seed)
+        want = _optimum(solve_brute, problem)
+        try:
+            plan = solve_exact(problem)
+        except InfeasibleError:
+            got = None
+        else:
+            got = plan.iteration_ms
+            validate(problem, plan)
+            assert plan.status == "optimal" and plan.gap == 0.0
+            assert got == evaluate(problem, plan).iteration_ms
+            proved += 1
+        if not _close(got, want) or not _close(_optimum(lambda p: solve(p, config), problem), want):
+            mismatches.append((seed, want, got))
+    assert not mismatches
+    assert proved >= 100
+
+
+def test_layout_enumeration_alone_agrees_with_brute_force_on_slow_links():
+    """exact_search without the decomposition (which usually proves first): slow links in every position."""
+    for seed in range(0, 150, 2):
+        problem = link_problem(seed)
+        want = _optimum(solve_brute, problem)
+        model = Model(problem)
+        best = Best()
+        if seed % 4:
+            heuristic_search(model, best)
+        exact_search(model, 10**7, best)
+        got = None if math.isinf(best.value) else best.value
+        assert _close(got, want), (seed, want, got)
+        if got is not None:
+            plan = build_plan(model, best.grid, best.bounds, best.counts)
+            assert evaluate(problem, plan).iteration_ms == pytest.approx(got, rel=REL)
+
+
+@pytest.mark.parametrize("backend", MILP_BACKENDS)
+def test_milp_backends_agree_with_brute_force_on_slow_links(backend):
+    """The MILP alone (no hint) and with the exact plan as hint, on problems with slow links."""
+    module = importlib.import_module(f"resihp_lightning.solver.{'cpsat' if backend == 'cpsat' else 'pulp_backend'}")
+    function = getattr(module, f"solve_{backend}")
+    config = PlannerConfig(solver=backend, time_limit_s=20.0, num_workers=1)
+    for seed in range(1, 150, 3):
+        problem = link_problem(seed)
+        want = _optimum(solve_brute, problem)
+        hint = None
+        if seed % 2 and want is not None:
+            hint = solve_exact(problem)
+        try:
+            plan = function(problem, config, hint)
+        except InfeasibleError:
+            assert want is None, seed
+            continue
+        validate(problem, plan)
+        assert want is not None and plan.status == "optimal", seed
+        assert evaluate(problem, plan).iteration_ms == pytest.approx(want, rel=1e-5), seed
+
+
+def test_heuristic_phase_is_valid_on_slow_links():
+    for seed in range(0, 150, 3):
+        problem = link_problem(seed)
+        want = _optimum(solve_brute, problem)
+        try:
+            plan = solve_exact(problem, budget=0, decomposition_budget=0)
+        except InfeasibleError:
+            continue
+        validate(problem, plan)
+        assert want is not None and plan.iteration_ms >= want * (1 - REL)
+        assert plan.iteration_ms * (1 - plan.gap) <= want * (1 + REL)  # the reported bound is a bound
+
+
+def _routing_problem(**kw) -> Problem:
+    """4 devices, 8 layers of 2 ms, p2p 1 ms (half a layer); device 2's links run at 0.1 (u = 10)."""
+    memory = kw.pop("memory_mb", math.inf)
+    return Problem(
+        tuple(Layer(2.0, 100.0, 10.0) for _ in range(8)),
+        tuple(Device(i, 1.0, memory, 0.1 if i == 2 else 1.0) for i in range(4)),
+        8,
+        p2p_ms=1.0,
+        **kw,
+    )
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_planner_routes_around_a_slow_link(shared):
+    # Cheap all-reduce: device 2 keeps working, but as a one-stage replica (no transfers on its link).
+    problem = _routing_problem(allreduce_ms=0.2, shared_partition=shared)
+    even = Plan.uniform([0, 1, 2, 3], 8, 2, 8)  # device 2 holds stage 0 of replica 1: 4 x 2 + 1 x 10 ms
+    assert evaluate(problem, even).iteration_ms == pytest.approx(18 + 8 + 3 * 18 + 2.0)
+    for config in (PlannerConfig(solver="exact"), PlannerConfig(num_workers=1)):
+        plan = solve(problem, config)
+        validate(problem, plan)
+        assert plan.status == "optimal"
+        holding = [r for r in plan.replicas if 2 in r.devices]
+        assert holding and all(r.num_stages == 1 for r in holding)  # never between stages
+        assert plan.iteration_ms == pytest.approx(2 * 16.0 + 0.2 * 10)  # 4 x 1 stage, 2 micro-batches; AR x 10
+        assert plan.iteration_ms < evaluate(problem, even).iteration_ms
+        assert plan.iteration_ms == pytest.approx(solve_brute(problem).iteration_ms)
+    # With the same links healthy the planner would pipeline (the slow link is what it avoids).
+    assert solve(problem.healthy(), PlannerConfig(solver="exact")).iteration_ms < plan.iteration_ms
+
+
+def test_planner_idles_a_slow_link_when_memory_forces_pipelines():
+    # 8 layers of 100 MB on 500 MB devices: every plan has P >= 2, so device 2 would carry transfers.
+    problem = _routing_problem(allreduce_ms=2.0, memory_mb=500.0, allow_exclude=True, shared_partition=False)
+    plan = solve(problem, PlannerConfig(solver="exact"))
+    assert plan.status == "optimal" and 2 not in plan.device_ids
+    kept = solve(replace(problem, allow_exclude=False), PlannerConfig(solver="exact"))
+    assert 2 in kept.device_ids and plan.iteration_ms < kept.iteration_ms
+    # Made to keep it, the planner puts it last, where only its incoming transfer is slower (9 ms, not 10).
+    assert all(r.devices[-1] == 2 for r in kept.replicas if 2 in r.devices)
+    assert plan.iteration_ms == pytest.approx(solve_brute(problem).iteration_ms)
+    assert kept.iteration_ms == pytest.approx(solve_brute(replace(problem, allow_exclude=False)).iteration_ms)
+    cpsat = solve(problem, PlannerConfig(num_workers=1))
+    assert cpsat.iteration_ms == pytest.approx(plan.iteration_ms)

@@ -90,12 +90,21 @@ class PlannerConfig:
 
     def apply_to(self, problem: Problem) -> Problem:
         """The problem with this config's model options (those not ``None``) written over its own."""
-        changes = {
-            name: getattr(self, name)
-            for name in ("pipeline_degrees", "shared_partition", "allow_exclude", "min_layers_per_stage", "min_data_degree")
-            if getattr(self, name) is not None
-        }
+        changes = {name: getattr(self, name) for name in MODEL_OPTIONS if getattr(self, name) is not None}
         return replace(problem, **changes) if changes else problem
+
+    def search_options(self) -> PlannerConfig:
+        """This config without its model options: how to search, not what to plan.
+
+        ``solve`` writes a config's model options over the problem it is given; a caller that built
+        the problem with them already and then relaxes a rule on purpose (the survivors' plan drops
+        ``min_data_degree`` where no plan keeps it) solves with this.
+        """
+        return replace(self, **{name: None for name in MODEL_OPTIONS})
+
+
+#: The options of :class:`PlannerConfig` that are rules of the problem (:meth:`PlannerConfig.apply_to`).
+MODEL_OPTIONS = ("pipeline_degrees", "shared_partition", "allow_exclude", "min_layers_per_stage", "min_data_degree")
 
 
 #: Options that moved to another section: ``"section.option"`` -> where it lives now.

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from resihp_lightning.config import PlannerConfig
 from resihp_lightning.errors import ConfigError
 from resihp_lightning.plan import Plan
 from resihp_lightning.telemetry import LayerCost, LinkSample, StepStats
@@ -59,22 +60,27 @@ class MigrationRecord:
 
 @dataclass(frozen=True)
 class DeviceConditions:
-    """The devices as the detector last knew them, in the planner's terms (device id -> value).
+    """The devices as the detector last knew them, in the planner's terms (device id -> value), and the
+    planner options the controller plans them with.
 
     The controller hands them to the strategy at every step, so that a fail-stop recovery plans the
-    survivors with the slow devices and links already known instead of as if every survivor were healthy.
+    survivors with the slow devices and links already known, and under the user's planner options,
+    instead of as if every survivor were healthy and the options were the defaults.
 
     Attributes:
         speeds: compute speed of each slow device (others 1.0), as the controller plans with them.
         link_speeds: link speed of each device with a slow link (others 1.0).
         p2p_ms: stage-boundary transfer per micro-batch (measured, or the controller's setting).
         allreduce_ms: gradient all-reduce per iteration (measured, or the controller's setting).
+        planner: the controller's planner options (``ReplanController(planner=...)``); ``None``: no
+            controller, the defaults apply.
     """
 
     speeds: Mapping[int, float] = field(default_factory=dict)
     link_speeds: Mapping[int, float] = field(default_factory=dict)
     p2p_ms: float = 0.0
     allreduce_ms: float = 0.0
+    planner: PlannerConfig | None = None
 
 
 @runtime_checkable

@@ -18,11 +18,13 @@ import math
 from dataclasses import dataclass, replace
 
 from resihp_lightning.config import PlannerConfig
+from resihp_lightning.contract import DeviceConditions
 from resihp_lightning.errors import InfeasibleError
 from resihp_lightning.evaluation.costs import CostModel
 from resihp_lightning.evaluation.profiles import GB, MB, ModelProfile
 from resihp_lightning.evaluation.traces import GpuState, Trace
 from resihp_lightning.plan import Device, Evaluation, Plan, Problem, Replica, evaluate
+from resihp_lightning.problem_builder import problem_from_costs
 
 
 @dataclass(frozen=True)
@@ -106,9 +108,14 @@ class Cluster:
 
     def problem(self, devices: tuple[Device, ...], state: GpuState, view: View, *, shared: bool = True,
                 pipeline_degrees: tuple[int, ...] | None = None) -> Problem:
-        return Problem(self.profile.layers, devices, self.micro_batches, p2p_ms=self.profile.p2p_ms,
-                       allreduce_ms=self.allreduce_ms(state), pipeline_degrees=pipeline_degrees,
-                       shared_partition=shared, allow_exclude=True)
+        """The planning problem on ``devices`` (from :meth:`devices`), built as the live job builds its own
+        (:func:`~resihp_lightning.problem_builder.problem_from_costs`) from the model profile's layers."""
+        conditions = DeviceConditions(speeds={d.id: d.speed for d in devices}, p2p_ms=self.profile.p2p_ms,
+                                      allreduce_ms=self.allreduce_ms(state))
+        rules = None if pipeline_degrees is None else PlannerConfig(pipeline_degrees=pipeline_degrees)
+        return problem_from_costs(self.profile.layers, [d.id for d in devices], self.micro_batches,
+                                  conditions=conditions, memory_mb={d.id: d.memory_mb for d in devices},
+                                  per_replica_bounds=not shared, allow_exclude=True, planner=rules)
 
     # ---------------------------------------------------------------------------------- solves
     def solve(self, devices: tuple[Device, ...], state: GpuState, view: View, *, shared: bool = True,

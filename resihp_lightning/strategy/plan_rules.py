@@ -8,7 +8,8 @@ from typing import Any
 
 from resihp_lightning.errors import ConfigError, PlanError
 from resihp_lightning.placement import same_layout
-from resihp_lightning.plan import Device, Layer, Plan, Problem, even_split, validate
+from resihp_lightning.plan import Layer, Plan, even_split, validate
+from resihp_lightning.problem_builder import problem_from_costs
 from resihp_lightning.strategy.options import StrategyOptions
 from resihp_lightning.state.wrapped_state import wrapped_config_reason, wraps_optimizer
 
@@ -55,13 +56,10 @@ def check_plan(
             "in deepspeed_config)"
         )
     total = micro_batches if micro_batches is not None else sum(r.micro_batches for r in plan.replicas)
-    problem = Problem(
-        layers=tuple(Layer(0.0) for _ in range(num_layers or max(plan.replicas[0].bounds))),
-        devices=tuple(Device(i) for i in devices),
-        micro_batches=total,
-        shared_partition=False,
-        allow_exclude=idle_allowed,
-    )
+    # The job's shape only: costs and speeds do not decide whether a plan can run. Per-replica bounds are
+    # allowed here and refused above for the configurations that cannot run them.
+    layers = [Layer(0.0)] * (num_layers or max(plan.replicas[0].bounds))
+    problem = problem_from_costs(layers, devices, total, per_replica_bounds=True, allow_exclude=idle_allowed)
     validate(problem, plan, check_memory=False)
     reason = wrapped_config_reason(deepspeed_config)
     if current is not None and reason is not None and not same_layout(current, plan):

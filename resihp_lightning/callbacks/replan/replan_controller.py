@@ -23,9 +23,10 @@ rank, so every rank takes this branch at the same step):
 
 A healed device changes the speeds back, so the same path plans the job back to a healthy layout.
 Fail-stop is recovered by the strategy itself (``ResiHPStrategy(fail_stop=...)``): it plans for the
-survivors, and inside the recovery the controller takes the new rank 0's state (cooldown from the
-recovery on); its collectives go through ``strategy.collective``, which skips the rest of a step
-that a lost rank interrupted.
+survivors with the device conditions and the planner options the controller hands it at every step
+(``strategy.device_conditions``), and inside the recovery the controller takes the new rank 0's state
+(cooldown from the recovery on); its collectives go through ``strategy.collective``, which skips the
+rest of a step that a lost rank interrupted.
 
 Checkpoints (Lightning's ``state_dict`` / ``load_state_dict``): the controller saves the step of its
 last plan change (so the cooldown carries over), the migration cost model calibrated so far (rank
@@ -83,7 +84,8 @@ class ReplanController(Callback):
         config: controller options (:class:`~.replan_policy.ControllerConfig` or a mapping of its fields).
         planner: planner options (:class:`~resihp_lightning.config.PlannerConfig` or a mapping of its
             fields); default ``PlannerConfig()``. Its ``shared_partition=None`` plans per-replica
-            partitions when the strategy can run them.
+            partitions when the strategy can run them. A fail-stop recovery plans the survivors
+            under these options too (with ``fail_stop.solver`` as the backend).
         events: the event log; default ``<trainer.log_dir>/events.jsonl``.
         log_dir: where to put the default event log instead of the trainer's log directory.
 
@@ -160,8 +162,9 @@ class ReplanController(Callback):
             self.events.rank = self.rank
         if self.detector is None:
             return  # setup did not run
-        if self._survivable:  # a recovery plans the survivors with what is known now
-            strategy.device_conditions = device_conditions(self.detector.speeds, self._measured_links(), self.config)
+        if self._survivable:  # a recovery plans the survivors with what is known now, under these planner options
+            strategy.device_conditions = device_conditions(self.detector.speeds, self._measured_links(), self.config,
+                                                           self.planner)
         if strategy.collectives_interrupted:
             return  # the survivors of a lost rank meet again at the next step
         step = trainer.global_step

@@ -1,7 +1,8 @@
 """The re-planning controller's arithmetic, as pure functions (no torch, no Lightning).
 
 * :func:`build_problem`: the planner's :class:`~resihp_lightning.plan.Problem` from the strategy's
-  measured per-layer costs, the detector's per-rank speeds and the job's options.
+  measured per-layer costs, the detector's per-rank speeds and the job's options (built by
+  :func:`~resihp_lightning.problem_builder.problem_from_costs`, as every other plan is).
 * :func:`moved_mb` / :func:`estimate_migration_s`: what switching plans would move and cost.
 * :func:`decide`: whether a computed plan is worth applying. In order, a plan is rejected when it
   is the plan in force, when the last change is fewer than ``cooldown_steps`` ago (if it passes the
@@ -23,7 +24,8 @@ from resihp_lightning.config import PlannerConfig, config_from_dict
 from resihp_lightning.contract import DeviceConditions
 from resihp_lightning.errors import invalid_option
 from resihp_lightning.placement import plan_transfers
-from resihp_lightning.plan import Device, Layer, Plan, Problem
+from resihp_lightning.plan import Plan, Problem
+from resihp_lightning.problem_builder import problem_from_costs
 from resihp_lightning.telemetry import LayerCost
 
 
@@ -157,17 +159,33 @@ def quantize_link_speeds(speeds: Mapping[int, float], quantum: float) -> dict[in
     return out
 
 
-def device_conditions(speeds: Mapping[int, float], links: MeasuredLinks | None, config: ControllerConfig) -> DeviceConditions:
+def device_conditions(
+    speeds: Mapping[int, float],
+    links: MeasuredLinks | None,
+    config: ControllerConfig,
+    planner: PlannerConfig | None = None,
+) -> DeviceConditions:
     """The devices' speeds, links and transfer costs as the planner takes them: speeds and link speeds
     quantized by ``config.speed_quantum``, and ``p2p_ms`` / ``allreduce_ms`` from ``config`` where it sets
-    them, else as measured (0 before the first measurement)."""
+    them, else as measured (0 before the first measurement); ``planner``: the options to plan them with
+    (what the controller hands a fail-stop recovery)."""
     links = links or MeasuredLinks()
     return DeviceConditions(
         speeds=quantize_speeds(speeds, config.speed_quantum),
         link_speeds=quantize_link_speeds(links.speeds, config.speed_quantum),
         p2p_ms=config.p2p_ms if config.p2p_ms is not None else (links.p2p_ms or 0.0),
         allreduce_ms=config.allreduce_ms if config.allreduce_ms is not None else (links.allreduce_ms or 0.0),
+        planner=planner,
     )
+
+
+def memory_rule(config: ControllerConfig, measured: Mapping[int, float] | None) -> float | Mapping[int, float] | None:
+    """The memory budgets ``config.memory_mb`` asks for: ``"auto"``: the measured ones (a device missing
+    from ``measured``, or no measurement at all, is unlimited); a number: that for every device;
+    ``None``: unlimited."""
+    if config.memory_mb == "auto":
+        return dict(measured or {})
+    return config.memory_mb
 
 
 def build_problem(
@@ -183,10 +201,11 @@ def build_problem(
     links: MeasuredLinks | None = None,
     memory_mb: Mapping[int, float] | None = None,
 ) -> Problem:
-    """The planning problem for the devices as they are now.
+    """The controller's planning problem for the devices as they are now: its options resolved into
+    :func:`~resihp_lightning.problem_builder.problem_from_costs`' inputs.
 
     Args:
-        profile: per-layer costs measured on healthy steps (``strategy.layer_profile()``), in layer order.
+        profile: per-layer costs measured on healthy steps (``strategy.layer_profile()``).
         speeds: per-rank speed (ranks missing here are healthy, 1.0).
         ranks: the ranks that can hold stages (dead ones left out).
         micro_batches: M per step.
@@ -200,35 +219,19 @@ def build_problem(
             negation unless ``planner.shared_partition`` says otherwise.
         links: the detector's link measurements: per-device link speeds (flagged links) and, where
             ``config`` leaves ``p2p_ms`` / ``allreduce_ms`` at ``None``, the measured costs.
-        memory_mb: each device's measured budget, used when ``config.memory_mb`` is ``"auto"`` (a
-            device missing here, or no mapping at all, is unlimited).
+        memory_mb: each device's measured budget, used when ``config.memory_mb`` is ``"auto"``
+            (:func:`memory_rule`).
     """
-    ranks = sorted(int(rank) for rank in ranks)
-    ordered = sorted(profile, key=lambda c: c.index)
-    compute = [max(c.compute_ms, 0.0) for c in ordered]
-    if not any(compute):
-        compute = [1.0] * len(ordered)  # nothing measured yet: layers assumed equal
-    layers = tuple(Layer(compute[i], max(c.static_mb, 0.0), max(c.activation_mb, 0.0)) for i, c in enumerate(ordered))
-    known = device_conditions(speeds, links, config)
-    if config.memory_mb == "auto":
-        budgets = {int(d): float(mb) for d, mb in (memory_mb or {}).items()}
-    else:
-        fixed = math.inf if config.memory_mb is None else float(config.memory_mb)
-        budgets = {rank: fixed for rank in ranks}
-    devices = tuple(
-        Device(rank, known.speeds.get(rank, 1.0), budgets.get(rank, math.inf), link_speed=known.link_speeds.get(rank, 1.0))
-        for rank in ranks
-    )
-    problem = Problem(
-        layers=layers,
-        devices=devices,
-        micro_batches=int(micro_batches),
-        p2p_ms=known.p2p_ms,
-        allreduce_ms=known.allreduce_ms,
-        shared_partition=not per_replica_bounds,
+    return problem_from_costs(
+        profile,
+        ranks,
+        micro_batches,
+        conditions=device_conditions(speeds, links, config),
+        memory_mb=memory_rule(config, memory_mb),
+        per_replica_bounds=per_replica_bounds,
         allow_exclude=allow_exclude,
+        planner=planner,
     )
-    return planner.apply_to(problem) if planner is not None else problem
 
 
 def moved_mb(old: Plan, new: Plan, static_mb: Sequence[float]) -> float:

@@ -9,9 +9,29 @@ from resihp_lightning._logging import user_warn
 from resihp_lightning.config import PlannerConfig
 from resihp_lightning.contract import DeviceConditions
 from resihp_lightning.errors import PlanError
-from resihp_lightning.plan import Plan
+from resihp_lightning.plan import Plan, Problem
 from resihp_lightning.problem_builder import problem_from_costs
 from resihp_lightning.telemetry import LayerCost
+
+
+def survivor_problem(
+    profile: Sequence[LayerCost],
+    members: Sequence[int],
+    micro_batches: int,
+    per_replica_bounds: bool,
+    memory_mb: float | Mapping[int, float] | None = None,
+    conditions: DeviceConditions | None = None,
+) -> Problem:
+    """The survivors' planning problem, before :func:`survivor_plan` raises its ``min_data_degree``.
+
+    It is the problem the controller builds from the same measurements and options
+    (:func:`~resihp_lightning.callbacks.replan.replan_policy.build_problem` with hot spares), over
+    the survivors: a plan may leave survivors idle unless ``conditions.planner`` forbids it.
+    Arguments as for :func:`survivor_plan`.
+    """
+    known = conditions or DeviceConditions()
+    return problem_from_costs(profile, members, micro_batches, conditions=known, memory_mb=memory_mb,
+                              per_replica_bounds=per_replica_bounds, allow_exclude=True, planner=known.planner)
 
 
 def survivor_plan(
@@ -56,11 +76,9 @@ def survivor_plan(
     from resihp_lightning.solver import solve
 
     known = conditions or DeviceConditions()
-    options = known.planner or PlannerConfig()
-    problem = problem_from_costs(profile, members, micro_batches, conditions=known, memory_mb=memory_mb,
-                                 per_replica_bounds=per_replica_bounds, allow_exclude=True, planner=options)
+    problem = survivor_problem(profile, members, micro_batches, per_replica_bounds, memory_mb, known)
     # The problem holds the options' rules; the solves below relax some of them on purpose.
-    config = dataclasses.replace(options.search_options(), solver=solver)
+    config = dataclasses.replace((known.planner or PlannerConfig()).search_options(), solver=solver)
     wanted = dataclasses.replace(problem, min_data_degree=max(problem.min_data_degree, min_data_degree))
     try:
         plan, problem = solve(wanted, config), wanted

@@ -47,3 +47,15 @@ def test_callback_options_resolve_from_a_config_or_keywords() -> None:
         config_from_options(PlannerConfig, None, {"workers": 3}, "Planner")
     with pytest.raises(TypeError, match="not both"):
         config_from_options(PlannerConfig, given, {"num_workers": 3}, "Planner")
+
+
+def test_search_options_keep_how_to_search_and_drop_the_rules() -> None:
+    problem = Problem.from_dict(
+        {"layers": [{"compute_ms": 1.0}] * 4, "devices": [{"id": 0}, {"id": 1}], "micro_batches": 2}
+    )
+    full = PlannerConfig(solver="exact", time_limit_s=3.0, num_workers=1, random_seed=7, relative_gap=0.1,
+                         pipeline_degrees=[2], shared_partition=False, allow_exclude=True, min_layers_per_stage=2,
+                         min_data_degree=2)
+    search = full.search_options()
+    assert search == PlannerConfig(solver="exact", time_limit_s=3.0, num_workers=1, random_seed=7, relative_gap=0.1)
+    assert search.apply_to(problem) == problem and full.apply_to(problem) != problem

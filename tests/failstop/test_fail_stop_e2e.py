@@ -74,6 +74,7 @@ def _job(
         "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
         "recovery": strategy.last_recovery,
         "plan": strategy.current_plan.to_dict(),
+        "conditions": strategy.device_conditions,
     }
 
 
@@ -191,3 +192,8 @@ def test_a_rank_lost_between_steps_interrupts_the_callbacks_collectives_not_the_
     _check_exact(outcome, [0, 2, 3], STEPS)
     record = outcome.values()[0]["recovery"]
     assert record.members == (0, 2, 3) and 1 in record.failed and record.redo_s == 0.0  # nothing to redo
+    # The controller hands its planner options to the strategy with the device conditions: a recovery plans
+    # the survivors under them (tests/test_problem_builder.py shows an option changing the survivors' plan).
+    from resihp_lightning.config import PlannerConfig
+
+    assert all(result["conditions"].planner == PlannerConfig(solver="exact") for result in outcome.values().values())

@@ -39,6 +39,24 @@ def test_build_problem_from_profile_speeds_and_live_ranks():
     assert problem.pipeline_degrees == (1, 3) and problem.shared_partition is True
     unmeasured = build_problem([LayerCost(i, 0.0, 1.0, 0.0) for i in range(4)], {}, [0, 1], 4, CFG)
     assert [layer.compute_ms for layer in unmeasured.layers] == [1.0] * 4
+    # A layer its holder has not recorded yet costs the mean of the others, as for the survivors (not 0 ms).
+    partly = build_problem([LayerCost(0, 2.0, 1.0, 0.0), LayerCost(1, 0.0, 1.0, 0.0), LayerCost(2, 4.0, 1.0, 0.0)],
+                           {}, [0, 1], 4, CFG)
+    assert [layer.compute_ms for layer in partly.layers] == [2.0, 3.0, 4.0]
+
+
+def test_the_conditions_handed_to_a_recovery_carry_the_planner_options():
+    """What the controller sets as ``strategy.device_conditions`` every step: the quantized speeds and links,
+    the transfer costs, and its planner options (the survivors' plan is built under them)."""
+    from resihp_lightning.callbacks.replan.replan_policy import MeasuredLinks, device_conditions
+
+    planner = PlannerConfig(solver="exact", pipeline_degrees=(2,))
+    links = MeasuredLinks({2: 0.26}, p2p_ms=1.5, allreduce_ms=7.0)
+    handed = device_conditions({1: 0.51}, links, CFG, planner)
+    assert handed.planner is planner
+    assert handed.speeds == pytest.approx({1: 0.5}) and handed.link_speeds == pytest.approx({2: 0.25})
+    assert (handed.p2p_ms, handed.allreduce_ms) == (1.5, 7.0)
+    assert device_conditions({}, None, CFG).planner is None
 
 
 def test_moved_bytes_count_only_new_device_layer_pairs():

@@ -82,12 +82,11 @@ def problem_from_costs(
             per stage, replicas), written over the problem where they are not ``None``
             (:meth:`PlannerConfig.apply_to <resihp_lightning.config.PlannerConfig.apply_to>`).
     """
-    if all(isinstance(c, LayerCost) for c in costs):
-        layers = measured_layers(costs)  # type: ignore[arg-type]
-    elif all(isinstance(c, Layer) for c in costs):
-        layers = tuple(costs)  # type: ignore[arg-type]
-    else:
+    measured = [c for c in costs if isinstance(c, LayerCost)]
+    modelled = tuple(c for c in costs if isinstance(c, Layer))
+    if len(measured) != len(costs) and len(modelled) != len(costs):
         raise TypeError("costs must be all LayerCost (measured) or all Layer (modelled)")
+    layers = modelled if modelled else measured_layers(measured)
     ids = sorted(int(d) for d in devices)
     known = conditions or DeviceConditions()
     budgets = memory_budgets(ids, memory_mb)

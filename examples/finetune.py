@@ -79,7 +79,7 @@ class ModelOptions:
 
 @dataclass
 class DataOptions:
-    """The training (and validation) data; the README's "Data" section has examples of each format.
+    """The training (and validation) data; docs/data.md has examples of each format.
 
     Attributes:
         source: a ``.jsonl`` file, a folder or a text file; null: the Python standard library's ``.py`` files
@@ -153,7 +153,7 @@ class TrainerOptions:
 
 @dataclass
 class StrategyArgs:
-    """``ResiHPStrategy`` options (the README's "Strategy options" table describes each one).
+    """``ResiHPStrategy`` options (docs/options.md, "Strategy options", describes each one).
 
     Attributes:
         pipeline_degree: pipeline stages of the starting plan (a uniform ``pipeline_degree`` x the rest); null:

@@ -20,7 +20,7 @@ class PlannerConfig:
     """Options of the planner.
 
     The one place for them: ``resihp plan`` reads them from the command line, and a training job
-    gives them to :class:`~resihp_lightning.callbacks.ReplanController` (``planner=...``).
+    gives them to :class:`~resihp_lightning.callbacks.replan.replan_controller.ReplanController` (``planner=...``).
 
     Attributes:
         solver: backend: ``"cpsat"`` (OR-Tools CP-SAT MILP, default), ``"pulp"`` (the same MILP through
@@ -174,7 +174,7 @@ def config_from_options(cls: type[T], config: T | None, options: Mapping[str, An
 class ScratchModelConfig:
     """Shape of a model trained from scratch (used when no checkpoint directory is given).
 
-    Read by :class:`resihp_lightning.models.CausalLMPipelineModule`; kept here, free of torch and
+    Read by :class:`~resihp_lightning.models.lightning_module.CausalLMPipelineModule`; kept here, free of torch and
     transformers, so that configuration files are parsed before those heavy imports.
 
     Attributes:

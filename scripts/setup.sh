@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Idempotent set-up behind `make demo` and `make test`: a virtual environment in .venv with the
-# package installed in editable mode plus its test extra.
+# Idempotent set-up behind `make demo`, `make test` and `make docs`: a virtual environment in .venv
+# with the package installed in editable mode plus its test and docs extras.
 #
 # torch comes first: with no torch present, pip would resolve `torch` from DeepSpeed/Lightning to a
 # multi-GB CUDA build. On a machine without torch we install the CPU wheel (override with
@@ -28,6 +28,6 @@ want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
 have=$(cat "$STAMP" 2>/dev/null || true)
 if [ "$want" != "$have" ]; then
     echo "[setup] installing resihp-lightning and its dependencies"
-    "$VENV/bin/python" -m pip install --quiet -e '.[test]'
+    "$VENV/bin/python" -m pip install --quiet -e '.[test,docs]'
     echo "$want" > "$STAMP"
 fi

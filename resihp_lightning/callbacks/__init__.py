@@ -1,8 +1,12 @@
 """Callbacks: straggler detection (fail-slow), heartbeat (fail-stop), fault injection, re-planning control.
 
+Grouped by concern: :mod:`.failslow` (the detector), :mod:`.replan` (the controller),
+:mod:`.faults` (fault injection), :mod:`.restart` (periodic checkpoints, elastic restart),
+:mod:`.failstop` (heartbeat, recovery reports), plus :mod:`.events` and :mod:`.progress`.
 The light parts import without Lightning: :mod:`.events` (``EventLog``, ``read_events``),
-:mod:`.workload_model`, :mod:`.straggler` (the detector core), :mod:`.heartbeat` (``Heartbeat``),
-:mod:`.faults` (``FaultConfig``, ``Slowdown``), :mod:`.replan_policy` (the controller's decisions).
+:mod:`.failslow.workload_model`, :mod:`.failslow.straggler_core` (the detector core),
+:mod:`.failstop.heartbeat` (``Heartbeat``), :mod:`.faults.slowdowns` (``FaultConfig``, ``Slowdown``),
+:mod:`.replan.replan_policy` (the controller's decisions).
 The Lightning callbacks (``StragglerDetector``, ``HeartbeatMonitor``, ``FaultInjector``,
 ``ReplanController``) are loaded on first access, so ``import resihp_lightning.callbacks`` stays fast.
 """

@@ -4,7 +4,7 @@
 * :mod:`.traces`: failure traces (files, or drawn from published statistics);
 * :mod:`.costs`: what detection, planning, migration and restarts cost, from this project's benchmarks;
 * :mod:`.cluster`: planner devices from GPU states, cached solves, plan prices;
-* :mod:`.policies`: the systems compared; :mod:`.replay`: the replay itself;
+* :mod:`.trace_policies`: the systems compared; :mod:`.replay`: the replay itself;
 * :mod:`.run`: one call that replays a trace under several policies.
 
 Plain Python and the planner; no torch.

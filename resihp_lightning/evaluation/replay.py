@@ -104,6 +104,8 @@ class Result:
 
 
 class TracePolicy(Protocol):
+    """What :func:`replay` asks of a policy: the layout it starts with, and its reaction to each change."""
+
     name: str
 
     def start(self, cluster: Cluster) -> Layout: ...

@@ -22,15 +22,15 @@ def run_trace(
     *,
     cluster: Cluster | None = None,
 ) -> dict[str, Result]:
-    """Replays ``trace`` under each policy (by name, :data:`POLICY_NAMES`); deterministic.
+    """Replays ``trace`` under each policy (by name, :data:`~resihp_lightning.evaluation.trace_policies.POLICY_NAMES`); deterministic.
 
     Args:
         trace: the failure trace.
         profile: the model on one planner device (its ``workload.tp`` GPUs per device).
         policies: the policies to run.
-        costs: reaction costs (default :class:`CostModel`).
+        costs: reaction costs (default :class:`~resihp_lightning.evaluation.costs.CostModel`).
         planner: the planner's options (default: the exact search with a 1 s work budget).
-        cluster: a :class:`Cluster` of this trace and profile to reuse (its solves are cached, e.g. the
+        cluster: a :class:`~resihp_lightning.evaluation.cluster.Cluster` of this trace and profile to reuse (its solves are cached, e.g. the
             healthy plan :func:`healthy_tokens_per_s` also needs); default: a new one.
 
     Returns:

@@ -368,6 +368,7 @@ def _detect_s(costs, before: GpuState, now: GpuState, ms: float, cluster: Cluste
     return costs.heal_detect_iters * ms / 1000.0 if healed else 0.0
 
 
+#: The policies a trace is replayed under, by name (:func:`make_policy`).
 POLICY_NAMES = ("none", "checkpoint_restart", "oobleck", "recycle", "greyhound", "resihp_rules",
                 "joint_shared", "joint_per_replica", "oracle")
 

@@ -30,6 +30,7 @@ from typing import Any
 from resihp_lightning.errors import ConfigError, invalid_option
 
 KINDS = ("fail_slow", "fail_stop", "comm_slow")
+#: The scenarios :func:`generate` draws.
 SCENARIOS = ("fail-slow", "fail-stop", "comm-slow", "mixed")
 
 

@@ -3,7 +3,7 @@
 * :mod:`.attention` — per-document causal attention (work ∝ Σ len²) for packed rows, registered in
   ``transformers``' attention interface;
 * :mod:`.layers` — embedding / decoder / head pipeline layers around HF's own modules, and the loss;
-* :mod:`.checkpoint` — load a local HF checkpoint as layers, build a fresh model from a config, save
+* :mod:`.hf_checkpoint` — load a local HF checkpoint as layers, build a fresh model from a config, save
   layers back as an HF checkpoint;
 * :mod:`.lightning_module` — ``CausalLMPipelineModule`` (a ``ResiHPModule``) and
   ``export_hf_checkpoint`` (Lightning checkpoint → HF directory); loaded lazily because it imports

@@ -423,7 +423,7 @@ def _digest(tensor: torch.Tensor) -> tuple[str, tuple[int, ...], str]:
 
 
 def _agree(error: str | None, any_rank: bool = False) -> None:
-    """Collective: raises the same :class:`ConfigError` on every rank when ``error`` (rank 0's, or any
+    """Collective: raises the same :class:`~resihp_lightning.errors.ConfigError` on every rank when ``error`` (rank 0's, or any
     rank's with ``any_rank``) is set, so that no rank waits for a peer that gave up."""
     if any_rank:
         first = next((e for e in all_gather_objects(error) if e is not None), None)
@@ -509,7 +509,7 @@ def save_sharded_hf_checkpoint(
         The output directory.
 
     Raises:
-        ConfigError (on every rank): ``out_dir`` is ``source_dir`` or cannot be written, or the stages'
+        ConfigError: on every rank, when ``out_dir`` is ``source_dir`` or cannot be written, or the stages'
             tensors do not make up the model ``config`` describes.
     """
     import torch.distributed as dist

@@ -27,6 +27,7 @@ from resihp_lightning.models import attention as _attention  # registers the pac
 
 Activations = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
+#: The label of a token that is not trained (cross-entropy's ``ignore_index``).
 IGNORE_INDEX = -100
 
 

@@ -1,6 +1,6 @@
 """A LightningModule that fine-tunes (or trains from scratch) a Llama / Qwen2 model with ResiHPStrategy.
 
-It satisfies :class:`resihp_lightning.strategy.ResiHPModule`'s contract with the pieces of this
+It satisfies :class:`resihp_lightning.strategy.module.ResiHPModule`'s contract with the pieces of this
 package: layers from :mod:`resihp_lightning.models.hf_checkpoint`, the token-mean loss of
 :func:`resihp_lightning.models.layers.causal_lm_loss`, and batches from
 :func:`resihp_lightning.data.packed.collate_packed` (``pipeline_batch`` hands ``seq_lens`` to the
@@ -128,7 +128,7 @@ class CausalLMPipelineModule(ResiHPModule):
         return int(self.hf_config.vocab_size)
 
     def check_tokenizer(self, tokenizer: Tokenizer) -> None:
-        """Raises :class:`ConfigError` when the tokenizer has ids the model's embedding lacks."""
+        """Raises :class:`~resihp_lightning.errors.ConfigError` when the tokenizer has ids the model's embedding lacks."""
         if tokenizer.vocab_size > self.vocab_size:
             raise ConfigError(
                 f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {self.vocab_size}; "

@@ -4,11 +4,12 @@ The pieces, one job each:
 
 * :mod:`.store` / :mod:`.store_host`: a rendezvous store in a process of its own, so that no
   worker's death (rank 0's included) takes it down;
-* :mod:`.detector`: heartbeats and progress over that store; every process watches every other one;
+* :mod:`.failure_detector`: heartbeats and progress over that store; every process watches every other one;
 * :mod:`.sockets`: which TCP connections belong to a generation's groups; cutting them releases a
   blocked gloo collective;
+* :mod:`.failures`: the errors a lost peer or store raises (``PeerFailure`` ...);
 * :mod:`.membership`: how the survivors agree on the next generation's members;
-* :mod:`.world`: :class:`ElasticWorld`, the lifecycle of the job's groups, generation by generation;
+* :mod:`.world`: :class:`~.world.ElasticWorld`, the lifecycle of the job's groups, generation by generation;
 * :mod:`.frameworks`: forgetting DeepSpeed's cached groups after a regroup.
 
 Tests and benchmarks run jobs whose members die on purpose with ``resihp_lightning/testing/harness.py``.

@@ -23,7 +23,7 @@ class PeerFailure(ResilienceError):
         generation: the generation that was aborted.
         failed: original rank -> reason, for the failures known when this was raised. It may be
             empty when this process's own collective broke before any detector had named the dead
-            peer; :meth:`ElasticWorld.regroup` settles who is gone.
+            peer; :meth:`ElasticWorld.regroup <.world.ElasticWorld.regroup>` settles who is gone.
         reason: what triggered the abort.
     """
 

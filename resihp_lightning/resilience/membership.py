@@ -20,7 +20,7 @@ Why this is safe without a consensus library: the member list is written once, a
 (their detectors are not in lockstep) -- then two of them propose and one proposal wins. If the
 leader dies before proposing, the others' detectors name it failed and the next candidate becomes
 leader. A process that is not in the list learns it from the list itself
-(:class:`~.errors.EvictedError`); a process that joins after the list was written reads it and
+(:class:`~.failures.EvictedError`); a process that joins after the list was written reads it and
 learns the same. A rank that died after joining but before the list was read ends up in the list;
 the new generation's initialisation then fails (or is aborted) and the survivors agree again on
 generation g+1, so that case costs one more round, not a hang. Every wait is bounded by

@@ -119,6 +119,7 @@ class SocketTracker:
 
     def __init__(self, exclude_peers: Iterable[tuple[str, int]] = ()) -> None:
         self.exclude_peers = {(h, int(p)) for h, p in exclude_peers}
+        #: Whether this system lets a process list its open sockets (Linux ``/proc/self/fd``).
         self.supported = os.path.isdir(_FD_DIR)
         self._inodes: set[int] = set()
         self._open: list[frozenset[int]] = []  # inode snapshots of the windows now open

@@ -32,7 +32,7 @@ start) and gives an in-memory store with blocking waits, ``compare_set`` and ``a
 
 Multi-node: pass a fixed ``port`` and ``host`` = an address of the node that runs the host, and
 ``spawn=False`` on the other nodes. The host's machine is then a single point of failure: if that
-machine dies, so does the store; the survivors notice (:class:`~.errors.StoreUnavailable`) and the
+machine dies, so does the store; the survivors notice (:class:`~.failures.StoreUnavailable`) and the
 job has to be restarted from a checkpoint (a restartable or replicated store is future work).
 
 Keys: host bookkeeping lives under ``resihp/host/``; everything else a job writes goes under
@@ -232,10 +232,12 @@ class RendezvousStore:
         self.config = config or StoreConfig()
         self.rank = rank
         self.run_dir = self.config.resolved_run_dir()
+        #: Key prefix of this run and launch attempt (``resihp/<run id>/a<attempt>``).
         self.namespace = f"resihp/{self.config.resolved_run_id()}/a{self.config.resolved_attempt()}"
         self.address: tuple[str, int] | None = None
         self.host_identity: ProcessIdentity | None = None
         self._raw: Any = None
+        #: The locked store client under :attr:`namespace` (``None`` until :meth:`connect`).
         self.control: Any = None
         self.member_id: int | None = None
         self._lock = threading.Lock()

@@ -6,13 +6,13 @@ time (the model is torchft's Manager + reconfigurable ProcessGroup, reduced to o
 * **generation 0** is every rank: ``init_process_group(backend, store=PrefixStore(".../gen0/pg",
   store), rank, world_size)`` over the store host (:mod:`.store`), never over a store inside a
   worker;
-* **failure** is reported by the detector (:mod:`.detector`) from its thread, or seen by the main
+* **failure** is reported by the detector (:mod:`.failure_detector`) from its thread, or seen by the main
   thread as a broken collective inside :meth:`ElasticWorld.guard`;
 * **abort** (:meth:`ElasticWorld.abort`, any thread, idempotent) shuts down the generation's TCP
   connections (:mod:`.sockets`), so that a collective the main thread is blocked in raises at once,
   and publishes ``gen<g>/abort`` so that the other processes abort within one detector poll even
   before they have named the dead peer themselves. :meth:`ElasticWorld.guard` turns what the
-  blocked call raises into :class:`~.errors.PeerFailure`;
+  blocked call raises into :class:`~.failures.PeerFailure`;
 * **regroup** (:meth:`ElasticWorld.regroup`, main thread): the survivors agree on the members of
   generation g+1 (:mod:`.membership`), destroy the old groups, reset DeepSpeed's cached groups
   (:mod:`.frameworks`), and initialise the new default group under a fresh key prefix (over keys
@@ -119,7 +119,7 @@ class WorldConfig:
             failed (e.g. one still computing when the abort came). Should exceed the longest
             stretch of compute between two collectives.
         regroup_timeout_s: bound of one :meth:`ElasticWorld.regroup` call, retries included.
-        min_world_size: a regroup that leaves fewer members raises :class:`RegroupError`.
+        min_world_size: a regroup that leaves fewer members raises :class:`~.failures.RegroupError`.
         kill_evicted: the regroup's leader sends SIGKILL to each process the survivors left out
             (hung or silent) that runs on its machine, so that it neither holds its device nor keeps
             its launcher waiting (a frozen Lightning launcher process never exits otherwise).
@@ -392,14 +392,14 @@ class ElasticWorld:
             self.detector.progress(step)
 
     def check(self) -> None:
-        """Raises :class:`PeerFailure` if the current generation is aborted."""
+        """Raises :class:`~.failures.PeerFailure` if the current generation is aborted."""
         gen = self.current
         if gen.aborted_at is not None:
             raise self._peer_failure(gen)
 
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
-        """Runs a block of collectives; a failure of the generation comes out as :class:`PeerFailure`.
+        """Runs a block of collectives; a failure of the generation comes out as :class:`~.failures.PeerFailure`.
 
         Inside, an exception raised while the generation is aborted, or one that looks like a
         broken transport (:func:`is_transport_error`), aborts the generation (so that every peer
@@ -439,7 +439,7 @@ class ElasticWorld:
         generation's collectives, gets an exception right away.
 
         Args:
-            reason: why (logged, published, carried by :class:`PeerFailure`).
+            reason: why (logged, published, carried by :class:`~.failures.PeerFailure`).
             failed: failures that caused it (published so that peers adopt them).
             publish: write the generation's abort marker for the other processes.
             generation: abort only if this is still the current generation.
@@ -531,7 +531,7 @@ class ElasticWorld:
 
     # ----------------------------------------------------------------------------- regroup
     def regroup(self) -> Generation:
-        """Forms the next generation over the survivors (main thread; call on :class:`PeerFailure`).
+        """Forms the next generation over the survivors (main thread; call on :class:`~.failures.PeerFailure`).
 
         Every live process of the job takes part, spares included: the new generation has them all
         (a later :meth:`reshape` can leave some out again).
@@ -651,7 +651,7 @@ class ElasticWorld:
 
         A member that destroyed its groups while a peer was still finishing a collective with it
         would break that collective (``Connection closed by peer``) and send the peer into a regroup
-        of its own. Raises :class:`PeerFailure` if the generation is aborted meanwhile.
+        of its own. Raises :class:`~.failures.PeerFailure` if the generation is aborted meanwhile.
         """
         store = self.store.control  # type: ignore[union-attr]
         key = f"gen{gen.number}/quiesced"

@@ -114,7 +114,7 @@ def _tie_ranks(ordered: Sequence[tuple[int, str]], holders: Sequence[tuple[int, 
 
 def _create_groups(plans: Sequence[Plan], ties: Sequence[Sequence[tuple[int, str]]]) -> dict[frozenset[int], Any]:
     """The process groups of every plan's holder sets and ties (collective: every rank creates them
-    all, in the same order: plan by plan, holder sets in :func:`holder_sets` order, then the ties)."""
+    all, in the same order: plan by plan, holder sets in :func:`~resihp_lightning.placement.holder_sets` order, then the ties)."""
     created: dict[frozenset[int], Any] = {}
     for plan in plans:
         holders = layer_holders(plan)
@@ -162,7 +162,7 @@ class LayerwiseReducer:
 
     Creating one is collective: every rank of the world must construct its reducer for the same
     plan at the same point (``torch.distributed.new_group`` is called once per holder set of two or
-    more ranks, in :func:`holder_sets` order, on every rank). :meth:`destroy` releases the groups.
+    more ranks, in :func:`~resihp_lightning.placement.holder_sets` order, on every rank). :meth:`destroy` releases the groups.
 
     Args:
         plan: the plan in force (device ids are global ranks).

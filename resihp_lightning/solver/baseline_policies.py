@@ -1,8 +1,8 @@
-"""Baseline adaptation policies over the same :class:`Problem`, for comparison with the planner.
+"""Baseline adaptation policies over the same :class:`~resihp_lightning.plan.Problem`, for comparison with the planner.
 
 Each policy is ``policy(problem, healthy_plan, config) -> Plan``: ``problem`` describes the devices as
 they are now, ``healthy_plan`` the layout the job ran before the change (usually
-:func:`healthy_plan`). Every returned plan carries ``iteration_ms`` from :func:`evaluate` on
+:func:`healthy_plan`). Every returned plan carries ``iteration_ms`` from :func:`~resihp_lightning.plan.evaluate` on
 ``problem``; ``solver`` is the policy's name (``joint`` keeps the planner backend's name).
 
 * ``none``: keep the healthy plan (throughput falls to about s of healthy with one device at speed s).

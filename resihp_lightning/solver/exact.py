@@ -7,7 +7,7 @@ optimal or replaces it with the optimum, within a work budget. Both work on the 
 
 * **Exact phase** (this module; status ``"optimal"`` when it completes). Devices are grouped into
   classes of equal (speed, link slowdown, memory); devices of one class are interchangeable, and so
-  is the order of the replicas. For every shape (P, D) of :meth:`Problem.candidate_shapes` (pruned by
+  is the order of the replicas. For every shape (P, D) of :meth:`Problem.candidate_shapes <resihp_lightning.plan.Problem.candidate_shapes>` (pruned by
   :func:`~resihp_lightning.solver.bounds.shape_lower_bound`), every choice of how many devices of each
   class to use (``allow_exclude``), and every assignment of classes to the P x D grid up to replica
   order (:mod:`resihp_lightning.solver.enumeration`), it searches the stage bounds:
@@ -16,7 +16,7 @@ optimal or replaces it with the optimum, within a work budget. Both work on the 
     once; a node is cut when a valid lower bound cannot beat the incumbent: partial stage sums and
     maxima plus the least the remaining layers can add (their compute over the fastest remaining
     device for the sum; for the max, their compute over the remaining devices' total speed, and
-    :meth:`Model.layer_bound`, which counts whole layers), partial memory caps, and a fractional
+    :meth:`Model.layer_bound <.exact_model.Model.layer_bound>`, which counts whole layers), partial memory caps, and a fractional
     micro-batch split (:func:`~resihp_lightning.solver.microbatch_split.fluid_value`);
   - per-replica partitions: replicas are independent given their micro-batch counts, so for a
     limit just below the incumbent every replica kind gets the most micro-batches it can run within
@@ -27,7 +27,7 @@ optimal or replaces it with the optimum, within a work budget. Both work on the 
     bounds vector is priced instead, reduced to ``f(m) = min_b T_r(b, m)`` and split greedily.
 
   A layout fixes which classes are used, hence its all-reduce (``allreduce_ms`` times the slowest
-  link among them, :meth:`Model.grid_allreduce`), and each class's stage position, hence its
+  link among them, :meth:`Model.grid_allreduce <.exact_model.Model.grid_allreduce>`), and each class's stage position, hence its
   transfer terms. For fixed per-replica costs the micro-batch split is solved exactly
   (:mod:`resihp_lightning.solver.microbatch_split`). A completed search is a proof of optimality for
   the model.
@@ -302,7 +302,7 @@ def solve_exact(problem: Problem, *, budget: int = DEFAULT_BUDGET, decomposition
     only when the decomposition left a shape open.
 
     Returns:
-        The plan with ``iteration_ms`` (from :func:`evaluate`), ``status`` ``"optimal"`` when a
+        The plan with ``iteration_ms`` (from :func:`~resihp_lightning.plan.evaluate`), ``status`` ``"optimal"`` when a
         complete search finished and ``"feasible"`` otherwise, ``gap`` (the proven relative gap,
         0.0 when optimal), ``solver="exact"`` and ``solve_seconds``.
 

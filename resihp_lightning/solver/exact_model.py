@@ -169,5 +169,6 @@ class Best:
     counts: tuple = ()
 
     def offer(self, value: float, grid, bounds, counts) -> None:
+        """Keeps this layout when it is lower than the best by more than 1e-12 x max(1, value)."""
         if value < self.value - 1e-12 * max(1.0, abs(value)):
             self.value, self.grid, self.bounds, self.counts = value, tuple(grid), tuple(bounds), tuple(counts)

@@ -12,7 +12,7 @@ multi-dimensional unbounded knapsack with few dimensions:
 * without exclusion every non-free device is used exactly once; with it, at most once, and the
   free class must have enough devices for the rest of the grid.
 
-:func:`best_mix` solves it exactly by dynamic programming over (items chosen, non-free devices
+:meth:`ReplicaKnapsack.solve` solves it exactly by dynamic programming over (items chosen, non-free devices
 used). The state space is the product of (count + 1) over the non-free classes, so this is meant
 for what re-planning sees: a large healthy class and a few devices of other speeds.
 """

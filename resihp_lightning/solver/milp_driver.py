@@ -2,7 +2,7 @@
 
 :func:`solve_by_degree` is what :mod:`.cpsat` and :mod:`.pulp_backend` run; they only supply
 ``solve_one``, which hands one model to their engine. It decides P, D, placement, bounds and
-micro-batches jointly over :meth:`Problem.candidate_shapes`:
+micro-batches jointly over :meth:`Problem.candidate_shapes <resihp_lightning.plan.Problem.candidate_shapes>`:
 
 * **Order and pruning.** The P of the hint comes first, then the others by their proven lower bound
   (:func:`lower_bound_ms`); a P whose bound cannot beat the incumbent by more than
@@ -36,7 +36,7 @@ _log = get_logger(__name__)
 
 
 def pipeline_degrees(problem: Problem) -> list[int]:
-    """The P values of :meth:`Problem.candidate_shapes`, ascending."""
+    """The P values of :meth:`Problem.candidate_shapes <resihp_lightning.plan.Problem.candidate_shapes>`, ascending."""
     return sorted({p for p, _ in problem.candidate_shapes()})
 
 
@@ -75,7 +75,7 @@ class MilpResult:
     """A backend's answer with the proof it has.
 
     Attributes:
-        plan: the plan returned (its ``iteration_ms`` from :func:`evaluate`).
+        plan: the plan returned (its ``iteration_ms`` from :func:`~resihp_lightning.plan.evaluate`).
         bound_ms: proven lower bound on the optimum over all P (up to rounding).
         gap: ``(T - bound) / T``, 0 when proven optimal.
         proven: every P was solved to optimality/infeasibility or pruned by its bound.

@@ -720,7 +720,7 @@ class MilpModel:
         return tuple(out)
 
     def decode(self, values: Sequence[int]) -> Plan:
-        """Turns a solution of the model into a :class:`Plan` (metadata left empty)."""
+        """Turns a solution of the model into a :class:`~resihp_lightning.plan.Plan` (metadata left empty)."""
         p = self.pipeline_degree
         pools = [list(c.ids) for c in self.classes]
         replicas: list[Replica] = []

@@ -24,7 +24,7 @@ def min_bottleneck(model: Model, cls: int, p: int, m: int) -> tuple[float, tuple
     """The least possible slowest-stage time of P stages on class ``cls`` with memory for m in flight.
 
     The ms tables for :func:`~resihp_lightning.solver.bottleneck.min_max_partition` (stage j may
-    hold a..b-1 when :meth:`Model.stage_cap` allows m micro-batches; ties: the latest start).
+    hold a..b-1 when :meth:`Model.stage_cap <.exact_model.Model.stage_cap>` allows m micro-batches; ties: the latest start).
     ``(inf, None)`` when nothing fits.
     """
     pc = np.asarray(model.pc, dtype=float)
@@ -84,7 +84,7 @@ def max_micro_batches(
 
     Branch and bound over the bounds: ``m(b) = min(cap(b), floor((limit - S(b)) / X(b)) + 1)`` is
     maximised; a node's upper bound uses the partial memory cap and lower bounds on S and X (as in
-    :func:`~resihp_lightning.solver.exact._exact_shared`). Only answers of at least ``at_least`` are sought: ``(at_least - 1, None)``
+    ``resihp_lightning.solver.exact._exact_shared``). Only answers of at least ``at_least`` are sought: ``(at_least - 1, None)``
     means there is none. Stops early at ``most``.
     """
     p = len(types)

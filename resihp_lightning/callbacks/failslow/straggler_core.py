@@ -13,7 +13,7 @@ A rank's raw step speed is ``raw = anchor * ratio``; ``anchor`` is the speed the
 current model was fitted (1.0 at the start; the last estimate when a re-plan gave the rank new layers
 and its model was refitted on the device as it then was). Its *speed* in a step is that raw speed
 divided by the median raw speed of the other unflagged ranks in the same step
-(:meth:`StragglerCore._relative_to_fleet` says why: it removes what changes for every rank at once,
+(``StragglerCore._relative_to_fleet`` says why: it removes what changes for every rank at once,
 e.g. the CPU a waiting rank leaves to the others on shared cores). A rank is *slow this step* when
 
 1. it departs from its own history and the fleet: ``speed < gpu_individual_perf_threshold`` and the
@@ -33,7 +33,7 @@ steps whose median speed *since the first of them* (at most ``window`` steps) is
 so healing is reported as fast as the fault was. A flagged rank whose estimate (the median of the
 last ``max(patience, window)`` speeds) stays more than ``speed_change_threshold`` (relative) away from
 its reported speed for ``patience`` steps is reported again with the new speed; the median of the
-rank's speeds over its slow episode refines the reported speed the same way (:meth:`StragglerCore._follow`).
+rank's speeds over its slow episode refines the reported speed the same way (``StragglerCore._follow``).
 
 When a rank's model is (re)fitted, the anchor comes from its cohort if it has one: every member's
 model is evaluated at the cohort's typical micro-batch, and a rank predicted slower than the cohort
@@ -105,7 +105,7 @@ class StragglerConfig:
             and at every step while a link's flag change awaits its ``link_patience`` confirmations:
             round trips between pairs of ranks and one all-reduce, timed at a step boundary
             (``strategy.measure_links()``); they name slow links and give the planner measured
-            ``p2p_ms`` / ``allreduce_ms`` (:mod:`.links`).
+            ``p2p_ms`` / ``allreduce_ms`` (:mod:`.link_core`).
         link_probe_rounds: partners each rank meets per probe (a slow link is named only on a device
             that met at least two).
         link_slow_threshold: a device's link is flagged below this speed (its fastest round trip vs

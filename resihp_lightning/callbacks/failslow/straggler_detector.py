@@ -1,15 +1,15 @@
-"""``StragglerDetector``: the Lightning callback around the fail-slow core (:mod:`.straggler`).
+"""``StragglerDetector``: the Lightning callback around the fail-slow core (:mod:`.straggler_core`).
 
 Each rank reads ``trainer.strategy.last_step_stats`` (its own busy compute per micro-batch and the
 micro-batches' workload; the strategy must provide :class:`~resihp_lightning.contract.StepStatsSource`,
 checked at ``setup``) in ``on_train_batch_end`` and summarises it locally. Every report interval
 the summaries are all-gathered over the default process group (``all_gather_object``), so every rank
-folds the same data into its own :class:`~.straggler.StragglerCore` and holds the same speeds, flags
+folds the same data into its own :class:`~.straggler_core.StragglerCore` and holds the same speeds, flags
 and events, which lets a controller act on them without another round of communication.
 
 Links: every ``link_probe_interval_steps`` after the warm-up, when the strategy provides
 :class:`~resihp_lightning.contract.LinkProber`, the detector runs ``strategy.measure_links()`` (a
-collective at the step boundary) and folds it into a :class:`~.links.LinkCore`: a slow link is named
+collective at the step boundary) and folds it into a :class:`~.link_core.LinkCore`: a slow link is named
 like a slow device (``slow_link_detected`` / ``slow_link_recovered``), and the measured ``p2p_ms`` /
 ``allreduce_ms`` and per-device ``link_speeds`` are what the controller gives the planner.
 
@@ -24,7 +24,7 @@ job resumed mid-fault therefore still knows the slow rank, and measures the next
 saved models without a new warm-up and fit. Lightning writes rank 0's ``state_dict`` and loads it on
 every rank, so ``state_dict`` gathers the per-rank parts (it is a collective, like the strategy's own
 checkpoint gathering: Lightning calls it on every rank) and each rank takes its own back on load.
-The list of :attr:`StragglerDetector.detections` is not saved (the event log keeps them).
+The list of ``StragglerDetector.detections`` is not saved (the event log keeps them).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class StragglerDetector(Callback):
         config: detector options; alternatively pass them as keyword arguments (same names).
         events: the event log; default ``<trainer.log_dir>/events.jsonl``.
         log_dir: where to put the default event log instead of the trainer's log directory.
-        **options: fields of :class:`~.straggler.StragglerConfig` (when ``config`` is not given).
+        **options: fields of :class:`~.straggler_core.StragglerConfig` (when ``config`` is not given).
     """
 
     def __init__(

@@ -162,6 +162,7 @@ class OnlineWorkloadFit:
         self.warmup_steps = warmup_steps
         self.fit_steps = fit_steps
         self.layers: tuple[int, int] | None = None
+        #: The fitted workload model; ``None`` until the warm-up and the first fit are done.
         self.model: WorkloadModel | None = None
         self.fits = 0  # how many models have been fitted so far (a new one per layer set)
         self._seen = 0

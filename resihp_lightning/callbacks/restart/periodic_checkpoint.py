@@ -12,7 +12,7 @@ finished ``step*.ckpt`` is the same checkpoint without that window.
 A checkpoint holds everything a restart needs: the model under its own keys and the optimizer state
 keyed by layer (``ResiHPStrategy``, any plan and world size), the loops (global step, epoch, the
 position of a :class:`~resihp_lightning.data.resumable.ResumableDataLoader`), every callback's
-``state_dict`` (the detector, the controller, :class:`~.elastic.ElasticRestart`'s layer costs and
+``state_dict`` (the detector, the controller, :class:`~.elastic_restart.ElasticRestart`'s layer costs and
 speeds) and this callback's own list of kept files.
 """
 

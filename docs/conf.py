@@ -83,7 +83,6 @@ TEMPORARY_BROKEN_REFERENCES: dict[str, set[tuple[str, str]]] = {
     },
     "resihp_lightning.strategy.options": {("py:class", "ResiHPStrategy"), ("py:class", "FailStopConfig")},
     "resihp_lightning.strategy.module": {("py:meth", "pipeline_batch")},
-    "resihp_lightning.strategy.plan_rules": {("py:class", "PlanError")},
     "resihp_lightning.strategy.checkpoint_io": {("py:attr", "writes")},
     "resihp_lightning.strategy.tensor_setup": {("py:exc", "error")},
     "resihp_lightning.strategy.trainer_options": {("py:exc", "error")},
@@ -93,10 +92,6 @@ TEMPORARY_BROKEN_REFERENCES: dict[str, set[tuple[str, str]]] = {
     },
     "resihp_lightning.failstop": {("py:class", "RecoveryRecord")},
     "resihp_lightning.failstop.survivors": {("py:class", "runtime.PipelineRuntime")},
-    "resihp_lightning.failstop.survivor_plan": {("py:exc", "PlanError / InfeasibleError")},
-    "resihp_lightning.contract": {("py:class", "ConfigError")},
-    "resihp_lightning.callbacks.replan.replan_policy": {("py:func", "placement.plan_transfers"), ("py:mod", "links")},
-    "resihp_lightning.callbacks.replan.replan_controller": {("py:class", "detector.StragglerDetector")},
     "resihp_lightning.callbacks.failstop.heartbeat": {("py:attr", "Heartbeat.dead")},
 }
 

@@ -206,7 +206,7 @@ def missing_members(obj: Any, protocol: type) -> list[str]:
 
 
 def require(strategy: Any, protocol: type, user: str) -> None:
-    """Raises :class:`ConfigError` when ``strategy`` does not provide ``protocol``.
+    """Raises :class:`~resihp_lightning.errors.ConfigError` when ``strategy`` does not provide ``protocol``.
 
     Args:
         strategy: ``trainer.strategy``.

@@ -70,7 +70,8 @@ def survivor_plan(
     of a 7 x 1 pipeline.
 
     Raises:
-        PlanError / InfeasibleError: no plan fits (too few micro-batches for the survivors, ...).
+        InfeasibleError: no plan fits (too few micro-batches for the survivors, ...).
+        PlanError: the solver's plan uses a device that is not a survivor.
     """
     from resihp_lightning.errors import ResiHPError
     from resihp_lightning.solver import solve

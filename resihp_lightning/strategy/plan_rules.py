@@ -23,7 +23,7 @@ def check_plan(
     current: Plan | None = None,
     idle_allowed: bool = False,
 ) -> None:
-    """Raises :class:`PlanError` when ``plan`` cannot run on the job.
+    """Raises :class:`~resihp_lightning.errors.PlanError` when ``plan`` cannot run on the job.
 
     Args:
         plan: the candidate.

@@ -1,6 +1,6 @@
 """``ReplanController``: closes the loop from detected speeds to an applied plan.
 
-At the end of a training batch, when the :class:`~.detector.StragglerDetector`'s state changed (a
+At the end of a training batch, when the :class:`~resihp_lightning.callbacks.failslow.straggler_detector.StragglerDetector`'s state changed (a
 rank was flagged, healed, or its speed estimate moved; the detector's state is the same on every
 rank, so every rank takes this branch at the same step):
 

@@ -131,7 +131,7 @@ class Decision:
 
 @dataclass(frozen=True)
 class MeasuredLinks:
-    """What the detector's link probe measured (:mod:`.links`), for :func:`build_problem`.
+    """What the detector's link probe measured (:mod:`~resihp_lightning.callbacks.failslow.link_core`), for :func:`build_problem`.
 
     Attributes:
         speeds: link speed of each device whose link is flagged slow (others 1.0).
@@ -235,7 +235,7 @@ def build_problem(
 
 
 def moved_mb(old: Plan, new: Plan, static_mb: Sequence[float]) -> float:
-    """MB of layer state that must travel: the transfers the strategy will run (:func:`placement.plan_transfers`)."""
+    """MB of layer state that must travel: the transfers the strategy will run (:func:`~resihp_lightning.placement.plan_transfers`)."""
     return sum(static_mb[t.layer] for t in plan_transfers(old, new, static_mb))
 
 

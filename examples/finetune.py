@@ -358,7 +358,7 @@ def run(raw: Namespace, extra_callbacks: Sequence[Any] = ()) -> Path:
     from resihp_lightning.launcher_env import launcher_shape
     from resihp_lightning.strategy.checkpoint_io import make_checkpoint_io
     from resihp_lightning.callbacks.failslow.straggler_detector import StragglerDetector
-    from resihp_lightning.callbacks.faults.slowdowns.fault_injector import FaultInjector
+    from resihp_lightning.callbacks.faults.fault_injector import FaultInjector
     from resihp_lightning.callbacks.progress import ResiHPProgressBar, StepRecorder
     from resihp_lightning.callbacks.failstop.failstop_reporter import FailStopReporter
     from resihp_lightning.models.lightning_module import CausalLMPipelineModule

@@ -86,7 +86,7 @@ def _job(rank: int, world: int, run_dir: str, schedule: dict, victims: dict) -> 
             strategy = trainer.strategy
             stats = strategy.last_step_stats
             migration = strategy.last_migration
-            rows.append({"step": trainer.global_step - 1, "spare": strategy.is_spare, "spares": list(strategy._job.spares),
+            rows.append({"step": trainer.global_step - 1, "spare": strategy.is_spare, "spares": list(strategy._membership.job.spares),
                          "ms": stats.step_ms if stats is not None else None,
                          "migration": None if migration is None else (migration.seconds, migration.bytes_moved)})
             plan = schedule.get(trainer.global_step - 1)

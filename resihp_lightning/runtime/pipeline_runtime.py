@@ -284,7 +284,7 @@ class PipelineRuntime:
         """Puts ``plan`` in force after processes died: the survivors now form a new default group.
 
         The old engine is abandoned without a collective (its groups are broken); the step that was
-        interrupted left no optimizer update (see :mod:`~resihp_lightning.strategy.commit`), so its
+        interrupted left no optimizer update (see :mod:`~resihp_lightning.failstop.step_commit`), so its
         partial gradients are dropped. Layers this process holds under ``plan`` and did not hold come
         from a live holder under the old plan (collective over the new group).
 

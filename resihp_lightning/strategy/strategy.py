@@ -1,11 +1,21 @@
 """``ResiHPStrategy``: Lightning wiring around a :class:`~resihp_lightning.runtime.pipeline_runtime.PipelineRuntime`.
 
-The strategy turns Lightning's hooks into runtime calls: setup builds the runtime for the initial
-plan, each training step applies a requested plan (:meth:`~ResiHPStrategyMixin.request_plan`) and
-runs this replica's micro-batches. Its other halves are mixins: evaluation deals a batch out to the
-replicas (:mod:`.evaluation_steps`), checkpoints and the end-of-fit weights go in and out under the
-module's own keys (:mod:`.model_state`), and a job that can lose ranks runs its steps through
-:mod:`.resilient_steps`. Everything that depends on the plan lives in the runtime.
+The strategy turns Lightning's hooks into calls on the parts it composes, each built from the state
+it needs:
+
+* the runtime in force, the requested plan and M: one :class:`~resihp_lightning.runtime.runtime_state.RuntimeState`
+  that every part shares;
+* the job's membership (rank, world size, device id, live devices, guarded collectives):
+  :class:`~.job_membership.PlainMembership`, or with ``fail_stop``
+  :class:`~resihp_lightning.failstop.surviving_membership.SurvivingMembership`;
+* the training steps: a step runner of the same mode (:class:`~resihp_lightning.runtime.training_steps.PlainSteps`,
+  :class:`~resihp_lightning.failstop.surviving_steps.SurvivingSteps`) that returns a
+  :class:`~resihp_lightning.runtime.training_steps.StepOutcome`;
+* tensor parallelism: :class:`~.tensor_modes.WholeLayers` or :class:`~.tensor_modes.SplitLayers`;
+* checkpoints and the end-of-fit weights (:class:`~.model_state.ModelState`) and the validation /
+  test / predict steps (:class:`~.evaluation_steps.EvaluationSteps`).
+
+Everything that depends on the plan lives in the runtime.
 """
 
 from __future__ import annotations
@@ -13,16 +23,18 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
 import torch
 from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -31,32 +43,36 @@ from resihp_lightning import _registration
 from resihp_lightning._logging import quiet_agreed_errors, user_warn
 from resihp_lightning.contract import DeviceConditions, MigrationRecord
 from resihp_lightning.errors import PlanError
+from resihp_lightning.failstop.fail_stop_config import FailStopConfig
+from resihp_lightning.failstop.recovery_record import RecoveryRecord
+from resihp_lightning.failstop.surviving_membership import SurvivingMembership
+from resihp_lightning.failstop.surviving_steps import SurvivingSteps
+from resihp_lightning.failstop.survivors import SurvivingJob
 from resihp_lightning.placement import row_offset
-from resihp_lightning.resilience.failures import PeerFailure
 from resihp_lightning.plan import Plan
 from resihp_lightning.runtime import batching, link_probe
 from resihp_lightning.runtime.device_memory import memory_budget_mb
 from resihp_lightning.runtime.engine import init_deepspeed_comm
-from resihp_lightning.failstop.fail_stop_config import FailStopConfig
+from resihp_lightning.runtime.pipeline_runtime import PipelineRuntime, RuntimeConfig
+from resihp_lightning.runtime.runtime_state import RuntimeState
+from resihp_lightning.runtime.training_steps import PlainSteps, ReplicaShare, StepRunner
+from resihp_lightning.state.module_weights import LayerKeys
+from resihp_lightning.state.wrapped_state import wraps_optimizer
+from resihp_lightning.strategy.evaluation_steps import EvaluationSteps
+from resihp_lightning.strategy.job_membership import Membership, PlainMembership
 from resihp_lightning.strategy.launcher import without_observer
 from resihp_lightning.strategy.loss_logging import LossLogRecorder
+from resihp_lightning.strategy.model_state import ModelState
 from resihp_lightning.strategy.module import check_contract, layer_specs, resolve_gather_weights, tied_parameters
-from resihp_lightning.state.module_weights import LayerKeys
 from resihp_lightning.strategy.options import StrategyOptions
 from resihp_lightning.strategy.plan_rules import check_plan, initial_plan, settle_micro_batches
-from resihp_lightning.strategy.evaluation_steps import EvaluationStepsMixin
-from resihp_lightning.strategy.model_state import ModelStateMixin
-from resihp_lightning.strategy.resilient_steps import ResilientStepsMixin
-from resihp_lightning.runtime.pipeline_runtime import PipelineRuntime, RuntimeConfig
-from resihp_lightning.failstop.survivors import SurvivingJob
-from resihp_lightning.tensor.tensor_groups import TensorParallelism
+from resihp_lightning.strategy.tensor_modes import SplitLayers, TensorMode, WholeLayers
 from resihp_lightning.strategy.tensor_setup import check_tensor_parallel_job, create_tensor_groups
 from resihp_lightning.strategy.trainer_options import effective_deepspeed_config, refuse_unsupported
-from resihp_lightning.state.wrapped_state import wraps_optimizer
-from resihp_lightning.telemetry import LayerCost, LinkSample, MicroBatchStats, StepStats
+from resihp_lightning.telemetry import LayerCost, LinkSample, StepStats
 
 
-class ResiHPStrategyMixin(ResilientStepsMixin, ModelStateMixin, EvaluationStepsMixin):
+class ResiHPStrategyMixin:
     """Everything of :class:`ResiHPStrategy` that does not depend on the Lightning package.
 
     Combined with ``lightning.pytorch``'s ``DDPStrategy`` it is :class:`ResiHPStrategy`; combined with
@@ -117,19 +133,21 @@ class ResiHPStrategyMixin(ResilientStepsMixin, ModelStateMixin, EvaluationStepsM
         )
         self._specs: list[Any] = []
         self._tied: list[tuple[tuple[int, str], ...]] = []
-        self._runtime: PipelineRuntime | None = None
-        self._pending: Plan | None = None
-        self._num_micro: int | None = options.micro_batches
+        self._keys: LayerKeys | None = None
         self._micro_batches_settled = False
         self._last_step_stats: StepStats | None = None
-        self._last_migration: MigrationRecord | None = None
-        self._keys: LayerKeys | None = None
         self._deepspeed_config: dict[str, Any] | None = None
         self._loss_log = LossLogRecorder()
-        self._job: SurvivingJob | None = None  # the job's recoverable groups when fail_stop is on
-        self._tensor: TensorParallelism | None = None  # the tensor-parallel groups when tensor_degree > 1
-        self._interrupted = False  # a peer was lost after this step's update: skip its other collectives
-        self._step_result: dict[str, Any] | None = None  # this training step's committed result (fail_stop)
+        self._state = RuntimeState(micro_batches=options.micro_batches)
+        # The modes: a plain job until a fail-stop job forms its groups (setup_distributed), whole layers
+        # until a tensor-parallel job forms its groups (setup).
+        lightning = super(ResiHPStrategyMixin, self)
+        self._membership: Membership = PlainMembership(
+            lambda: lightning.global_rank, lambda: lightning.world_size, options.tensor_degree
+        )
+        self._steps: StepRunner = PlainSteps(self._state, self._run_replica_share)
+        self._tensor: TensorMode = WholeLayers()
+        self._compose()
         #: The slow devices and links a fail-stop recovery plans the survivors with (the controller sets it).
         self.device_conditions = DeviceConditions()
 
@@ -142,26 +160,26 @@ class ResiHPStrategyMixin(ResilientStepsMixin, ModelStateMixin, EvaluationStepsM
     @property
     def current_plan(self) -> Plan:
         """The plan in force (device ids are global ranks)."""
-        if self._runtime is None:
+        if self._state.runtime is None:
             raise RuntimeError("ResiHPStrategy has no plan before Trainer setup")
-        return self._runtime.plan
+        return self._state.runtime.plan
 
     @property
     @override
     def global_rank(self) -> int:
         # Under fail-stop recovery the rank is the one in the current generation of the job's groups.
-        return self._job.rank if self._job is not None else super().global_rank
+        return self._membership.rank
 
     @property
     @override
     def world_size(self) -> int:
-        return self._job.world_size if self._job is not None else super().world_size
+        return self._membership.world_size
 
     @property
     def device_id(self) -> int:
         """This process's device id in plans: its global rank when the job started (stable across regroups);
         with ``tensor_degree`` t, its tensor-parallel group's (global rank // t)."""
-        return self._job.device_id if self._job is not None else self.global_rank // self.options.tensor_degree
+        return self._membership.device_id
 
     @property
     def tensor_degree(self) -> int:
@@ -172,12 +190,12 @@ class ResiHPStrategyMixin(ResilientStepsMixin, ModelStateMixin, EvaluationStepsM
     def reports_device(self) -> bool:
         """Whether this process's step statistics speak for its device (under tensor parallelism only its
         group's member 0 reports: the members finish every layer together)."""
-        return self._tensor is None or self._tensor.member == 0
+        return self._tensor.reports_device
 
     @property
     def devices_alive(self) -> tuple[int, ...]:
         """The device ids of the job's live processes (hot spares included)."""
-        return self._job.job_members if self._job is not None else tuple(range(self.world_size // self.options.tensor_degree))
+        return self._membership.devices_alive
 
     @property
     def supports_idle_devices(self) -> bool:
@@ -187,12 +205,12 @@ class ResiHPStrategyMixin(ResilientStepsMixin, ModelStateMixin, EvaluationStepsM
     @property
     def runtime(self) -> PipelineRuntime | None:
         """This rank's pipeline runtime (``None`` before setup)."""
-        return self._runtime
+        return self._state.runtime
 
     @property
     def micro_batches(self) -> int | None:
         """M, micro-batches per global batch (``None`` until known)."""
-        return self._num_micro
+        return self._state.micro_batches
 
     @property
     def micro_batch_size(self) -> int:
@@ -210,11 +228,11 @@ class ResiHPStrategyMixin(ResilientStepsMixin, ModelStateMixin, EvaluationStepsM
     @property
     def last_migration(self) -> MigrationRecord | None:
         """The last applied re-plan (``None`` before one); see :class:`~resihp_lightning.contract.MigrationRecord`."""
-        return self._last_migration
+        return self._state.last_migration
 
     def local_layers(self) -> dict[int, torch.nn.Module]:
         """This rank's layer modules by global layer index (they change after a re-plan)."""
-        return self._runtime.local_layers() if self._runtime is not None else {}
+        return self._state.runtime.local_layers() if self._state.runtime is not None else {}
 
     @property
     def deepspeed_config(self) -> dict[str, Any]:
@@ -233,17 +251,17 @@ class ResiHPStrategyMixin(ResilientStepsMixin, ModelStateMixin, EvaluationStepsM
     @property
     def pending_plan(self) -> Plan | None:
         """A requested plan not applied yet."""
-        return self._pending
+        return self._state.pending
 
     @property
     def profiler_recording(self) -> bool:
         """Whether training steps feed :meth:`layer_profile` (pause it while a device is slow)."""
-        return self._runtime is not None and self._runtime.profiler.record_layers
+        return self._state.runtime is not None and self._state.runtime.profiler.record_layers
 
     @profiler_recording.setter
     def profiler_recording(self, value: bool) -> None:
-        if self._runtime is not None:
-            self._runtime.profiler.record_layers = bool(value)
+        if self._state.runtime is not None:
+            self._state.runtime.profiler.record_layers = bool(value)
 
     def request_plan(self, plan: Plan) -> None:
         """Asks for ``plan`` to take effect at the next step boundary (call on every rank).
@@ -256,14 +274,13 @@ class ResiHPStrategyMixin(ResilientStepsMixin, ModelStateMixin, EvaluationStepsM
                 per-replica bounds); nothing changes and training goes on under the current plan.
         """
         self.check_plan(plan)
-        self._pending = plan
+        self._state.pending = plan
 
     def check_plan(self, plan: Plan) -> None:
         """Raises :class:`PlanError` when ``plan`` cannot run on this job (see ``plan_rules.check_plan``)."""
-        current = self._runtime.plan if self._runtime is not None else None
-        check_plan(plan, self.devices_alive, self.num_layers, self._num_micro, self.deepspeed_config, current,
+        current = self._state.runtime.plan if self._state.runtime is not None else None
+        check_plan(plan, self.devices_alive, self.num_layers, self._state.micro_batches, self.deepspeed_config, current,
                    idle_allowed=self.supports_idle_devices)
-
 
     def measure_links(self, first_round: int = 0) -> LinkSample:
         """Times the links of the current group at a step boundary (collective; see :mod:`.link_probe`).
@@ -274,7 +291,7 @@ class ResiHPStrategyMixin(ResilientStepsMixin, ModelStateMixin, EvaluationStepsM
         Args:
             first_round: the round of the partner schedule to start at (rotate it between probes).
         """
-        runtime = self._require_runtime()
+        runtime = self._state.require()
         pos, plan = runtime.position, runtime.plan
         boundary = 0
         if pos.stage < plan.pipeline_degree - 1:
@@ -292,7 +309,80 @@ class ResiHPStrategyMixin(ResilientStepsMixin, ModelStateMixin, EvaluationStepsM
 
         See :meth:`~resihp_lightning.runtime.pipeline_runtime.PipelineRuntime.layer_profile`.
         """
-        return self._require_runtime().layer_profile()
+        return self._state.require().layer_profile()
+
+    # ------------------------------------------------------------ fail-stop (contract.Survivable)
+    @property
+    def is_spare(self) -> bool:
+        """Whether the plan in force leaves this process idle (it mirrors the members' steps)."""
+        return self._membership.is_spare
+
+    @property
+    def last_recovery(self) -> RecoveryRecord | None:
+        """The last in-process fail-stop recovery (``None`` before one)."""
+        return self._membership.last_recovery
+
+    @property
+    def fail_stop_listeners(self) -> list[Callable[[str, dict[str, Any]], None]]:
+        """Called as ``listener(event, fields)`` before this process exits unrecoverably (empty without fail_stop)."""
+        return self._membership.listeners
+
+    @property
+    def recovery_listeners(self) -> list[Callable[[], None]]:
+        """Called on every survivor inside a recovery (callbacks re-synchronise their state there)."""
+        return self._membership.recovery_listeners
+
+    @property
+    def collectives_interrupted(self) -> bool:
+        """Whether a lost peer interrupted this step after its update, or this process is a spare (it has
+        no process group); callbacks skip their collectives then."""
+        return self._membership.collectives_interrupted
+
+    def collective(self, run: Callable[[], Any]) -> tuple[bool, Any]:
+        """Runs a callback's collective between steps (see :class:`~resihp_lightning.contract.StepStatsSource`).
+
+        Without fail-stop recovery it simply runs. With it, a lost peer makes the survivors regroup,
+        and this and every later collective of the step is skipped on this rank: survivors
+        interrupted at different collectives of the same step meet again at the next step.
+        """
+        return self._membership.collective(run)
+
+    # ------------------------------------------------------------------ checkpoints, weights
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Every tensor of the model under the LightningModule's own keys, on rank 0 (collective).
+
+        Layers come from the ranks of the first replica, in full precision (fp32 masters under bf16);
+        everything else from rank 0's module.
+        """
+        return self._model_state.module_state(self.lightning_module)
+
+    def export_weights(self, path: str | os.PathLike) -> None:
+        """Writes the trained model's ``state_dict`` (the module's own keys) to ``path`` on rank 0 (collective).
+
+        ``Model().load_state_dict(torch.load(path))`` restores it in a plain process.
+        """
+        state = self.lightning_module_state_dict()
+        if self.global_rank == 0:
+            torch.save(state, path)
+        self.barrier()
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        return self._model_state.optimizer_state()
+
+    @override
+    def save_checkpoint(self, checkpoint_dict: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        checkpoint_dict["resihp"] = self._model_state.checkpoint_section()
+        super().save_checkpoint(checkpoint_dict, filepath, storage_options=storage_options)
+
+    @override
+    def load_model_state_dict(self, checkpoint_dict: Mapping[str, Any], strict: bool = True) -> None:
+        self._model_state.load_module_state(self.lightning_module, checkpoint_dict, strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint_dict: Mapping[str, Any]) -> None:
+        self._model_state.load_optimizer_state(checkpoint_dict)
 
     # --------------------------------------------------------------------- Lightning wiring
     @property
@@ -322,7 +412,7 @@ class ResiHPStrategyMixin(ResilientStepsMixin, ModelStateMixin, EvaluationStepsM
         if self.options.fail_stop is None:
             super().setup_distributed()
             return
-        if self._job is not None:  # set up again (trainer.validate after fit): the groups exist
+        if self._membership.survives_failures:  # set up again (trainer.validate after fit): the groups exist
             return
         # As DDPStrategy.setup_distributed, but the default group comes from a world that can regroup.
         if self.num_nodes > 1 and self.options.fail_stop.store_port is None:
@@ -332,10 +422,17 @@ class ResiHPStrategyMixin(ResilientStepsMixin, ModelStateMixin, EvaluationStepsM
             )
         self.set_world_ranks()
         self._process_group_backend = self._get_process_group_backend()
-        self._job = SurvivingJob(
+        job = SurvivingJob(
             self.options.fail_stop, self.global_rank, self.world_size, self._process_group_backend,
             self.options.timeout.total_seconds(), node_rank=self.node_rank,
         )
+        membership = SurvivingMembership(
+            job, self._state, global_step=lambda: self.lightning_module.trainer.global_step,
+            conditions=lambda: self.device_conditions, on_regrouped=self._note_ranks,
+        )
+        self._membership = membership
+        self._steps = SurvivingSteps(membership, self._state, self._run_replica_share)
+        self._compose()
         self._note_ranks()
 
     @override
@@ -377,10 +474,11 @@ class ResiHPStrategyMixin(ResilientStepsMixin, ModelStateMixin, EvaluationStepsM
         if self.options.tensor_degree > 1:
             check_tensor_parallel_job(self.options.tensor_degree, module, trainer.callbacks, self.deepspeed_config,
                                       trainer.state.fn == TrainerFn.PREDICTING, self.misconfiguration_error)
-            if self._tensor is None:
-                self._tensor = create_tensor_groups(self.options.tensor_degree, self.global_rank, self.world_size,
-                                                    module, self.misconfiguration_error)
-        previous = self._runtime
+            if not self._tensor.splits_layers:  # the first setup forms the groups (collective)
+                self._tensor = SplitLayers(create_tensor_groups(self.options.tensor_degree, self.global_rank,
+                                                                self.world_size, module, self.misconfiguration_error))
+        self._compose()
+        previous = self._state.runtime
         if previous is not None and previous.idle:  # set up again on a spare: nothing to build
             self.setup_precision_plugin()
             return
@@ -397,19 +495,18 @@ class ResiHPStrategyMixin(ResilientStepsMixin, ModelStateMixin, EvaluationStepsM
             deepspeed_config=self.deepspeed_config,
             device=self.root_device,
             tied=tuple(self._tied),
-            commit=self._job.commit if self._job is not None else None,
+            commit=self._membership.commit,
             load_layer=getattr(module, "pipeline_load_layer", None),
-            tensor=self._tensor,
+            tensor=self._tensor.parallelism,
         )
-        ranks = self._job.rank_map() if self._job is not None else None
-        if self._tensor is not None:
-            ranks = self._tensor.groups.slice_ranks(self._tensor.member)
-        self._runtime = PipelineRuntime(config, plan, self.device_id, ranks=ranks, reuse=reuse, profiler=profiler)
+        ranks = self._tensor.runtime_ranks(self._membership.rank_map())
+        runtime = PipelineRuntime(config, plan, self.device_id, ranks=ranks, reuse=reuse, profiler=profiler)
+        self._state.runtime = runtime
         if trainer.state.fn == TrainerFn.FITTING:
             optimizer = self._setup_user_optimizer(trainer)
         else:  # the fitted optimizer, if any, so that layer_profile() still counts its state
             optimizer = previous.optimizer.optimizer if previous is not None and previous.optimizer is not None else None
-        self._runtime.start(optimizer)
+        runtime.start(optimizer)
         self.setup_precision_plugin()
 
     # Lightning's own collectives (ModelCheckpoint, early stopping, ...) between steps: with fail-stop
@@ -438,75 +535,41 @@ class ResiHPStrategyMixin(ResilientStepsMixin, ModelStateMixin, EvaluationStepsM
 
     @override
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        self._interrupted = False
-        self._step_result = None
-        split = batching.split_batch(self.lightning_module, batch)
+        module = self.lightning_module
+        split = batching.split_batch(module, batch)
         self._settle_micro_batches(split.rows)
         plan = self._take_pending_plan()
         start = time.perf_counter()
-        if self._job is None:
-            if plan is not None:
-                self._last_migration = self._require_runtime().switch(plan)
-            loss, busy, items, pos = self._run_replica_share(split)
-        else:  # a step that lost a peer before its commit point is redone on the survivors, under their plan
-            call = self._job.mirror.next_call()
-            pending = [plan] if plan is not None else []
-            outcome = self._job.run_step(lambda: self._job_step(split, call, pending), self._recover)
-            if isinstance(outcome, dict):  # mirrored from the members (a spare), or committed before a recovery
-                return self._replay_step(outcome, split.rows, call)
-            loss, busy, items, pos = outcome
-            self._step_result = {"loss": float(loss.detach().float()), "logs": {}}
-        self._last_step_stats = StepStats(
-            step=self.lightning_module.trainer.global_step,
-            rank=self.device_id,
-            replica=pos.replica,
-            stage=pos.stage,
-            layers=(pos.first, pos.stop),
-            micro_batches=tuple(
-                MicroBatchStats(busy[i] if i < len(busy) else 0.0, mb.tokens, mb.sum_len_sq) for i, mb in enumerate(items)
-            ),
-            step_ms=(time.perf_counter() - start) * 1000.0,
-        )
-        _, logs = self.collective(lambda: self._loss_log.replay(self.lightning_module, self.root_device))
-        if self._step_result is not None:
-            self._step_result["logs"] = logs or {}
-        loss = loss.detach().float().reshape(())
-        self._log_train_loss(loss, split.rows)
-        if self._job is not None:
-            self._publish(call, self._step_result)
-            self._job.progress(self.lightning_module.trainer.global_step + 1)
+        # Under fail_stop a step that lost a peer before its commit point is redone on the survivors,
+        # under their plan; a hot spare computes nothing and takes the members' result.
+        outcome = self._steps.run(split, plan, self.root_device)
+        step = module.trainer.global_step
+        if outcome.share is not None:
+            self._last_step_stats = outcome.share.stats(step, self.device_id, (time.perf_counter() - start) * 1000.0)
+            _, logs = self.collective(lambda: self._loss_log.replay(module, self.root_device))
+            self._steps.record_logs(logs or {})
+        else:
+            self._last_step_stats = None
+            LossLogRecorder.log_values(module, outcome.logs or {}, self.root_device)
+        self._log_train_loss(outcome.loss, split.rows)
+        self._steps.finish(step)
+        return outcome.loss
+
+    @override
+    def validation_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Tensor:
+        loss, rows = self._evaluation.loss(self.lightning_module, batch, self.root_device)
+        self.lightning_module.log("val_loss", loss, on_step=False, on_epoch=True, prog_bar=True, batch_size=rows, sync_dist=True)
         return loss
 
-    def _log_train_loss(self, loss: Tensor, rows: int) -> None:
-        # The loss is already the global batch's on every rank; sync_dist only averages identical values
-        # (exactly), and tells Lightning that epoch-level aggregation is distributed-safe. Its reduce
-        # goes through ``reduce`` (a guarded collective): on a spare or after an interruption it
-        # returns the value unchanged, with the same logging options (Lightning requires that).
-        self.lightning_module.log("train_loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=rows,
-                                  sync_dist=True)
+    @override
+    def test_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Tensor:
+        loss, rows = self._evaluation.loss(self.lightning_module, batch, self.root_device)
+        self.lightning_module.log("test_loss", loss, on_step=False, on_epoch=True, batch_size=rows, sync_dist=True)
+        return loss
 
-    def _take_pending_plan(self) -> Plan | None:
-        """The requested plan, checked again (the first batch may have fixed M since the request), or None."""
-        if self._pending is None:
-            return None
-        plan, self._pending = self._pending, None
-        try:
-            self.check_plan(plan)
-        except PlanError as err:
-            user_warn(f"ResiHPStrategy: dropping the requested plan {plan.layout_key()}: {err}")
-            return None
-        return plan
-
-    def _run_replica_share(self, split: batching.SplitBatch) -> tuple[Tensor, list[float], list[batching.MicroBatch], Any]:
-        """This replica's m_r micro-batches of the global batch through the pipeline, under the plan in force."""
-        runtime = self._require_runtime()
-        plan, pos = runtime.plan, runtime.position
-        replica = plan.replicas[pos.replica]
-        offset = row_offset(plan, pos.replica, self.micro_batch_size)
-        items = batching.micro_batches(split, offset, replica.micro_batches, self.micro_batch_size)
-        with self._loss_log.recording(self.lightning_module):
-            loss, busy = runtime.train_batch(items, loss_scale=replica.micro_batches * plan.data_degree / self._num_micro)
-        return loss, busy, items, pos
+    @override
+    def predict_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluation.predict(self.lightning_module, batch, self.root_device)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
@@ -529,35 +592,66 @@ class ResiHPStrategyMixin(ResilientStepsMixin, ModelStateMixin, EvaluationStepsM
     @override
     def on_train_end(self) -> None:
         super().on_train_end()
-        if self._job is None:
-            self._gather_trained_weights()
-            return
-        while True:  # a rank lost during the weight sync: the survivors regroup and sync again
-            try:
-                with self._job.world.guard():
-                    self._gather_trained_weights()
-                return
-            except PeerFailure as failure:
-                self._recover(failure)
+        # A rank lost during the weight sync (fail_stop): the survivors regroup and sync again.
+        self._membership.run_recovering(self._model_state.gather_trained_weights)
 
     @override
     def teardown(self) -> None:
-        if self._runtime is not None:
-            self._runtime.teardown()
+        if self._state.runtime is not None:
+            self._state.runtime.teardown()
         super().teardown()
         # Like DDP, the job's groups outlive teardown (trainer.validate after fit reuses them);
         # SurvivingJob closes its world when the process exits.
 
     # ----------------------------------------------------------------------------- internals
-    def _require_runtime(self) -> PipelineRuntime:
-        if self._runtime is None:
-            raise RuntimeError("ResiHPStrategy is not set up yet (its runtime is built in Trainer setup)")
-        return self._runtime
+    def _compose(self) -> None:
+        """(Re)builds the parts that hold the modes and the module's layers (after either changes)."""
+        self._model_state = ModelState(
+            self._state, self._membership, self._tensor, self._specs, self._keys, self.options.gather_weights,
+            self.micro_batch_size, self.options.tensor_degree,
+        )
+        self._evaluation = EvaluationSteps(self._state, self._membership, self._tensor, self.micro_batch_size,
+                                           self._loss_log)
+
+    def _note_ranks(self) -> None:
+        """Points Lightning's rank-zero utilities at this process's rank in the current group."""
+        rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank
+
+    def _log_train_loss(self, loss: Tensor, rows: int) -> None:
+        # The loss is already the global batch's on every rank; sync_dist only averages identical values
+        # (exactly), and tells Lightning that epoch-level aggregation is distributed-safe. Its reduce
+        # goes through ``reduce`` (a guarded collective): on a spare or after an interruption it
+        # returns the value unchanged, with the same logging options (Lightning requires that).
+        self.lightning_module.log("train_loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=rows,
+                                  sync_dist=True)
+
+    def _take_pending_plan(self) -> Plan | None:
+        """The requested plan, checked again (the first batch may have fixed M since the request), or None."""
+        if self._state.pending is None:
+            return None
+        plan, self._state.pending = self._state.pending, None
+        try:
+            self.check_plan(plan)
+        except PlanError as err:
+            user_warn(f"ResiHPStrategy: dropping the requested plan {plan.layout_key()}: {err}")
+            return None
+        return plan
+
+    def _run_replica_share(self, split: batching.SplitBatch) -> ReplicaShare:
+        """This replica's m_r micro-batches of the global batch through the pipeline, under the plan in force."""
+        runtime = self._state.require()
+        plan, pos = runtime.plan, runtime.position
+        replica = plan.replicas[pos.replica]
+        offset = row_offset(plan, pos.replica, self.micro_batch_size)
+        items = batching.micro_batches(split, offset, replica.micro_batches, self.micro_batch_size)
+        with self._loss_log.recording(self.lightning_module):
+            loss, busy = runtime.train_batch(
+                items, loss_scale=replica.micro_batches * plan.data_degree / self._state.micro_batches
+            )
+        return ReplicaShare(loss=loss, busy=busy, items=items, position=pos)
 
     def _pipeline_loss(self, outputs: Any, labels: Any) -> Tensor:
-        if self._tensor is not None:
-            return self.lightning_module.pipeline_tensor_parallel_loss(outputs, labels, self._tensor.group)
-        return self.lightning_module.pipeline_loss(outputs, labels)
+        return self._tensor.pipeline_loss(self.lightning_module, outputs, labels)
 
     def _tied_parameters(self, module: Any) -> list[tuple[tuple[int, str], ...]]:
         tied = tied_parameters(module, len(self._specs), self.misconfiguration_error)
@@ -573,24 +667,24 @@ class ResiHPStrategyMixin(ResilientStepsMixin, ModelStateMixin, EvaluationStepsM
             plan = initial_plan(self.options, self.world_size // self.options.tensor_degree, len(self._specs))
         except PlanError as err:
             raise self.misconfiguration_error(f"ResiHPStrategy(plan=...) is not valid for this job: {err}") from None
-        if self.options.plan is not None and self._num_micro is None:
-            self._num_micro = sum(r.micro_batches for r in plan.replicas)
+        if self.options.plan is not None and self._state.micro_batches is None:
+            self._state.micro_batches = sum(r.micro_batches for r in plan.replicas)
         return plan
 
     def _settle_micro_batches(self, rows: int) -> None:
         """Checks a training batch's size; the first one fixes M when the options left it open."""
         fixed = self.options.micro_batches is not None or self._micro_batches_settled
         self._micro_batches_settled = True
-        plan = settle_micro_batches(rows, self.micro_batch_size, self._num_micro, fixed, self.current_plan)
+        plan = settle_micro_batches(rows, self.micro_batch_size, self._state.micro_batches, fixed, self.current_plan)
         if plan is not None:
-            self._num_micro = sum(r.micro_batches for r in plan.replicas)
-            self._require_runtime().switch(plan)
+            self._state.micro_batches = sum(r.micro_batches for r in plan.replicas)
+            self._state.require().switch(plan)
 
     def _setup_user_optimizer(self, trainer: Any) -> Optimizer:
         module = self.lightning_module
         # Lazily built layers (LayerSpec) are not attributes of the user's module: show them to
         # configure_optimizers through a temporary child.
-        module.add_module("_resihp_pipe", self._require_runtime().pipe)
+        module.add_module("_resihp_pipe", self._state.require().pipe)
         try:
             self.setup_optimizers(trainer)
         finally:
@@ -605,57 +699,29 @@ class ResiHPStrategyMixin(ResilientStepsMixin, ModelStateMixin, EvaluationStepsM
 class ResiHPStrategy(ResiHPStrategyMixin, DDPStrategy):
     """Pipeline (DeepSpeed ``PipelineEngine``, 1F1B) x data-parallel training that can be re-planned live.
 
-    Use ``Trainer(strategy="resihp")`` or ``Trainer(strategy=ResiHPStrategy(...))``. Launching works as
-    for DDP (Lightning's launcher on one machine, torchrun / SLURM for several). The model must be a
-    :class:`~resihp_lightning.strategy.module.ResiHPModule` (see its docstring for the exact contract).
-
-    Data: every rank must see the same global batch of M x ``micro_batch_size`` rows, so the strategy
-    asks Lightning for a sampler that does not shard by rank (``num_replicas=1``); shuffling, epochs
-    and ``set_epoch`` behave as usual (like Lightning's DDP, training data is shuffled by a sampler
-    seeded with ``PL_GLOBAL_SEED``; with ``Trainer(use_distributed_sampler=False)`` the DataLoader's own
-    sampler is used unchanged on every rank, and it must then yield the same order everywhere).
-    Training batches must all have M x ``micro_batch_size`` rows (use ``drop_last=True``). Replica r
-    trains on its own m_r micro-batches of that batch (rows after those of replicas 0..r-1), so
-    re-plans need no new DataLoader. Validation / test / predict batches of any size are dealt out
-    in micro-batches in proportion to m_r; the validation / test loss is the mean over rows, and a
-    predict step returns the last layer's outputs for the whole batch, in row order, on every rank.
-    With unequal m_r each replica's loss is scaled by m_r * D / M, which makes the gradient exactly
-    that of the global batch.
-
-    Gradients (plain fp32 optimizer): each layer's gradient is averaged over the ranks that hold it,
-    one per replica (:mod:`~resihp_lightning.runtime.layerwise`), so replicas may have different
-    stage bounds, and ``gradient_clipping`` uses the exact global norm. With ZeRO-1 / bf16 / fp16
-    DeepSpeed's own stage-paired reduction runs and every replica must have the same bounds.
-
-    Re-planning: :meth:`request_plan` (on all ranks, from any callback) validates a plan at once and
-    applies it at the start of the next training step: changing only micro-batch counts updates the
-    engine in place; anything else builds a new engine and moves the parameters and optimizer state of
-    the layers whose owner changes, point to point (:attr:`last_migration` records time and bytes).
-
-    Fail-stop (``fail_stop=...``): the job's process groups come from a world that can regroup; a
-    rank that dies or hangs costs the step it interrupted, which the survivors redo exactly under a
-    plan for themselves (:mod:`~resihp_lightning.failstop.survivors`, :attr:`last_recovery`).
+    Use ``Trainer(strategy="resihp")`` or ``Trainer(strategy=ResiHPStrategy(...))`` with a
+    :class:`~resihp_lightning.strategy.module.ResiHPModule`; launch as for DDP. Every rank reads the
+    whole global batch of M x ``micro_batch_size`` rows and each replica trains on its own share;
+    :meth:`request_plan` switches plans at the next step boundary. How the parts fit together, the
+    data and gradient rules and fail-stop recovery: ``docs/architecture.md`` (and the README).
 
     Args:
         pipeline_degree: P of the initial uniform plan (default 2 when the world size is even and
             above 2, else 1).
-        plan: a full initial plan instead (device ids are global ranks); replicas may have
-            different stage bounds unless ZeRO / bf16 / fp16 is on.
+        plan: a full initial plan instead (device ids are global ranks, or tensor-parallel groups).
         micro_batch_size: rows per micro-batch.
         micro_batches: M per global batch; default: inferred from the first training batch.
-        deepspeed_config: DeepSpeed config entries over the defaults (``gradient_clipping`` 0.0; ZeRO-1,
-            ``bf16`` and ``pipeline.activation_checkpoint_interval`` pass through). Layer moves carry
-            the optimizer state of the plain optimizer and, through DeepSpeed's per-parameter accessors,
-            of its ZeRO-1 / bf16 wrappers (fp32 master weights included); with fp16 or ZeRO offload only
-            micro-batch counts may change live (layer moves are refused with a ``PlanError``).
+        deepspeed_config: DeepSpeed config entries over the defaults (ZeRO-1, ``bf16``,
+            ``gradient_clipping``, ``pipeline.activation_checkpoint_interval``, ...).
         process_group_backend: ``"gloo"`` / ``"nccl"`` (default by device).
         timeout: collective timeout.
-        gather_weights: which ranks' LightningModule receives every layer's trained weights at the end
-            of ``fit``: ``"all"``, ``"rank0"``, ``"none"`` or ``"auto"`` (default: the module's
-            ``pipeline_gather_weights()``, else ``"all"``).
+        gather_weights: who receives every layer's trained weights at the end of ``fit``: ``"all"``,
+            ``"rank0"``, ``"none"`` or ``"auto"`` (the module's ``pipeline_gather_weights()``, else ``"all"``).
         fail_stop: in-process recovery from dead or hung ranks
-            (:class:`~resihp_lightning.failstop.fail_stop_config.FailStopConfig`, ``True`` for the defaults;
-            default off). See :mod:`~resihp_lightning.failstop.survivors`.
+            (:class:`~resihp_lightning.failstop.fail_stop_config.FailStopConfig`, ``True`` for the
+            defaults; default off).
+        tensor_degree: t, processes that split each layer (tensor parallelism; 1: none). Consecutive
+            ranks form a group, and plans name groups (``docs/tensor_parallel.md``).
         options: all of the above as one :class:`StrategyOptions` (the other arguments are then ignored).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for
             Lightning's ``DDPStrategy``.

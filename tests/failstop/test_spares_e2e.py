@@ -98,7 +98,7 @@ def _job(
         if strategy.is_spare:
             # The spare polls slowly, so the members publish predict's last result, return and exit before
             # it looks: it must take the published result, not fail on the members' exits.
-            strategy._job.mirror.poll_s = 1.0
+            strategy._membership.job.mirror.poll_s = 1.0
         later["pred"] = torch.cat(trainer.predict(model, DataLoader(TensorDataset(x[:10], y[:10]), batch_size=5)))
     return {
         "after_fit": later,
@@ -109,7 +109,7 @@ def _job(
         "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
         "recovery": strategy.last_recovery,
         "plan": strategy.current_plan.to_dict(),
-        "spares": list(strategy._job.spares),
+        "spares": list(strategy._membership.job.spares),
     }
 
 

@@ -38,8 +38,9 @@ from typing_extensions import override
 
 from resihp_lightning._logging import get_logger
 from resihp_lightning.callbacks.events import EventLog
-from resihp_lightning.callbacks.faults.slowdowns import STOP_KINDS, DelayedCall, FaultConfig, Slowdown, delay_p2p_sends, slow_links
+from resihp_lightning.callbacks.faults.slowdowns import STOP_KINDS, FaultConfig, Slowdown
 from resihp_lightning.contract import LayerHost, require
+from resihp_lightning.runtime.transport_delays import DelayedCall, delay_p2p_sends, slow_links
 
 log = get_logger(__name__)
 

@@ -19,9 +19,9 @@
   ``1/factor`` speed. On CUDA the timing synchronises the device first so that it measures kernels,
   not launches. What is left unslowed is the pipeline engine's own bookkeeping around each
   instruction (input clones, buffer handling), a small share of the measured busy time.
-* :class:`DelayedCall`: patches a function in a module namespace to wait before each call;
-  :func:`delay_p2p_sends` uses it on DeepSpeed's pipeline ``p2p.send`` and :func:`slow_links` on the
-  sends and the gradient all-reduces of one rank (a slow network link).
+* Link faults (``slow_link``, ``delay_p2p``) delay the runtime's own transfers:
+  :mod:`resihp_lightning.runtime.transport_delays` (``DelayedCall``, ``delay_p2p_sends``,
+  ``slow_links``; re-exported here), the only place that knows which functions the runtime sends through.
 """
 
 from __future__ import annotations
@@ -33,6 +33,9 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from resihp_lightning.errors import ConfigError, invalid_option
+from resihp_lightning.runtime.transport_delays import DelayedCall, delay_p2p_sends, slow_links
+
+__all__ = ["FAULT_KINDS", "STOP_KINDS", "FaultConfig", "Slowdown", "DelayedCall", "delay_p2p_sends", "slow_links"]
 
 FAULT_KINDS = ("slow", "slow_link", "delay_p2p", "kill", "hang")
 #: Faults that end (``kill``: SIGKILL, like ``kill -9``) or freeze (``hang``: SIGSTOP) the process.
@@ -290,52 +293,3 @@ class Slowdown:
             return mark(out, start_fn, timing, [0]) if grad else out
 
         return forward
-
-
-class DelayedCall:
-    """Replaces ``namespace.name`` with a version that first sleeps ``delay_s_fn()`` seconds.
-
-    Args:
-        namespace: a module (or any object) holding the function.
-        name: the attribute to patch.
-        delay_s_fn: returns the wait in seconds (0 = no wait) at each call.
-    """
-
-    def __init__(self, namespace: Any, name: str, delay_s_fn: Callable[[], float]) -> None:
-        self.namespace, self.name = namespace, name
-        self.original = getattr(namespace, name)
-        self.calls = 0
-        self.delayed_s = 0.0
-        original = self.original
-
-        def delayed(*args: Any, **kwargs: Any) -> Any:
-            wait = float(delay_s_fn())
-            if wait > 0:
-                time.sleep(wait)
-                self.delayed_s += wait
-            self.calls += 1
-            return original(*args, **kwargs)
-
-        setattr(namespace, name, delayed)
-
-    def restore(self) -> None:
-        setattr(self.namespace, self.name, self.original)
-
-
-def delay_p2p_sends(delay_s_fn: Callable[[], float]) -> DelayedCall:
-    """Delays DeepSpeed pipeline sends (``deepspeed.runtime.pipe.p2p.send``, looked up per call by the engine)."""
-    from deepspeed.runtime.pipe import p2p
-
-    return DelayedCall(p2p, "send", delay_s_fn)
-
-
-def slow_links(delay_s_fn: Callable[[], float]) -> list[DelayedCall]:
-    """Delays this rank's pipeline sends, its gradient all-reduces (``torch.distributed.all_reduce``,
-    which the layer-wise reducer looks up per call) and the link probe's sends: a slow network link on
-    the rank, seen by every peer that exchanges with it. Compute is untouched."""
-    import torch.distributed as dist
-
-    from resihp_lightning.runtime import link_probe
-
-    return [delay_p2p_sends(delay_s_fn), DelayedCall(dist, "all_reduce", delay_s_fn),
-            DelayedCall(link_probe, "send", delay_s_fn)]

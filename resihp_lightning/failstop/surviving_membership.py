@@ -1,0 +1,221 @@
+"""``SurvivingMembership``: who is in a job that can lose ranks, and its guarded collectives.
+
+The fail-stop counterpart of the strategy's plain membership (``strategy/job_membership.py``): it
+answers rank, world size, device id and live devices from the
+:class:`~resihp_lightning.failstop.survivors.SurvivingJob`, and runs the strategy's collectives
+between steps so that a lost peer regroups the survivors (:meth:`SurvivingMembership.recover`)
+instead of ending the job. It also carries what the job's hot spares need: the numbered calls
+whose results the members' rank 0 publishes, the reshapes that take spares in or leave devices
+out, and the end-of-fit weight sync that spares join.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+from resihp_lightning._logging import user_info, user_warn
+from resihp_lightning.contract import DeviceConditions
+from resihp_lightning.plan import Plan
+from resihp_lightning.resilience.failures import PeerFailure
+from resihp_lightning.failstop.recovery_record import RecoveryRecord
+from resihp_lightning.failstop.spares import Reshape
+from resihp_lightning.failstop.survivors import SurvivingJob
+from resihp_lightning.runtime.runtime_state import RuntimeState
+
+
+class SurvivingMembership:
+    """The membership of a job with fail-stop recovery (see the module docstring).
+
+    Args:
+        job: the job's groups and their recovery.
+        state: the strategy's runtime state (a recovery rebuilds the runtime, records the migration
+            and drops a requested plan).
+        global_step: the trainer's global step (a recovery reports it).
+        conditions: the slow devices and links a recovery plans the survivors with (the strategy's
+            ``device_conditions``, which the re-plan controller sets).
+        on_regrouped: called on every process once a new group exists (the strategy points
+            Lightning's rank-zero utilities at the new rank).
+    """
+
+    #: Lost peers are recovered from in-process.
+    survives_failures = True
+
+    def __init__(
+        self,
+        job: SurvivingJob,
+        state: RuntimeState,
+        *,
+        global_step: Callable[[], int],
+        conditions: Callable[[], DeviceConditions],
+        on_regrouped: Callable[[], None],
+    ) -> None:
+        self.job = job
+        self.state = state
+        self._global_step = global_step
+        self._conditions = conditions
+        self._on_regrouped = on_regrouped
+        #: A lost peer interrupted this step after its update: its other collectives are skipped here.
+        self.interrupted = False
+        #: This training step's committed result (what spares taken in by a recovery return).
+        self.step_result: Any = None
+
+    # ------------------------------------------------------------------------------- views
+    @property
+    def rank(self) -> int:
+        return self.job.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.job.world_size
+
+    @property
+    def device_id(self) -> int:
+        return self.job.device_id
+
+    @property
+    def devices_alive(self) -> tuple[int, ...]:
+        return self.job.job_members
+
+    @property
+    def is_spare(self) -> bool:
+        return self.job.is_spare
+
+    @property
+    def collectives_interrupted(self) -> bool:
+        return self.interrupted or self.job.is_spare
+
+    @property
+    def last_recovery(self) -> RecoveryRecord | None:
+        return self.job.last_recovery
+
+    @property
+    def listeners(self) -> list[Callable[[str, dict[str, Any]], None]]:
+        return self.job.listeners
+
+    @property
+    def recovery_listeners(self) -> list[Callable[[], None]]:
+        return self.job.recovery_listeners
+
+    @property
+    def commit(self) -> Callable[[], None]:
+        return self.job.commit
+
+    def rank_map(self) -> dict[int, int]:
+        return self.job.rank_map()
+
+    # ------------------------------------------------------------------------- collectives
+    def begin_step(self) -> None:
+        """A training step starts: its collectives run again, it has no result yet."""
+        self.interrupted = False
+        self.step_result = None
+
+    def collective(self, run: Callable[[], Any]) -> tuple[bool, Any]:
+        """Runs a collective between steps: ``(True, result)``, or ``(False, None)`` when skipped.
+
+        A lost peer makes the survivors regroup, and this and every later collective of the step is
+        skipped here: survivors interrupted at different collectives of the same step meet again at
+        the next step. A spare (no process group) skips them all.
+        """
+        if self.interrupted or self.job.is_spare:
+            return False, None
+        try:
+            with self.job.world.guard():
+                return True, run()
+        except PeerFailure as failure:
+            self.recover(failure, finished=self.step_result)
+            self.interrupted = True
+            return False, None
+
+    def run_recovering(self, work: Callable[[], None]) -> None:
+        """Runs ``work`` (collective) to its end: a lost peer regroups the survivors, who run it again."""
+        while True:
+            try:
+                with self.job.world.guard():
+                    work()
+                return
+            except PeerFailure as failure:
+                self.recover(failure)
+
+    def recover(self, failure: Any, finished: Any = None) -> None:
+        """Regroups the survivors and rebuilds this process's runtime for their plan (see ``survivors``).
+
+        Args:
+            failure: what the interrupted call raised.
+            finished: this training step's result when it was already committed here (a failure in a
+                collective after the update), so that spares taken in do not redo it.
+        """
+        job, state = self.job, self.state
+        step = self._global_step()
+        call = job.mirror.calls
+        state.last_migration = job.recover(
+            failure, state.require(), state.micro_batches, step, self._on_regrouped, finished=(call, finished),
+            conditions=self._conditions(),
+        )
+        state.pending = None
+        record, plan = job.last_recovery, state.require().plan
+        spares = f"; idle (hot spares): {list(record.spares)}" if record.spares else ""
+        user_warn(
+            f"ResiHPStrategy: lost rank(s) {sorted(record.failed)} at step {step}; {len(record.members)} survivors "
+            f"go on under {plan.pipeline_degree}x{plan.data_degree}{spares}"
+        )
+
+    def reshape(self, plan: Plan) -> None:
+        """Every process of the job: puts ``plan`` in force where it uses other devices than the members."""
+        job, state = self.job, self.state
+        record = job.reshape(state.require(), plan, self._on_regrouped)
+        if record is not None:
+            state.last_migration = record
+        current = state.require().plan
+        user_info(
+            f"ResiHPStrategy: now {current.pipeline_degree}x{current.data_degree} on devices "
+            f"{sorted(current.device_ids)}; idle (hot spares): {list(job.spares)}"
+        )
+
+    # ---------------------------------------------------------------------- mirrored calls
+    def next_call(self) -> int:
+        """Numbers the strategy call that starts now (every process of the job, in step)."""
+        return self.job.mirror.next_call()
+
+    def mirrored(self, call: int) -> Any:
+        """A spare: what the members' ``call`` returned (blocks until they publish it)."""
+        return self.job.mirror.wait(call).value
+
+    def publish(self, call: int, result: Callable[[], Any]) -> None:
+        """The members' rank 0 records what ``result()`` gives as a call's result for the spares (only while
+        there are spares; else ``result`` is not called). A ``None`` result is not published."""
+        job = self.job
+        if not job.is_spare and job.rank == 0 and job.spares:
+            value = result()
+            if value is not None:
+                job.mirror.publish(call, value, self.state.require().plan)
+
+    def sync_with_spares(self, everyone: bool, sync: Callable[[int], None]) -> bool:
+        """End of fit: with ``everyone`` (``gather_weights="all"``) the spares join the group for the weight
+        sync, ``sync(rank)`` on that group (and leave it again). Returns whether that happened (else the
+        members sync as usual).
+
+        Who takes part must not depend on each process's own view of who is alive (a spare that just
+        died may still look alive to one member): the members take rank 0's list of spares, and rank 0
+        announces it, so that every live spare learns whether it joins.
+        """
+        runtime, job = self.state.require(), self.job
+        call = job.mirror.next_call()
+        if job.is_spare:
+            got = job.mirror.wait(call)
+            include = got.include if isinstance(got, Reshape) else ()
+            if job.device_id not in include:
+                return True  # not taken in (gather_weights is not "all"): this module keeps its own values
+        else:
+            mine = list(job.spares) if everyone else []
+            box: list[Any] = [mine if job.rank == 0 else None]
+            dist.broadcast_object_list(box, src=0)
+            include = tuple(box[0])
+            if job.rank == 0:
+                job.mirror.announce(call, runtime.plan, runtime.plan, include=include)
+            if not include:
+                return False
+        job.reshape(runtime, runtime.plan, self._on_regrouped, include=include, during=lambda: sync(job.world.rank))
+        return True

@@ -70,28 +70,9 @@ nitpick_ignore_regex = [
 # changing in parallel, so they are not fixed here. Exactly these targets, and only in these modules
 # (the module a reference is written in), are let through; fix them there and delete the entry.
 TEMPORARY_BROKEN_REFERENCES: dict[str, set[tuple[str, str]]] = {
-    "resihp_lightning.strategy.strategy": {
-        ("py:class", "PlanError"), ("py:meth", "request_plan"), ("py:class", "StrategyOptions"),
-        ("py:attr", "last_recovery"), ("py:attr", "last_migration"),
-    },
-    "resihp_lightning.strategy.standalone": {
-        ("py:meth", "request_plan"), ("py:class", "StrategyOptions"), ("py:attr", "last_recovery"),
-        ("py:attr", "last_migration"), ("py:class", "resihp_lightning.ResiHPModule"),
-    },
-    "resihp_lightning.strategy.resilient_steps": {
-        ("py:meth", "_recover"), ("py:meth", "collective"), ("py:meth", "_sync_with_spares"), ("py:meth", "_job_step"),
-    },
-    "resihp_lightning.strategy.options": {("py:class", "ResiHPStrategy"), ("py:class", "FailStopConfig")},
-    "resihp_lightning.strategy.module": {("py:meth", "pipeline_batch")},
-    "resihp_lightning.strategy.checkpoint_io": {("py:attr", "writes")},
-    "resihp_lightning.strategy.tensor_setup": {("py:exc", "error")},
-    "resihp_lightning.strategy.trainer_options": {("py:exc", "error")},
-    "resihp_lightning.runtime.pipeline_runtime": {("py:mod", "resihp_lightning.strategy.commit")},
     "resihp_lightning.resilience.failure_detector": {
         ("py:attr", "FailureDetector.store_lost"), ("py:class", "errors.StoreUnavailable"),
     },
-    "resihp_lightning.failstop": {("py:class", "RecoveryRecord")},
-    "resihp_lightning.failstop.survivors": {("py:class", "runtime.PipelineRuntime")},
     "resihp_lightning.callbacks.failstop.heartbeat": {("py:attr", "Heartbeat.dead")},
 }
 

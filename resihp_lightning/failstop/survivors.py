@@ -3,7 +3,7 @@
 It owns the :class:`~resihp_lightning.resilience.world.ElasticWorld` (the job's process groups,
 generation by generation), the optimizer step's :class:`~.step_commit.StepCommit` vote, and the
 recovery itself: regroup the survivors, re-initialise ``deepspeed.comm`` on the new group, plan for
-the survivors, and let the :class:`~.runtime.PipelineRuntime` restore the layers each survivor now
+the survivors, and let the :class:`~resihp_lightning.runtime.pipeline_runtime.PipelineRuntime` restore the layers each survivor now
 needs. The strategy wraps each training step in :meth:`SurvivingJob.run_step` (a step that lost a
 peer before its commit point is redone) and each collective after the commit point in
 ``ResiHPStrategy.collective`` (skipped after a recovery: the survivors meet again at the next step).

@@ -34,7 +34,7 @@ class WriteRecord:
 
 
 class TimedCheckpointIO(TorchCheckpointIO):
-    """``TorchCheckpointIO`` that records each write in :attr:`writes` (on the thread that wrote it)."""
+    """``TorchCheckpointIO`` that records each write in ``writes``, a list of :class:`WriteRecord` (on the thread that wrote it)."""
 
     def __init__(self) -> None:
         super().__init__()

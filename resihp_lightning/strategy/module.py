@@ -119,7 +119,7 @@ class ResiHPModule(ResiHPModuleMixin, LightningModule):
     * ``pipeline_layers(self) -> Sequence[nn.Module | deepspeed.pipe.LayerSpec]`` (required): the
       model's layers in order. Each layer takes the previous layer's output (a tensor or a tuple of
       tensors) and returns a tensor or a tuple of tensors; the first layer gets the ``inputs`` of
-      :meth:`pipeline_batch`. ``nn.Module`` layers are used as they are (keep them as attributes,
+      :meth:`~ResiHPModuleMixin.pipeline_batch`. ``nn.Module`` layers are used as they are (keep them as attributes,
       e.g. an ``nn.ModuleList``, so that ``configure_optimizers`` sees them); ``LayerSpec`` layers are
       built only on the ranks that hold them. Called once, at setup. DeepSpeed ``TiedLayerSpec`` layers
       are not accepted; tie parameters with ``pipeline_tied_parameters`` instead.

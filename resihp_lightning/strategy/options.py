@@ -19,7 +19,7 @@ GATHER_WEIGHTS = ("auto", "all", "rank0", "none")
 
 @dataclass
 class StrategyOptions:
-    """What a :class:`ResiHPStrategy` is built from.
+    """What a :class:`~resihp_lightning.strategy.strategy.ResiHPStrategy` is built from.
 
     Attributes:
         pipeline_degree: P of the initial (uniform) plan; ``None`` takes 2 when the world size is even
@@ -40,7 +40,7 @@ class StrategyOptions:
             module's ``pipeline_gather_weights()`` asks for, ``"all"`` when it has no preference (a
             module that loads its layers per stage asks for ``"none"``). The strategy replaces
             ``"auto"`` with the resolved value at setup.
-        fail_stop: in-process recovery from dead or hung ranks (:class:`FailStopConfig`); ``None`` /
+        fail_stop: in-process recovery from dead or hung ranks (:class:`~resihp_lightning.failstop.fail_stop_config.FailStopConfig`); ``None`` /
             ``False`` (default): off, a lost rank ends the job; ``True``: on with the defaults.
         tensor_degree: t, processes that split each layer (tensor parallelism; consecutive ranks form a
             group, and plans, ``pipeline_degree`` and ``plan`` count groups). 1 (default): none. With

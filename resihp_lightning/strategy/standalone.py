@@ -41,7 +41,7 @@ class ResiHPStrategy(ResiHPStrategyMixin, DDPStrategy):
 
 
 class ResiHPModule(ResiHPModuleMixin, LightningModule):
-    """A ``pytorch_lightning.LightningModule`` with the contract of :class:`resihp_lightning.ResiHPModule`.
+    """A ``pytorch_lightning.LightningModule`` with the contract of :class:`~resihp_lightning.strategy.module.ResiHPModule`.
 
     See :class:`resihp_lightning.strategy.module.ResiHPModule` for what a subclass provides.
     """

@@ -277,7 +277,7 @@ class ResiHPStrategyMixin:
         self._state.pending = plan
 
     def check_plan(self, plan: Plan) -> None:
-        """Raises :class:`PlanError` when ``plan`` cannot run on this job (see ``plan_rules.check_plan``)."""
+        """Raises :class:`~resihp_lightning.errors.PlanError` when ``plan`` cannot run on this job (see ``plan_rules.check_plan``)."""
         current = self._state.runtime.plan if self._state.runtime is not None else None
         check_plan(plan, self.devices_alive, self.num_layers, self._state.micro_batches, self.deepspeed_config, current,
                    idle_allowed=self.supports_idle_devices)
@@ -702,7 +702,7 @@ class ResiHPStrategy(ResiHPStrategyMixin, DDPStrategy):
     Use ``Trainer(strategy="resihp")`` or ``Trainer(strategy=ResiHPStrategy(...))`` with a
     :class:`~resihp_lightning.strategy.module.ResiHPModule`; launch as for DDP. Every rank reads the
     whole global batch of M x ``micro_batch_size`` rows and each replica trains on its own share;
-    :meth:`request_plan` switches plans at the next step boundary. How the parts fit together, the
+    :meth:`~ResiHPStrategyMixin.request_plan` switches plans at the next step boundary. How the parts fit together, the
     data and gradient rules and fail-stop recovery: ``docs/architecture.md`` (and the README).
 
     Args:
@@ -722,7 +722,7 @@ class ResiHPStrategy(ResiHPStrategyMixin, DDPStrategy):
             defaults; default off).
         tensor_degree: t, processes that split each layer (tensor parallelism; 1: none). Consecutive
             ranks form a group, and plans name groups (``docs/tensor_parallel.md``).
-        options: all of the above as one :class:`StrategyOptions` (the other arguments are then ignored).
+        options: all of the above as one :class:`~resihp_lightning.strategy.options.StrategyOptions` (the other arguments are then ignored).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for
             Lightning's ``DDPStrategy``.
     """

@@ -37,8 +37,8 @@ def check_tensor_parallel_job(
         error: the exception type to raise (the Lightning package's ``MisconfigurationException``).
 
     Raises:
-        ``error``: the module lacks a hook, or a callback or a precision is not supported with tensor
-            parallelism yet.
+        lightning.pytorch.utilities.exceptions.MisconfigurationException: (the type passed as ``error``) the module lacks a hook, or a callback
+            or a precision is not supported with tensor parallelism yet.
     """
     hooks = (*TENSOR_HOOKS, PREDICT_HOOK) if predicting else TENSOR_HOOKS
     missing = [hook for hook in hooks if getattr(type(module), hook, None) is getattr(ResiHPModuleMixin, hook)]

@@ -45,7 +45,8 @@ def effective_deepspeed_config(
         error: the exception to raise (the Lightning package's ``MisconfigurationException``).
 
     Raises:
-        error: an option has no pipeline equivalent, or it contradicts ``deepspeed_config``.
+        lightning.pytorch.utilities.exceptions.MisconfigurationException: (the type passed as ``error``) an option has no pipeline equivalent, or it
+            contradicts ``deepspeed_config``.
     """
     config = copy.deepcopy(dict(deepspeed_config))
     precision = str(precision)

@@ -38,8 +38,8 @@ still abort the generation, so that nobody hangs; the regroup that follows raise
 
 A process that ends on purpose can say goodbye (``stop(goodbye=True)``: its beat becomes
 :data:`GOODBYE`); its peers then stop judging it (:attr:`FailureDetector.left`). One detector runs
-per process: :func:`running_detector` returns it, so that a reporting callback can use the detector of
-an elastic world instead of starting a second one.
+per process: :func:`running_detector` returns the elastic world's, so that a reporting callback uses it
+instead of starting a second one.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ _running: FailureDetector | None = None
 
 
 def running_detector() -> FailureDetector | None:
-    """This process's started detector (the first started and not yet stopped), or ``None``."""
+    """The detector this process started with ``shared=True`` (an elastic world's) and has not stopped, or ``None``."""
     return _running
 
 
@@ -253,8 +253,13 @@ class FailureDetector:
     def thread(self) -> threading.Thread | None:
         return self._thread
 
-    def start(self) -> FailureDetector:
-        """Connects, writes the first beat and starts the thread (no verdicts before :meth:`watch`)."""
+    def start(self, *, shared: bool = False) -> FailureDetector:
+        """Connects, writes the first beat and starts the thread (no verdicts before :meth:`watch`).
+
+        Args:
+            shared: offer this detector to reporters as the process's :func:`running_detector`
+                (the elastic world's; a reporter's own detector is not shared).
+        """
         global _running
         if self._thread is not None:
             return self
@@ -263,7 +268,7 @@ class FailureDetector:
         self._last_read = time.monotonic()
         self._thread = threading.Thread(target=self._run, name=f"resihp-detector-{self.rank}", daemon=True)
         self._thread.start()
-        if _running is None:
+        if shared and _running is None:
             _running = self
         return self
 

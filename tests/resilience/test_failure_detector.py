@@ -169,15 +169,16 @@ def test_listeners_hear_of_every_failure_once_whoever_found_it(server):
         detector.stop()
 
 
-def test_the_started_detector_is_the_running_one_until_it_stops(server):
+def test_the_shared_detector_is_the_running_one_until_it_stops(server):
     assert running_detector() is None
-    first = _detector(server, []).start()
-    second = _detector(server, []).start()
+    private = _detector(server, []).start()
+    shared = _detector(server, []).start(shared=True)
+    another = _detector(server, []).start(shared=True)
     try:
-        assert running_detector() is first
+        assert running_detector() is shared
     finally:
-        first.stop()
-        second.stop()
+        for detector in (private, shared, another):
+            detector.stop()
     assert running_detector() is None
 
 

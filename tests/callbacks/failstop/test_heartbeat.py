@@ -174,14 +174,14 @@ def _wait_for(condition, seconds=5.0):
 
 def test_a_rank_that_stopped_on_purpose_is_not_reported(tmp_path):
     server = _server()
-    config = HeartbeatConfig(interval_s=0.05, timeout_s=0.5, monitor="all")
+    config = HeartbeatConfig(interval_s=0.05, timeout_s=1.0, monitor="all")
     hearts = [Heartbeat(config, rank=r, world_size=2, store=server) for r in range(2)]
     for heart in hearts:
         heart.start()
     try:
         time.sleep(0.3)
         hearts[1].stop()  # says goodbye
-        time.sleep(1.0)
+        time.sleep(1.5)
         assert hearts[0].dead == {}
     finally:
         hearts[0].stop()
@@ -191,7 +191,7 @@ def test_with_monitor_rank0_the_others_report_only_the_store_host(tmp_path):
     """Ranks 1 and 2 do not report each other; rank 0 reports rank 2, and rank 1 reports rank 0 when its
     store goes (its beats keep the test's store, so the host's loss is a silence here)."""
     server = _server()
-    config = HeartbeatConfig(interval_s=0.05, timeout_s=0.5)
+    config = HeartbeatConfig(interval_s=0.05, timeout_s=1.0)
     events = EventLog(tmp_path, rank=1)
     hearts = [Heartbeat(config, rank=r, world_size=3, store=server, events=events if r == 1 else None)
               for r in range(3)]
@@ -287,3 +287,23 @@ def test_the_monitor_reports_on_the_running_detector_and_says_what_does_not_appl
         assert detector.thread is not None
     finally:
         detector.stop()
+
+
+def test_without_a_running_detector_the_monitor_runs_its_own_and_stops_the_trainer(tmp_path):
+    trainer = SimpleNamespace(global_rank=0, world_size=2, log_dir=str(tmp_path), default_root_dir=str(tmp_path),
+                              should_stop=False)
+    monitor = HeartbeatMonitor(port=free_port(), interval_s=0.05, timeout_s=5.0)
+    monitor.setup(trainer, None, "fit")
+    heartbeat = monitor.heartbeat
+    try:
+        assert heartbeat.owns_detector and heartbeat.detector.thread is not None
+        assert running_detector() is None  # an own detector is not offered to others
+        monitor.on_train_batch_start(SimpleNamespace(global_step=7), None, None, 0)
+        assert heartbeat.detector.step == 7
+        heartbeat.detector.declare([Failure(1, "exited", 0, time.monotonic())])
+        assert list(monitor.dead) == [1] and trainer.should_stop is True
+        assert [e["rank"] for e in read_events(tmp_path)] == [1]
+    finally:
+        monitor.teardown(trainer, None, "fit")
+    assert monitor.heartbeat is None and heartbeat.detector.thread is None
+    assert heartbeat.store.get("resihp/hb/0") == b"done"  # said goodbye

@@ -378,7 +378,10 @@ class FailureDetector:
                     if self.on_store_lost is None:
                         log.error("rank %d lost the rendezvous store (%s); no regroup is possible", self.rank, err)
                     else:
-                        self.on_store_lost()
+                        try:
+                            self.on_store_lost()
+                        except Exception:  # noqa: BLE001 - local exits are still watched
+                            log.exception("on_store_lost hook failed")
 
     def _beat(self) -> None:
         self._counter += 1

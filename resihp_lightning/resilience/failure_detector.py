@@ -423,7 +423,8 @@ class FailureDetector:
                 if late:
                     peer.step_changed = now
             if self.config.probe_local_pids and self._exited(rank):
-                new.append(Failure(rank, EXITED, self.rank, now))
+                if not self._said_goodbye(rank):  # it may have said it after this poll's read
+                    new.append(Failure(rank, EXITED, self.rank, now))
             elif (peer.beat is not None or watch.judge_unseen) and now - peer.changed > self.config.timeout_s:
                 new.append(Failure(rank, SILENT, self.rank, now))
         if not late:
@@ -455,6 +456,14 @@ class FailureDetector:
         if int(step) != peer.step:
             peer.step, peer.step_changed = int(step), now
         peer.waiting = waiting == "1"
+
+    def _said_goodbye(self, rank: int) -> bool:
+        key = beat_key(rank)  # get() would wait for a key never written
+        if not self.store.check([key]) or self.store.get(key) != GOODBYE:
+            return False
+        with self._lock:
+            self._left.add(rank)
+        return True
 
     def _exits(self, ranks: Iterable[int]) -> list[Failure]:
         """Failures of the peers among ``ranks`` on this machine whose processes are gone (known identities only)."""

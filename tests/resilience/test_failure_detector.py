@@ -18,7 +18,8 @@ from resihp_lightning.resilience.failure_detector import (
     FailureDetectorConfig,
     running_detector,
 )
-from resihp_lightning.resilience.store import beat_key
+from resihp_lightning.resilience.procs import ProcessIdentity, pid_namespace
+from resihp_lightning.resilience.store import beat_key, proc_key
 
 INTERVAL, TIMEOUT = 0.05, 1.0
 
@@ -135,6 +136,46 @@ def test_a_peer_that_said_goodbye_is_not_judged(server):
         peers.set(beat_key(1), GOODBYE)
         time.sleep(TIMEOUT + 0.5)
         assert seen == [] and detector.left == {1}
+    finally:
+        detector.stop()
+
+
+class _GoodbyeAfterRead:
+    """A connection after whose reads of the beats peer 1 says goodbye (it ends right after this poll's read)."""
+
+    def __init__(self, store, goodbye: bool) -> None:
+        self._store = store
+        self._goodbye = goodbye
+
+    def multi_get(self, keys):
+        values = self._store.multi_get(keys)
+        if self._goodbye:
+            self._store.set(beat_key(1), GOODBYE)
+        return values
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+
+@pytest.mark.parametrize("goodbye", [True, False])
+def test_a_local_peer_that_exits_is_failed_unless_it_said_goodbye(server, goodbye):
+    """Its exit is seen at once on this machine; a goodbye written after the poll read its beat still counts."""
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    gone = ProcessIdentity(pid=int(finished.stdout), start=0, namespace=pid_namespace())
+    peers = _scoped(server)
+    _beat(peers, 1, 0)
+    peers.set(proc_key(1), gone.to_json())
+    seen: list[Failure] = []
+    config = FailureDetectorConfig(interval_s=INTERVAL, timeout_s=TIMEOUT)
+    detector = FailureDetector(config, rank=0, connect=lambda: _scoped(server, lambda s: _GoodbyeAfterRead(s, goodbye)),
+                               on_failures=seen.extend).start()
+    detector.watch([0, 1], 0)
+    try:
+        time.sleep(0.5)  # well under the silence timeout
+        if goodbye:
+            assert seen == [] and detector.left == {1}
+        else:
+            assert [(f.rank, f.reason) for f in seen] == [(1, EXITED)]
     finally:
         detector.stop()
 

@@ -20,7 +20,6 @@ import pytest
 from resihp_lightning.testing.multiproc import free_port
 from resihp_lightning.callbacks.events import EventLog, read_events
 from resihp_lightning.callbacks.failstop.heartbeat import STORE_UNREACHABLE, Heartbeat, HeartbeatConfig
-from resihp_lightning.callbacks.failstop.heartbeat_monitor import HeartbeatMonitor
 from resihp_lightning.errors import ConfigError
 from resihp_lightning.resilience.failure_detector import HUNG, SILENT, Failure, FailureDetector, running_detector
 
@@ -272,6 +271,8 @@ def test_a_running_detector_is_reported_on_and_left_running(tmp_path):
 
 
 def test_the_monitor_reports_on_the_running_detector_and_says_what_does_not_apply(tmp_path):
+    from resihp_lightning.callbacks.failstop.heartbeat_monitor import HeartbeatMonitor  # Lightning: not in the spawned ranks
+
     server = _server()
     detector = FailureDetector(rank=0, connect=lambda: server).start(shared=True)
     trainer = SimpleNamespace(global_rank=0, world_size=2, log_dir=str(tmp_path), default_root_dir=str(tmp_path),
@@ -290,6 +291,8 @@ def test_the_monitor_reports_on_the_running_detector_and_says_what_does_not_appl
 
 
 def test_without_a_running_detector_the_monitor_runs_its_own_and_stops_the_trainer(tmp_path):
+    from resihp_lightning.callbacks.failstop.heartbeat_monitor import HeartbeatMonitor  # Lightning: not in the spawned ranks
+
     trainer = SimpleNamespace(global_rank=0, world_size=2, log_dir=str(tmp_path), default_root_dir=str(tmp_path),
                               should_stop=False)
     monitor = HeartbeatMonitor(port=free_port(), interval_s=0.05, timeout_s=5.0)

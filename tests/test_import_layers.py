@@ -34,6 +34,8 @@ ALLOWED: dict[str, set[str]] = {
     # runtime's own transfers, so callbacks/faults may reach into the runtime.
     "callbacks": {"solver", "torch_utils"},
     "callbacks/faults": {"solver", "torch_utils", "runtime"},
+    # The heartbeat callback reports what the one failure detector (resilience/) finds.
+    "callbacks/failstop": {"solver", "torch_utils", "resilience"},
     "models": {"torch_utils", "data", "tensor", "strategy"},
     ANYTHING: set(),
 }

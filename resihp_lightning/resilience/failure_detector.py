@@ -23,14 +23,23 @@ and a failure of rank 0 is no special case. Verdicts are final: a rank found fai
 reinstated (the survivors will regroup without it). A verdict is handed to ``on_failures`` (the
 world aborts the generation and publishes ``gen<g>/abort``); peers that see the marker abort at their
 next poll and adopt the failures it names, so after the first detection everyone aborts within about
-one interval.
+one interval. Every failure this process learns of, its own verdicts and the ones declared to it, also
+goes to the listeners of :meth:`FailureDetector.subscribe` (reporting, e.g. the heartbeat callback).
 
-If this thread itself was not scheduled for more than half of ``timeout_s`` (an overloaded machine),
-its next poll only refreshes the peers' clocks: a late observer must not blame punctual peers.
+Silence is judged only over a view without gaps: when more than half of ``timeout_s`` passed between
+two successful reads of the beats (this thread not scheduled, its process's GIL held, the store slow
+or unreachable for a while), the poll only refreshes the peers' clocks. A late observer must not blame
+punctual peers, and the beats it reads after a stall of the store are as old as the stall.
 If the store cannot be reached for ``store_grace_s``, :attr:`FailureDetector.store_lost` is set and
-logged; training may go on (gloo needs no store after its groups exist) but no regroup is possible,
-and from then on the thread only watches for local exits (which still abort the generation, so that
-nobody hangs; the regroup that follows raises :class:`~.errors.StoreUnavailable`).
+logged (or handed to ``on_store_lost``); training may go on (gloo needs no store after its groups
+exist) but no regroup is possible, and from then on the thread only watches for local exits (which
+still abort the generation, so that nobody hangs; the regroup that follows raises
+:class:`~.errors.StoreUnavailable`).
+
+A process that ends on purpose can say goodbye (``stop(goodbye=True)``: its beat becomes
+:data:`GOODBYE`); its peers then stop judging it (:attr:`FailureDetector.left`). One detector runs
+per process: :func:`running_detector` returns the elastic world's, so that a reporting callback uses it
+instead of starting a second one.
 """
 
 from __future__ import annotations
@@ -47,7 +56,7 @@ from typing import Any
 from resihp_lightning._logging import get_logger
 from resihp_lightning.errors import invalid_option
 from resihp_lightning.resilience.procs import ProcessIdentity
-from resihp_lightning.resilience.store import beat_key
+from resihp_lightning.resilience.store import beat_key, proc_key
 
 log = get_logger(__name__)
 
@@ -64,6 +73,15 @@ DEFAULT_COMM_FRAMES = (
 _NOT_COMM_FRAMES = (f"torch{_SEP}distributed{_SEP}elastic{_SEP}", f"torch{_SEP}distributed{_SEP}run.py")
 
 EXITED, SILENT, HUNG = "exited", "silent", "hung"
+#: The beat of a process that stopped on purpose (never judged again).
+GOODBYE = b"done"
+
+_running: FailureDetector | None = None
+
+
+def running_detector() -> FailureDetector | None:
+    """The detector this process started with ``shared=True`` (an elastic world's) and has not stopped, or ``None``."""
+    return _running
 
 
 def abort_key(generation: int) -> str:
@@ -170,6 +188,8 @@ class FailureDetector:
         on_failures: called from the thread with the new failures (of current members only).
         on_abort_marker: called from the thread when another process aborted the current
             generation, with the generation and the marker's payload.
+        on_store_lost: called from the thread once, when :attr:`store_lost` is set (instead of
+            logging an error).
     """
 
     def __init__(
@@ -180,15 +200,19 @@ class FailureDetector:
         connect: Callable[[], Any],
         on_failures: Callable[[list[Failure]], None] | None = None,
         on_abort_marker: Callable[[int, dict[str, Any]], None] | None = None,
+        on_store_lost: Callable[[], None] | None = None,
     ) -> None:
         self.config = config or FailureDetectorConfig()
         self.rank = rank
         self._connect = connect
         self.on_failures = on_failures
         self.on_abort_marker = on_abort_marker
+        self.on_store_lost = on_store_lost
         self.store: Any = None
         self.store_lost = False
         self._failed: dict[int, Failure] = {}
+        self._left: set[int] = set()
+        self._listeners: list[Callable[[list[Failure]], None]] = []
         self._identities: dict[int, ProcessIdentity] = {}
         self._watch = _Watch()
         self._step = 0
@@ -198,7 +222,7 @@ class FailureDetector:
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._last_tick = 0.0
+        self._last_read = 0.0  # monotonic time of the last successful read of the beats
         self._errors_since: float | None = None
 
     # --------------------------------------------------------------------------- public
@@ -215,19 +239,54 @@ class FailureDetector:
             return dict(self._identities)
 
     @property
+    def left(self) -> frozenset[int]:
+        """Original ranks that said goodbye (stopped on purpose); they are not judged."""
+        with self._lock:
+            return frozenset(self._left)
+
+    @property
+    def step(self) -> int:
+        """The step this process last reported with :meth:`progress`."""
+        return self._step
+
+    @property
     def thread(self) -> threading.Thread | None:
         return self._thread
 
-    def start(self) -> FailureDetector:
-        """Connects, writes the first beat and starts the thread (no verdicts before :meth:`watch`)."""
+    def start(self, *, shared: bool = False) -> FailureDetector:
+        """Connects, writes the first beat and starts the thread (no verdicts before :meth:`watch`).
+
+        Args:
+            shared: offer this detector to reporters as the process's :func:`running_detector`
+                (the elastic world's; a reporter's own detector is not shared).
+        """
+        global _running
         if self._thread is not None:
             return self
         self.store = self._connect()
         self._beat()
-        self._last_tick = time.monotonic()
+        self._last_read = time.monotonic()
         self._thread = threading.Thread(target=self._run, name=f"resihp-detector-{self.rank}", daemon=True)
         self._thread.start()
+        if shared and _running is None:
+            _running = self
         return self
+
+    def subscribe(self, listener: Callable[[list[Failure]], None]) -> None:
+        """Calls ``listener`` with every new failure this process learns of from now on.
+
+        Its own verdicts come from the detector thread (after ``on_failures``); failures declared to it
+        (:meth:`declare`, :meth:`probe_exits`) from the caller's thread. A listener must be quick and
+        must not block on the store.
+        """
+        with self._lock:
+            self._listeners.append(listener)
+
+    def unsubscribe(self, listener: Callable[[list[Failure]], None]) -> None:
+        """Stops calling ``listener`` (no error if it was not subscribed)."""
+        with self._lock:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
 
     def watch(self, members: Iterable[int], generation: int, *, judge_unseen: bool = True, hold: bool = False) -> None:
         """Watches ``members`` (original ranks) of ``generation`` from now on, with fresh clocks.
@@ -260,12 +319,8 @@ class FailureDetector:
 
     def declare(self, failures: Iterable[Failure]) -> list[Failure]:
         """Records verdicts reached elsewhere (e.g. named by a peer's abort marker); returns the new ones."""
-        new = []
-        with self._lock:
-            for failure in failures:
-                if failure.rank != self.rank and failure.rank not in self._failed:
-                    self._failed[failure.rank] = failure
-                    new.append(failure)
+        new = self._record(failures)
+        self._tell_listeners(new)
         return new
 
     def probe_exits(self, ranks: Iterable[int]) -> list[Failure]:
@@ -275,17 +330,9 @@ class FailureDetector:
         failures and returns the new ones. The regroup calls it while it waits, so that it need not
         wait for the thread's next poll to learn that a killed peer is gone.
         """
-        if not self.config.probe_local_pids:
-            return []
-        with self._lock:
-            known = dict(self._identities)
-        now = time.monotonic()
-        gone = [
-            Failure(rank, EXITED, self.rank, now)
-            for rank in ranks
-            if (identity := known.get(rank)) is not None and identity.comparable() and not identity.alive()
-        ]
-        return self.declare(gone)
+        new = self._record(self._exits(ranks))
+        self._tell_listeners(new)
+        return new
 
     def know(self, identities: Mapping[int, ProcessIdentity]) -> None:
         """Records peers' process identities (read once by whoever has them; the thread reads
@@ -293,12 +340,25 @@ class FailureDetector:
         with self._lock:
             self._identities.update(identities)
 
-    def stop(self) -> None:
-        """Stops the thread (peers will see this process go silent unless it has left)."""
+    def stop(self, goodbye: bool = False) -> None:
+        """Stops the thread; peers will see this process go silent unless it has left.
+
+        Args:
+            goodbye: write :data:`GOODBYE` as this process's beat, so that peers stop judging it (a
+                process that ends on purpose; never raises, the store may be gone already).
+        """
+        global _running
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.config.interval_s * 5 + 1)
         self._thread = None
+        if _running is self:
+            _running = None
+        if goodbye and self.store is not None:
+            try:
+                self.store.set(beat_key(self.rank), GOODBYE)
+            except Exception as err:  # noqa: BLE001 - at shutdown the store may be gone
+                log.debug("rank %d could not say goodbye: %s", self.rank, err)
 
     # --------------------------------------------------------------------------- thread
     def _run(self) -> None:
@@ -315,7 +375,13 @@ class FailureDetector:
                 log.debug("detector on rank %d: store error: %s", self.rank, err)
                 if not self.store_lost and now - self._errors_since > cfg.store_grace_s:
                     self.store_lost = True
-                    log.error("rank %d lost the rendezvous store (%s); no regroup is possible", self.rank, err)
+                    if self.on_store_lost is None:
+                        log.error("rank %d lost the rendezvous store (%s); no regroup is possible", self.rank, err)
+                    else:
+                        try:
+                            self.on_store_lost()
+                        except Exception:  # noqa: BLE001 - local exits are still watched
+                            log.exception("on_store_lost hook failed")
 
     def _beat(self) -> None:
         self._counter += 1
@@ -329,22 +395,27 @@ class FailureDetector:
             # No store: no beats, markers or verdicts from silence; local exits still abort.
             with self._lock:
                 watch = self._watch
-            self._notify(watch, self.probe_exits(watch.peers))
+            self._notify(watch, self._record(self._exits(watch.peers)))
             return
-        now = time.monotonic()
-        late = now - self._last_tick > self.config.timeout_s / 2
-        self._last_tick = now
         self._beat()
         with self._lock:
             watch = self._watch
         self._check_marker(watch)
-        failed = self.failed
-        peers = {r: p for r, p in watch.peers.items() if r not in failed}
+        failed, left = self.failed, self.left
+        peers = {r: p for r, p in watch.peers.items() if r not in failed and r not in left}
         values = self._read_beats(peers)
         now = time.monotonic()
+        # A gap in this process's view (its thread or its whole machine not scheduled, the store slow
+        # or unreachable: the beats read now may be as old as the gap) is no evidence against a peer.
+        late = now - self._last_read > self.config.timeout_s / 2
+        self._last_read = now
         new: list[Failure] = []
         for rank, peer in peers.items():
             beat = values.get(rank)
+            if beat == GOODBYE:
+                with self._lock:
+                    self._left.add(rank)
+                continue
             if beat != peer.beat or late:
                 if beat != peer.beat and beat is not None:
                     self._parse(peer, beat, now)
@@ -352,7 +423,8 @@ class FailureDetector:
                 if late:
                     peer.step_changed = now
             if self.config.probe_local_pids and self._exited(rank):
-                new.append(Failure(rank, EXITED, self.rank, now))
+                if not self._said_goodbye(rank):  # it may have said it after this poll's read
+                    new.append(Failure(rank, EXITED, self.rank, now))
             elif (peer.beat is not None or watch.judge_unseen) and now - peer.changed > self.config.timeout_s:
                 new.append(Failure(rank, SILENT, self.rank, now))
         if not late:
@@ -385,11 +457,34 @@ class FailureDetector:
             peer.step, peer.step_changed = int(step), now
         peer.waiting = waiting == "1"
 
+    def _said_goodbye(self, rank: int) -> bool:
+        key = beat_key(rank)  # get() would wait for a key never written
+        if not self.store.check([key]) or self.store.get(key) != GOODBYE:
+            return False
+        with self._lock:
+            self._left.add(rank)
+        return True
+
+    def _exits(self, ranks: Iterable[int]) -> list[Failure]:
+        """Failures of the peers among ``ranks`` on this machine whose processes are gone (known identities only)."""
+        if not self.config.probe_local_pids:
+            return []
+        with self._lock:
+            known = dict(self._identities)
+            left = set(self._left)
+        now = time.monotonic()
+        return [
+            Failure(rank, EXITED, self.rank, now)
+            for rank in ranks
+            if rank not in left
+            and (identity := known.get(rank)) is not None and identity.comparable() and not identity.alive()
+        ]
+
     def _exited(self, rank: int) -> bool:
         with self._lock:
             identity = self._identities.get(rank)
         if identity is None:
-            key = f"proc/{rank}"
+            key = proc_key(rank)
             if not self.store.check([key]):
                 return False
             identity = ProcessIdentity.from_json(self.store.get(key))
@@ -416,9 +511,20 @@ class FailureDetector:
         return verdicts
 
     def _report(self, watch: _Watch, failures: list[Failure]) -> None:
-        self._notify(watch, self.declare(failures))
+        self._notify(watch, self._record(failures))
+
+    def _record(self, failures: Iterable[Failure]) -> list[Failure]:
+        """Adds the verdicts not known yet (never this process's own); returns them."""
+        new = []
+        with self._lock:
+            for failure in failures:
+                if failure.rank != self.rank and failure.rank not in self._failed:
+                    self._failed[failure.rank] = failure
+                    new.append(failure)
+        return new
 
     def _notify(self, watch: _Watch, new: list[Failure]) -> None:
+        """Hands this thread's new verdicts to ``on_failures`` (first: it aborts), then to the listeners."""
         if not new:
             return
         log.warning(
@@ -430,3 +536,15 @@ class FailureDetector:
                 self.on_failures(new)
             except Exception:  # noqa: BLE001 - the thread must keep beating
                 log.exception("on_failures hook failed")
+        self._tell_listeners(new)
+
+    def _tell_listeners(self, new: list[Failure]) -> None:
+        if not new:
+            return
+        with self._lock:
+            listeners = list(self._listeners)
+        for listener in listeners:
+            try:
+                listener(new)
+            except Exception:  # noqa: BLE001 - a reporter must not stop detection
+                log.exception("failure listener failed")

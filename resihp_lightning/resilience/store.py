@@ -347,7 +347,7 @@ class RendezvousStore:
         }
         self._raw.set(host_key(f"member/{self.member_id}"), json.dumps(registration))
         self.control.set(f"member/{self.rank}", str(self.member_id))
-        self.control.set(f"proc/{self.rank}", identity.to_json())
+        self.control.set(proc_key(self.rank), identity.to_json())
 
     # ------------------------------------------------------------------------------ clients
     def connect(self) -> Any:
@@ -412,3 +412,8 @@ class LockedStore:
 def beat_key(rank: int) -> str:
     """The job key of ``rank``'s heartbeat (the detector writes it, the host reads it)."""
     return f"hb/{rank}"
+
+
+def proc_key(rank: int) -> str:
+    """The job key of ``rank``'s :class:`~.procs.ProcessIdentity` (JSON; read by detectors on its machine)."""
+    return f"proc/{rank}"

@@ -75,7 +75,7 @@ from resihp_lightning.resilience.frameworks import reset_deepspeed
 from resihp_lightning.resilience.membership import agree_members
 from resihp_lightning.resilience.sockets import SocketTracker
 from resihp_lightning.resilience.stall_dump import StallDump
-from resihp_lightning.resilience.store import RendezvousStore, StoreConfig
+from resihp_lightning.resilience.store import RendezvousStore, StoreConfig, proc_key
 
 log = get_logger(__name__)
 
@@ -356,7 +356,7 @@ class ElasticWorld:
             connect=lambda: store.scoped(store.connect()),
             on_failures=self._on_failures,
             on_abort_marker=self._on_abort_marker,
-        ).start()
+        ).start(shared=True)
         if cfg.track_new_groups:
             _install_group_hook(self)
         self._job = tuple(range(self.initial_world_size))
@@ -727,7 +727,7 @@ class ElasticWorld:
         assert self.store is not None and self.detector is not None
         missing = [r for r in members if r != self.original_rank and r not in self.detector.identities]
         if missing:
-            values = self.store.control.multi_get([f"proc/{r}" for r in missing])
+            values = self.store.control.multi_get([proc_key(r) for r in missing])
             self.detector.know({r: ProcessIdentity.from_json(v) for r, v in zip(missing, values)})
 
     def _teardown(self, gen: Generation) -> None:

@@ -1,22 +1,27 @@
-"""Fail-stop detection: a background heartbeat per rank over a TCP key-value store.
+"""Fail-stop reporting: what the job's :class:`~resihp_lightning.resilience.failure_detector.FailureDetector` finds.
 
-Every rank runs a daemon thread that, every ``interval_s``, writes ``resihp/hb/<rank>`` =
-``"<counter>:<step>"`` to a :class:`torch.distributed.TCPStore`. A monitoring rank (rank 0 by
-default, or every rank) reads the peers' keys on the same beat and notes, *on its own monotonic
-clock*, when each value last changed (so clock skew between hosts does not matter). A peer whose
-value has not changed for ``timeout_s`` is reported dead; a report therefore arrives within
-``timeout_s + interval_s`` of the death. With ``progress_timeout_s`` set, a peer whose *step* has not
-advanced for that long is reported too (its process is alive but its training loop is stuck).
+:class:`Heartbeat` detects nothing itself. It reports the failures a detector finds, and it
+either runs a detector of its own or uses one that is already running:
 
-The store: by default rank 0 opens a new ``TCPStore`` on ``MASTER_ADDR`` (port: ``port``, or a free
-port that rank 0 broadcasts over the default process group, or ``MASTER_PORT + 1`` without one) and
-the others connect to it; any ``torch.distributed.Store`` can be passed instead. When the store's
-host dies, every other rank's writes fail; after ``timeout_s`` of failures the host rank is
-reported dead (unless it had said goodbye: :meth:`Heartbeat.stop` writes ``"done"``).
+* **its own** (a job without ``fail_stop``): a detector over a ``torch.distributed`` store, keys
+  under ``resihp/`` (beats ``resihp/hb/<rank>``, process identities ``resihp/proc/<rank>``). By
+  default rank 0 opens a new ``TCPStore`` on ``MASTER_ADDR`` (port: ``port``, or a free port that
+  rank 0 broadcasts over the default process group, or ``MASTER_PORT + 1`` without one) and the
+  others connect to it; any ``torch.distributed.Store`` can be passed instead. Monitoring ranks watch
+  every peer; the others watch only the store's host (``store_host_rank``). When the store's host
+  dies, the store goes with it: after ``timeout_s`` of store errors the host is reported
+  (``"store unreachable"``) unless it had said goodbye (:meth:`Heartbeat.stop`);
+* **a running one** (``detector=``; the strategy's with ``fail_stop`` on): the failures it learns of
+  are reported and nothing else happens here; the strategy recovers.
 
-A report is recorded in :attr:`Heartbeat.dead`, logged as ``fail_stop_detected`` in the event log
-(written even when the reporter is not rank 0, since rank 0 may be the dead one) and passed to the
-``on_dead`` hook. Then ``on_failure`` decides what happens to this process:
+How a failure is found (a process gone on this machine at once, a silent beat after ``timeout_s``,
+a hung step with ``progress_timeout_s``) is the detector's: see
+:mod:`resihp_lightning.resilience.failure_detector`.
+
+A report is recorded in :attr:`Heartbeat.dead` and :attr:`Heartbeat.reports`, logged as
+``fail_stop_detected`` in the event log (written even when the reporter is not rank 0, since rank 0
+may be the dead one) and passed to the ``on_dead`` hook. With its own detector, ``on_failure`` then
+decides what happens to this process:
 
 * ``"none"``: nothing; the application decides (the hook may set ``trainer.should_stop``);
 * ``"exit"``: ``os._exit(exit_code)`` after the report, so the launcher (torchrun, SLURM) sees the
@@ -27,8 +32,8 @@ A report is recorded in :attr:`Heartbeat.dead`, logged as ``fail_stop_detected``
 Why the job cannot hang forever: a collective with a dead peer returns an error when the transport
 notices the closed connection (gloo usually does at once) and otherwise when the process group's
 timeout expires; pass ``timeout=datetime.timedelta(seconds=...)`` to ``init_process_group`` (or the
-strategy's ``timeout``) to bound it, and use ``on_failure="exit"`` to end the process as soon as the
-heartbeat has reported, without waiting for the collective at all.
+strategy's ``timeout``) to bound it, and use ``on_failure="exit"`` to end the process as soon as a
+failure is reported, without waiting for the collective at all.
 """
 
 from __future__ import annotations
@@ -38,19 +43,34 @@ import datetime
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from resihp_lightning._logging import get_logger
 from resihp_lightning.callbacks.events import EventLog
 from resihp_lightning.errors import invalid_option
+from resihp_lightning.resilience.failure_detector import (
+    EXITED,
+    HUNG,
+    SILENT,
+    Failure,
+    FailureDetector,
+    FailureDetectorConfig,
+)
+from resihp_lightning.resilience.procs import ProcessIdentity
+from resihp_lightning.resilience.store import proc_key
 
 log = get_logger(__name__)
 
 MONITORS = ("rank0", "all")
 ON_FAILURE = ("none", "exit", "interrupt")
-KEY_PREFIX = "resihp/hb/"
+#: The prefix of this callback's keys in the store (beats are ``resihp/hb/<rank>``).
+KEY_NAMESPACE = "resihp"
+#: The reason of a store host reported because its store stopped answering.
+STORE_UNREACHABLE = "store unreachable"
+#: ``reason`` of the ``fail_stop_detected`` events, by the detector's verdict (others are passed on).
+REASONS = {SILENT: "heartbeat timeout", HUNG: "no training progress", EXITED: "process exited"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,17 +79,23 @@ class HeartbeatConfig:
 
     Attributes:
         interval_s: seconds between beats (> 0).
-        timeout_s: a peer silent for this long is dead (> interval_s).
-        progress_timeout_s: a peer whose step has not advanced for this long is reported hung;
-            ``None`` turns the check off (long evaluations and checkpoints would trip it).
-        monitor: ``"rank0"`` (only rank 0 checks peers; every rank still notices the loss of the
-            store's host) or ``"all"``.
-        on_failure: ``"none"``, ``"exit"`` or ``"interrupt"`` (see the module docstring).
+        timeout_s: a peer silent for this long is dead (>= 2 x interval_s); also how long the store
+            may fail before its host is reported.
+        progress_timeout_s: a peer whose step has not advanced for this long, outside communication,
+            while a peer waits for it or is ahead, is reported hung (>= 2 x interval_s); ``None``
+            turns the check off.
+        monitor: ``"rank0"`` (only rank 0 reports its peers; every rank still reports the loss of
+            the store's host) or ``"all"``.
+        on_failure: ``"none"``, ``"exit"`` or ``"interrupt"`` (see the module docstring; only with
+            the heartbeat's own detector).
         exit_code: the status of ``os._exit`` when ``on_failure="exit"``.
         host: the store's host; default ``$MASTER_ADDR`` or 127.0.0.1.
         port: the store's port; default: a free port chosen by rank 0 and broadcast over the default
             process group, or ``$MASTER_PORT + 1`` when there is none.
         store_timeout_s: timeout of store operations (connect, get).
+
+    The detection options (``interval_s``, ``timeout_s``, ``progress_timeout_s``) are those of
+    :class:`~resihp_lightning.resilience.failure_detector.FailureDetectorConfig` (:meth:`detector_config`).
     """
 
     interval_s: float = 1.0
@@ -87,12 +113,14 @@ class HeartbeatConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 raise invalid_option(f"heartbeat.{name}", value, "seconds > 0")
-        if self.timeout_s <= self.interval_s:
-            raise invalid_option("heartbeat.timeout_s", self.timeout_s, f"more than interval_s ({self.interval_s})")
+        if self.timeout_s < 2 * self.interval_s:
+            raise invalid_option("heartbeat.timeout_s", self.timeout_s, f">= 2 x interval_s ({2 * self.interval_s:g})")
         if self.progress_timeout_s is not None and not (
-            isinstance(self.progress_timeout_s, (int, float)) and self.progress_timeout_s > self.interval_s
+            isinstance(self.progress_timeout_s, (int, float)) and self.progress_timeout_s >= 2 * self.interval_s
         ):
-            raise invalid_option("heartbeat.progress_timeout_s", self.progress_timeout_s, "null or seconds > interval_s")
+            raise invalid_option(
+                "heartbeat.progress_timeout_s", self.progress_timeout_s, "null or seconds >= 2 x interval_s"
+            )
         if self.monitor not in MONITORS:
             raise invalid_option("heartbeat.monitor", self.monitor, MONITORS)
         if self.on_failure not in ON_FAILURE:
@@ -100,26 +128,31 @@ class HeartbeatConfig:
         if self.port is not None and (not isinstance(self.port, int) or not 0 < self.port < 65536):
             raise invalid_option("heartbeat.port", self.port, "null or a TCP port 1-65535")
 
-
-@dataclass
-class _Peer:
-    value: str | None = None
-    changed: float = 0.0
-    step: str | None = None
-    step_changed: float = 0.0
+    def detector_config(self) -> FailureDetectorConfig:
+        """The options of the heartbeat's own detector."""
+        return FailureDetectorConfig(
+            interval_s=self.interval_s,
+            timeout_s=self.timeout_s,
+            progress_timeout_s=self.progress_timeout_s,
+            store_grace_s=self.timeout_s,
+        )
 
 
 class Heartbeat:
-    """One rank's heartbeat thread (writer, and monitor where configured).
+    """Reports the failures a :class:`~resihp_lightning.resilience.failure_detector.FailureDetector` finds.
 
     Args:
         config: heartbeat options.
-        rank: this rank (default ``$RANK``).
+        rank: this rank (default ``$RANK``; the detector's with ``detector``).
         world_size: ranks in the job (default ``$WORLD_SIZE``).
-        store: a ``torch.distributed.Store`` to use instead of opening a TCPStore.
+        store: a ``torch.distributed.Store`` for the own detector instead of opening a TCPStore.
         events: where ``fail_stop_detected`` is logged.
-        on_dead: called with the newly dead ranks (from the heartbeat thread).
-        store_host_rank: the rank whose death takes the store down (0 for the default store).
+        on_dead: called with the newly dead ranks (from the detector's thread, or the thread that
+            declared the failure to it).
+        store_host_rank: the rank whose death takes the store down (0 for the default store); it is
+            reported by every rank, also with ``monitor="rank0"``.
+        detector: a running detector to report on (it is neither started nor stopped here, and
+            ``on_failure`` does not apply); ``None`` starts an own one.
     """
 
     def __init__(
@@ -132,141 +165,127 @@ class Heartbeat:
         events: EventLog | None = None,
         on_dead: Callable[[list[int]], None] | None = None,
         store_host_rank: int = 0,
+        detector: FailureDetector | None = None,
     ) -> None:
         self.config = config or HeartbeatConfig()
-        self.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+        if detector is not None:
+            self.rank = detector.rank
+        else:
+            self.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
         self.world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
         self.store = store
-        self._own_store = store is None
         self.events = events
         self.on_dead = on_dead
         self.store_host_rank = store_host_rank
+        self.detector = detector
+        self.owns_detector = detector is None
         self.step = 0
         self.dead: dict[int, float] = {}  # rank -> time.time() of the report
         self.reports: list[dict[str, Any]] = []
         self._server: Any = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._peers: dict[int, _Peer] = {}
-        self._counter = 0
-        self._host_done = False
-        self._failing_since: float | None = None
+        self._started = False
         self._lock = threading.Lock()
 
     @property
     def monitoring(self) -> bool:
+        """Whether this rank reports the failures of all its peers (else only the store host's)."""
         return self.config.monitor == "all" or self.rank == 0
 
     # --------------------------------------------------------------------------- lifecycle
     def start(self) -> Heartbeat:
-        """Opens the store when needed, writes the first beat and starts the thread."""
-        if self._thread is not None:
+        """Starts reporting; with an own detector, opens the store when needed and starts the detector."""
+        if self._started:
             return self
-        if self.store is None:
-            self.store = self._open_store()
-        self._beat()
-        now = time.monotonic()
-        self._peers = {r: _Peer(changed=now, step_changed=now) for r in range(self.world_size) if r != self.rank}
-        self._thread = threading.Thread(target=self._run, name=f"resihp-heartbeat-{self.rank}", daemon=True)
-        self._thread.start()
+        if self.owns_detector:
+            self.detector = self._start_own_detector()
+        assert self.detector is not None
+        self.detector.subscribe(self._report)
+        self._started = True
         return self
 
     def stop(self) -> None:
-        """Says goodbye (peers will not report this rank) and stops the thread."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=self.config.interval_s * 4 + 1)
-            self._thread = None
-        try:
-            if self.store is not None:
-                self.store.set(KEY_PREFIX + str(self.rank), "done")
-        except Exception:  # noqa: BLE001 - the store may be gone already at shutdown
-            pass
+        """Stops reporting; an own detector says goodbye (peers will not report this rank) and stops."""
+        if not self._started or self.detector is None:
+            return
+        self.detector.unsubscribe(self._report)
+        if self.owns_detector:
+            self.detector.stop(goodbye=True)
+        self._started = False
 
     def progress(self, step: int) -> None:
-        """Tells peers that this rank's training loop reached ``step`` (call once per step)."""
+        """Records that this rank's training loop reached ``step`` (call once per step); an own detector
+        tells its peers (the owner of a running one tells it)."""
         self.step = step
+        if self.owns_detector and self.detector is not None:
+            self.detector.progress(step)
 
-    # ------------------------------------------------------------------------------ thread
-    def _run(self) -> None:
-        while not self._stop.wait(self.config.interval_s):
-            try:
-                self._beat()
-                self._failing_since = None
-                if self.monitoring:
-                    self._check_peers()
-                elif self.rank != self.store_host_rank:
-                    self._check_host_said_goodbye()
-            except Exception as err:  # noqa: BLE001 - a dead store host shows up as any network error
-                if self._host_done or self._stop.is_set():
-                    return
-                now = time.monotonic()
-                self._failing_since = self._failing_since or now
-                log.debug("heartbeat store error on rank %d: %s", self.rank, err)
-                if now - self._failing_since > self.config.timeout_s and self.rank != self.store_host_rank:
-                    self._report([self.store_host_rank], "store unreachable")
-                    return
-
-    def _beat(self) -> None:
-        self._counter += 1
-        self.store.set(KEY_PREFIX + str(self.rank), f"{self._counter}:{self.step}")
-
-    def _check_host_said_goodbye(self) -> None:
-        key = KEY_PREFIX + str(self.store_host_rank)
-        if self.store.check([key]) and self.store.get(key) == b"done":
-            self._host_done = True
-
-    def _check_peers(self) -> None:
-        now = time.monotonic()
-        newly_dead, hung = [], []
-        for rank, peer in self._peers.items():
-            if rank in self.dead:
-                continue
-            key = KEY_PREFIX + str(rank)
-            value = self.store.get(key).decode() if self.store.check([key]) else None
-            if value == "done":
-                if rank == self.store_host_rank:
-                    self._host_done = True
-                peer.changed = peer.step_changed = now
-                continue
-            if value != peer.value:
-                peer.value, peer.changed = value, now
-                step = value.split(":", 1)[1] if value else None
-                if step != peer.step:
-                    peer.step, peer.step_changed = step, now
-            if now - peer.changed > self.config.timeout_s:
-                newly_dead.append(rank)
-            elif self.config.progress_timeout_s is not None and now - peer.step_changed > self.config.progress_timeout_s:
-                hung.append(rank)
-        if newly_dead:
-            self._report(newly_dead, "heartbeat timeout")
-        if hung:
-            self._report(hung, "no training progress")
-
-    def _report(self, ranks: Sequence[int], reason: str) -> None:
+    # ----------------------------------------------------------------------------- reports
+    def _report(self, failures: list[Failure]) -> None:
+        """The detector's listener: records, logs and acts on the failures this rank reports."""
+        mine = [f for f in failures if self.monitoring or f.rank == self.store_host_rank]
+        if not mine:
+            return
         with self._lock:
-            ranks = [r for r in ranks if r not in self.dead]
-            if not ranks:
-                return
             stamp = time.time()
-            for rank in ranks:
-                self.dead[rank] = stamp
-                record = {"rank": rank, "reason": reason, "reporter": self.rank, "time": stamp}
-                self.reports.append(record)
+            for failure in mine:
+                reason = REASONS.get(failure.reason, failure.reason)
+                self.dead[failure.rank] = stamp
+                self.reports.append({"rank": failure.rank, "reason": reason, "how": failure.reason,
+                                     "reporter": failure.reporter, "time": stamp})
                 if self.events is not None:
-                    self.events.log("fail_stop_detected", self.step, force=True, rank=rank, reason=reason, reporter=self.rank)
-        log.warning("rank %d reports rank(s) %s dead (%s)", self.rank, ranks, reason)
+                    self.events.log("fail_stop_detected", self.step, force=True, rank=failure.rank, how=failure.reason,
+                                    reason=reason, reporter=failure.reporter)
+        ranks = [f.rank for f in mine]
+        log.warning("rank %d reports rank(s) %s dead (%s)", self.rank, ranks, ", ".join(f.reason for f in mine))
         if self.on_dead is not None:
             try:
-                self.on_dead(list(ranks))
+                self.on_dead(ranks)
             except Exception:  # noqa: BLE001 - a failing hook must not silence the action below
                 log.exception("heartbeat on_dead hook failed")
+        if not self.owns_detector:
+            return
         if self.config.on_failure == "exit":
             os._exit(self.config.exit_code)
         elif self.config.on_failure == "interrupt":
             _thread.interrupt_main()
 
-    # ------------------------------------------------------------------------------- store
+    def _store_lost(self) -> None:
+        """The own detector lost the store: its host is gone, unless it finished (said goodbye).
+
+        Either way the detector stops (from its own thread): without the store, peers that finish
+        later cannot say goodbye, and their exits would be reported as failures.
+        """
+        detector = self.detector
+        assert detector is not None
+        if self.rank == self.store_host_rank or self.store_host_rank in detector.left:
+            log.debug("rank %d: the heartbeat store is gone after its host finished", self.rank)
+        else:
+            detector.declare([Failure(self.store_host_rank, STORE_UNREACHABLE, self.rank, time.monotonic())])
+        detector.stop()
+
+    # --------------------------------------------------------------------------- own detector
+    def _start_own_detector(self) -> FailureDetector:
+        import torch.distributed as dist
+
+        if self.store is None:
+            self.store = self._open_store()
+        scoped = dist.PrefixStore(KEY_NAMESPACE, self.store)
+        # Peers on this machine see this process's exit at once instead of after timeout_s of silence.
+        scoped.set(proc_key(self.rank), ProcessIdentity.current().to_json())
+        detector = FailureDetector(
+            self.config.detector_config(),
+            rank=self.rank,
+            connect=lambda: scoped,
+            on_store_lost=self._store_lost,
+        )
+        detector.start()
+        if self.monitoring:
+            watched = list(range(self.world_size))
+        else:
+            watched = [self.store_host_rank]
+        detector.watch(watched, 0)
+        return detector
+
     def _open_store(self) -> Any:
         import torch.distributed as dist
 

@@ -1,10 +1,14 @@
-"""``HeartbeatMonitor``: runs a :class:`~.heartbeat.Heartbeat` for the length of ``trainer.fit``.
+"""``HeartbeatMonitor``: reports fail-stop failures for the length of ``trainer.fit``.
 
-Started in ``setup`` (the process group exists by then, so rank 0 can pick a free port for the
-store and broadcast it), told the step at each training batch (for ``progress_timeout_s``), and
-stopped with a goodbye in ``teardown`` so that ranks finishing at slightly different times are not
-reported dead. A dead rank stops the trainer on the reporting rank (``should_stop``) unless
-``on_failure`` ends the process first; see :mod:`.heartbeat` for how the job avoids hanging.
+At ``setup`` it takes the detector the job already runs, when there is one (the strategy's, with
+``fail_stop`` on: :func:`~resihp_lightning.resilience.failure_detector.running_detector`), and only
+reports what that detector finds: the strategy recovers, so ``on_failure`` does not apply and the
+trainer is not stopped. Without one it starts a :class:`~.heartbeat.Heartbeat` with a detector of its
+own (the process group exists by then, so rank 0 can pick a free port for the store and broadcast
+it), tells it the step at each training batch (for ``progress_timeout_s``), and stops it with a
+goodbye in ``teardown`` so that ranks finishing at slightly different times are not reported dead. A
+dead rank then stops the trainer on the reporting rank (``should_stop``) unless ``on_failure`` ends
+the process first; see :mod:`.heartbeat` for how the job avoids hanging.
 
 It needs nothing from the strategy beyond the process group, and saves no state in checkpoints:
 liveness is about the processes of the run that is going on.
@@ -12,18 +16,22 @@ liveness is about the processes of the run that is going on.
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
 
+from resihp_lightning._logging import user_warn
 from resihp_lightning.callbacks.events import EventLog
 from resihp_lightning.callbacks.failstop.heartbeat import Heartbeat, HeartbeatConfig
 from resihp_lightning.config import config_from_options
+from resihp_lightning.resilience.failure_detector import running_detector
 
 
 class HeartbeatMonitor(Callback):
-    """Fail-stop detection during training.
+    """Fail-stop reporting during training.
 
     Args:
         config: heartbeat options; alternatively pass them as keyword arguments (same names).
@@ -45,6 +53,7 @@ class HeartbeatMonitor(Callback):
         """Ranks this rank has reported dead (rank -> report time)."""
         return dict(self.heartbeat.dead) if self.heartbeat is not None else {}
 
+    @override
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage != "fit" or self.heartbeat is not None:
             return
@@ -52,13 +61,26 @@ class HeartbeatMonitor(Callback):
             log_dir = self.log_dir or trainer.log_dir or trainer.default_root_dir
             self.events = EventLog(Path(log_dir), rank=trainer.global_rank)
         self._trainer = trainer
-        self.heartbeat = Heartbeat(self.config, rank=trainer.global_rank, world_size=trainer.world_size,
-                                   events=self.events, on_dead=self._on_dead).start()
+        detector = running_detector()
+        if detector is not None:
+            ignored = _options_without_effect(self.config)
+            if ignored:
+                user_warn(
+                    f"HeartbeatMonitor: {', '.join(ignored)} do not apply with the strategy's fail_stop, whose "
+                    "detector it reports (fail_stop's interval_s, detect_timeout_s and progress_timeout_s "
+                    "apply; lost ranks are recovered in-process, not acted on)"
+                )
+            self.heartbeat = Heartbeat(self.config, detector=detector, events=self.events).start()
+        else:
+            self.heartbeat = Heartbeat(self.config, rank=trainer.global_rank, world_size=trainer.world_size,
+                                       events=self.events, on_dead=self._on_dead).start()
 
+    @override
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self.heartbeat is not None:
             self.heartbeat.progress(trainer.global_step)
 
+    @override
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if self.heartbeat is not None and stage == "fit":
             self.heartbeat.stop()
@@ -67,3 +89,11 @@ class HeartbeatMonitor(Callback):
     def _on_dead(self, ranks: list[int]) -> None:
         if self._trainer is not None:
             self._trainer.should_stop = True
+
+
+def _options_without_effect(config: HeartbeatConfig) -> list[str]:
+    """The options set away from their defaults that a running detector's reports ignore
+    (everything but ``monitor``: detection is the detector's, recovery the strategy's)."""
+    default = HeartbeatConfig()
+    return [f"{name}={getattr(config, name)!r}" for name in (f.name for f in fields(config))
+            if name != "monitor" and getattr(config, name) != getattr(default, name)]

@@ -1,0 +1,229 @@
+"""``resilience.failure_detector`` in one process: fake peers write their beats into a real TCPStore."""
+
+from __future__ import annotations
+
+import datetime
+import subprocess
+import sys
+import time
+
+import pytest
+
+from resihp_lightning.resilience.failure_detector import (
+    EXITED,
+    GOODBYE,
+    SILENT,
+    Failure,
+    FailureDetector,
+    FailureDetectorConfig,
+    running_detector,
+)
+from resihp_lightning.resilience.procs import ProcessIdentity, pid_namespace
+from resihp_lightning.resilience.store import beat_key, proc_key
+
+INTERVAL, TIMEOUT = 0.05, 1.0
+
+
+@pytest.fixture
+def server():
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10), wait_for_workers=False)
+
+
+def _scoped(server, wrap=lambda store: store):
+    import torch.distributed as dist
+
+    client = dist.TCPStore("127.0.0.1", server.port, None, False, datetime.timedelta(seconds=10))
+    return wrap(dist.PrefixStore("job", client))
+
+
+def _beat(store, rank, counter, step=0):
+    store.set(beat_key(rank), f"{counter}:{step}:0:0")
+
+
+def _beat_for(store, seconds, ranks, start=0):
+    """Fake peers ``ranks`` beat every interval for ``seconds``; returns the next counter."""
+    counter = start
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        counter += 1
+        for rank in ranks:
+            _beat(store, rank, counter)
+        time.sleep(INTERVAL)
+    return counter
+
+
+def _detector(server, seen, wrap=lambda store: store, **options):
+    config = FailureDetectorConfig(interval_s=INTERVAL, timeout_s=TIMEOUT, probe_local_pids=False, **options)
+    return FailureDetector(config, rank=0, connect=lambda: _scoped(server, wrap), on_failures=seen.extend)
+
+
+class _OutageStore:
+    """The detector's store connection, with a simulated outage.
+
+    ``hold(s)``: its next write waits ``s`` seconds, as when the store host (or the whole machine) is not
+    scheduled: the peers' writes are held as long, and the watcher's read comes before them.
+    ``fail(s)``: every operation raises for ``s`` seconds (the store unreachable for everyone).
+    """
+
+    def __init__(self, store) -> None:
+        self._store = store
+        self._hold_s = 0.0
+        self._fail_until = 0.0
+
+    def hold(self, seconds: float) -> None:
+        self._hold_s = seconds
+
+    def fail(self, seconds: float) -> None:
+        self._fail_until = time.monotonic() + seconds
+
+    def __getattr__(self, name):
+        operation = getattr(self._store, name)
+
+        def call(*args, **kwargs):
+            if time.monotonic() < self._fail_until:
+                raise RuntimeError("Connection reset by peer")
+            if name == "set" and self._hold_s:
+                seconds, self._hold_s = self._hold_s, 0.0
+                time.sleep(seconds)
+            return operation(*args, **kwargs)
+
+        return call
+
+
+@pytest.mark.parametrize("outage", ["hold", "fail"])
+def test_peers_are_not_blamed_for_a_gap_in_the_watchers_view(server, outage):
+    """A store that stalls (or fails) for longer than the timeout stalls every peer's beat too: the beats
+    the watcher reads right after are as old as the outage. Before, a watcher that started its poll in
+    time (or whose failed polls counted as polls) judged those beats on its clock and evicted every
+    healthy peer as silent; now it only refreshes their clocks. A peer that then stays silent is found."""
+    peers = _scoped(server)
+    seen: list[Failure] = []
+    connections: list[_OutageStore] = []
+
+    def with_outages(store):
+        connections.append(_OutageStore(store))
+        return connections[-1]
+
+    detector = _detector(server, seen, wrap=with_outages)
+    for rank in (1, 2):
+        _beat(peers, rank, 0)
+    detector.start()
+    detector.watch([0, 1, 2], 0)
+    try:
+        counter = _beat_for(peers, 0.5, (1, 2))
+        time.sleep(3 * INTERVAL)  # the watcher has read the peers' last beats before the outage
+        getattr(connections[0], outage)(1.3)
+        time.sleep(1.3 + 3 * INTERVAL)  # the peers' beats are held as long
+        counter = _beat_for(peers, 1.2, (1, 2), counter)
+        assert seen == []
+        _beat_for(peers, 2 * TIMEOUT, (1,), counter)  # rank 2 is silent now: still found
+        assert [(f.rank, f.reason) for f in seen] == [(2, SILENT)]
+    finally:
+        detector.stop()
+
+
+def test_a_peer_that_said_goodbye_is_not_judged(server):
+    peers = _scoped(server)
+    seen: list[Failure] = []
+    detector = _detector(server, seen)
+    _beat(peers, 1, 0)
+    detector.start()
+    detector.watch([0, 1], 0)
+    try:
+        _beat_for(peers, 0.3, (1,))
+        peers.set(beat_key(1), GOODBYE)
+        time.sleep(TIMEOUT + 0.5)
+        assert seen == [] and detector.left == {1}
+    finally:
+        detector.stop()
+
+
+class _GoodbyeAfterRead:
+    """A connection after whose reads of the beats peer 1 says goodbye (it ends right after this poll's read)."""
+
+    def __init__(self, store, goodbye: bool) -> None:
+        self._store = store
+        self._goodbye = goodbye
+
+    def multi_get(self, keys):
+        values = self._store.multi_get(keys)
+        if self._goodbye:
+            self._store.set(beat_key(1), GOODBYE)
+        return values
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+
+@pytest.mark.parametrize("goodbye", [True, False])
+def test_a_local_peer_that_exits_is_failed_unless_it_said_goodbye(server, goodbye):
+    """Its exit is seen at once on this machine; a goodbye written after the poll read its beat still counts."""
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    gone = ProcessIdentity(pid=int(finished.stdout), start=0, namespace=pid_namespace())
+    peers = _scoped(server)
+    _beat(peers, 1, 0)
+    peers.set(proc_key(1), gone.to_json())
+    seen: list[Failure] = []
+    config = FailureDetectorConfig(interval_s=INTERVAL, timeout_s=TIMEOUT)
+    detector = FailureDetector(config, rank=0, connect=lambda: _scoped(server, lambda s: _GoodbyeAfterRead(s, goodbye)),
+                               on_failures=seen.extend).start()
+    detector.watch([0, 1], 0)
+    try:
+        time.sleep(0.5)  # well under the silence timeout
+        if goodbye:
+            assert seen == [] and detector.left == {1}
+        else:
+            assert [(f.rank, f.reason) for f in seen] == [(1, EXITED)]
+    finally:
+        detector.stop()
+
+
+def test_stop_with_goodbye_writes_the_goodbye_beat(server):
+    detector = _detector(server, []).start()
+    detector.stop(goodbye=True)
+    assert _scoped(server).get(beat_key(0)) == GOODBYE
+
+
+def test_listeners_hear_of_every_failure_once_whoever_found_it(server):
+    """Listeners get this detector's verdicts and the ones declared to it, each failure once."""
+    peers = _scoped(server)
+    seen: list[Failure] = []
+    heard: list[Failure] = []
+    detector = _detector(server, seen)
+    for rank in (1, 2):
+        _beat(peers, rank, 0)
+    detector.start()
+    detector.subscribe(heard.extend)
+    detector.watch([0, 1, 2], 0)
+    try:
+        _beat_for(peers, TIMEOUT + 0.6, (1,))  # rank 2 goes silent here
+        detector.declare([Failure(3, "left out of generation 1", 1, time.monotonic())])
+        detector.declare([Failure(2, EXITED, 1, time.monotonic())])  # known already: not heard again
+        assert [(f.rank, f.reason) for f in seen] == [(2, SILENT)]  # on_failures: own verdicts only
+        assert [(f.rank, f.reason) for f in heard] == [(2, SILENT), (3, "left out of generation 1")]
+        detector.unsubscribe(heard.extend)
+        detector.declare([Failure(1, EXITED, 3, time.monotonic())])
+        assert len(heard) == 2
+    finally:
+        detector.stop()
+
+
+def test_the_shared_detector_is_the_running_one_until_it_stops(server):
+    assert running_detector() is None
+    private = _detector(server, []).start()
+    shared = _detector(server, []).start(shared=True)
+    another = _detector(server, []).start(shared=True)
+    try:
+        assert running_detector() is shared
+    finally:
+        for detector in (private, shared, another):
+            detector.stop()
+    assert running_detector() is None
+
+
+def test_the_detector_imports_without_torch():
+    code = "import sys, resihp_lightning.resilience.failure_detector\nprint('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "False"

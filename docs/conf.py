@@ -66,25 +66,6 @@ nitpick_ignore_regex = [
     (r"py:class", r"resihp_lightning\..*\._[A-Za-z]\w*"),
 ]
 
-# TEMPORARY (issue 22): broken cross-references in docstrings of modules that other engineers are
-# changing in parallel, so they are not fixed here. Exactly these targets, and only in these modules
-# (the module a reference is written in), are let through; fix them there and delete the entry.
-TEMPORARY_BROKEN_REFERENCES: dict[str, set[tuple[str, str]]] = {
-    "resihp_lightning.resilience.failure_detector": {
-        ("py:attr", "FailureDetector.store_lost"), ("py:class", "errors.StoreUnavailable"),
-    },
-    "resihp_lightning.callbacks.failstop.heartbeat": {("py:attr", "Heartbeat.dead")},
-}
-
-
-def _temporarily_broken(app, domain, node) -> bool | None:
-    """Silences exactly the references listed in ``TEMPORARY_BROKEN_REFERENCES``."""
-    kind = f"{node.get('refdomain')}:{node.get('reftype')}"
-    if (kind, node.get("reftarget")) in TEMPORARY_BROKEN_REFERENCES.get(node.get("py:module") or "", ()):
-        return True
-    return None
-
-
 # Docstrings of inherited Lightning / torch methods are theirs, not ours (and use their own directives).
 autodoc_inherit_docstrings = False
 
@@ -114,4 +95,3 @@ def setup(app):
     # Around napoleon's own handler (priority 500).
     app.connect("autodoc-process-docstring", _keep_attribute_docstring, priority=400)
     app.connect("autodoc-process-docstring", _restore_attribute_docstring, priority=600)
-    app.connect("warn-missing-reference", _temporarily_broken)

@@ -1,4 +1,4 @@
-"""What one in-process recovery cost on this rank: :class:`RecoveryRecord` and the clock that times it."""
+"""What one in-process recovery cost on this rank: :class:`~resihp_lightning.failstop.recovery_record.RecoveryRecord` and the clock that times it."""
 
 from __future__ import annotations
 

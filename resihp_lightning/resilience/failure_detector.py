@@ -34,7 +34,7 @@ If the store cannot be reached for ``store_grace_s``, :attr:`FailureDetector.sto
 logged (or handed to ``on_store_lost``); training may go on (gloo needs no store after its groups
 exist) but no regroup is possible, and from then on the thread only watches for local exits (which
 still abort the generation, so that nobody hangs; the regroup that follows raises
-:class:`~.errors.StoreUnavailable`).
+:class:`~resihp_lightning.resilience.failures.StoreUnavailable`).
 
 A process that ends on purpose can say goodbye (``stop(goodbye=True)``: its beat becomes
 :data:`GOODBYE`); its peers then stop judging it (:attr:`FailureDetector.left`). One detector runs
@@ -209,6 +209,7 @@ class FailureDetector:
         self.on_abort_marker = on_abort_marker
         self.on_store_lost = on_store_lost
         self.store: Any = None
+        #: Whether the store has been unreachable for ``store_grace_s`` (set once, by the thread).
         self.store_lost = False
         self._failed: dict[int, Failure] = {}
         self._left: set[int] = set()

@@ -702,7 +702,7 @@ class ResiHPStrategy(ResiHPStrategyMixin, DDPStrategy):
     Use ``Trainer(strategy="resihp")`` or ``Trainer(strategy=ResiHPStrategy(...))`` with a
     :class:`~resihp_lightning.strategy.module.ResiHPModule`; launch as for DDP. Every rank reads the
     whole global batch of M x ``micro_batch_size`` rows and each replica trains on its own share;
-    :meth:`~ResiHPStrategyMixin.request_plan` switches plans at the next step boundary. How the parts fit together, the
+    :meth:`~resihp_lightning.strategy.strategy.ResiHPStrategyMixin.request_plan` switches plans at the next step boundary. How the parts fit together, the
     data and gradient rules and fail-stop recovery: ``docs/architecture.md`` (and the README).
 
     Args:

@@ -69,7 +69,8 @@ def create_tensor_groups(degree: int, rank: int, world_size: int, module: Any, e
     """The job's tensor-parallel groups (collective: every rank creates every group, once per job).
 
     Raises:
-        ``error``: ``degree`` does not divide the world size.
+        lightning.pytorch.utilities.exceptions.MisconfigurationException: (the type passed as ``error``) ``degree``
+            does not divide the world size.
     """
     try:
         groups = TensorGroups(degree, world_size)

@@ -180,7 +180,9 @@ class Heartbeat:
         self.detector = detector
         self.owns_detector = detector is None
         self.step = 0
-        self.dead: dict[int, float] = {}  # rank -> time.time() of the report
+        #: Reported ranks: rank -> ``time.time()`` of the report.
+        self.dead: dict[int, float] = {}
+        #: Every report in order: ``rank``, ``reason``, ``how`` and ``reporter``.
         self.reports: list[dict[str, Any]] = []
         self._server: Any = None
         self._started = False

@@ -23,7 +23,7 @@ import os
 import pytest
 import torch
 
-from tests.callbacks.replan.test_replan_e2e import build_stack
+from resihp_lightning.testing.toy_jobs import build_stack
 
 WORLD, WIDTH, DEPTH, MBS, M = 4, 512, 2, 32, 32
 SLOW_RANK, FACTOR, FAULT_STEP = 2, 20.0, 6

@@ -193,7 +193,7 @@ def _slowed_rank(rank: int, world: int, log_dir: str) -> dict:
     import lightning.pytorch as pl
     from torch.nn import functional as F
 
-    from resihp_lightning.callbacks.faults.slowdowns.fault_injector import FaultInjector
+    from resihp_lightning.callbacks.faults.fault_injector import FaultInjector
     from resihp_lightning.strategy.module import ResiHPModule
     from resihp_lightning.strategy.strategy import ResiHPStrategy
 

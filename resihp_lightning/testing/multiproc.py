@@ -52,8 +52,12 @@ def torchrun_env(rank: int, world_size: int, port: int) -> dict[str, str]:
 
 
 #: What the fork server imports once, so that no rank of any job pays these imports again (several
-#: seconds each on a small machine: Lightning and DeepSpeed the most).
-PRELOAD = ("torch", "torch.distributed", "lightning.pytorch", "deepspeed", "resihp_lightning.strategy.strategy")
+#: seconds each on a small machine: Lightning and DeepSpeed the most; the models package brings
+#: Hugging Face transformers, ~1 s more per rank of the model tests).
+PRELOAD = (
+    "torch", "torch.distributed", "lightning.pytorch", "deepspeed", "resihp_lightning.strategy.strategy",
+    "resihp_lightning.models",
+)
 
 
 def rank_context() -> Any:

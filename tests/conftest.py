@@ -10,7 +10,15 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-from resihp_lightning.testing.multiproc import free_port, run_distributed  # noqa: E402
+from resihp_lightning.testing.multiproc import free_port, run_distributed, start_rank_server  # noqa: E402
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """When the selected tests include multi-process ones, the ranks' fork server starts importing
+    torch, Lightning and DeepSpeed now, on another core, while the single-process tests run."""
+    if any(item.get_closest_marker("multiprocess") for item in items):
+        start_rank_server()
 
 
 @pytest.fixture

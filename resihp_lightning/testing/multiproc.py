@@ -75,6 +75,18 @@ def rank_context() -> Any:
     return ctx
 
 
+def start_rank_server() -> None:
+    """Starts :func:`rank_context`'s fork server now, in the background (no-op without one).
+
+    Its imports (several seconds) then overlap with whatever this process does next, e.g. a test
+    session's single-process tests, instead of delaying the first job.
+    """
+    if rank_context().get_start_method() == "forkserver":
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
+
+
 def enter_rank(rank: int, world_size: int, port: int, env: dict[str, str], parent_env: dict[str, str]) -> None:
     """Makes a freshly started rank look as if it had been started by torchrun from the test process.
 

@@ -13,11 +13,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 from resihp_lightning.testing.multiproc import free_port, run_distributed, start_rank_server  # noqa: E402
 
 
-@pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+@pytest.fixture(scope="session", autouse=True)
+def rank_server(request: pytest.FixtureRequest) -> None:
     """When the selected tests include multi-process ones, the ranks' fork server starts importing
-    torch, Lightning and DeepSpeed now, on another core, while the single-process tests run."""
-    if any(item.get_closest_marker("multiprocess") for item in items):
+    torch, Lightning and DeepSpeed at the first test, on another core, while the single-process tests
+    run. (Started inside a test, not at collection: its ranks' output then goes to pytest's capture.)"""
+    if any(item.get_closest_marker("multiprocess") for item in request.session.items):
         start_rank_server()
 
 

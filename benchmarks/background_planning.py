@@ -39,7 +39,7 @@ def _job(rank: int, world: int, run_dir: str, solving: bool, steps: int) -> list
     from resihp_lightning.callbacks.replan.background_planner import BackgroundPlanner
     from resihp_lightning.config import PlannerConfig
     from resihp_lightning.strategy.strategy import ResiHPStrategy
-    from test_control_e2e import build_stack
+    from resihp_lightning.testing.toy_jobs import build_stack
 
     planner = BackgroundPlanner() if rank == 0 else None
     times: list[float] = []

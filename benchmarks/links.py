@@ -1,7 +1,7 @@
 """Slow-link benchmark: what a link probe costs, how fast and how well a slow link is named, and what
 planning around it wins.
 
-Four gloo processes train 8 ``Linear(WIDTH) + tanh`` layers (the control tests' model, ``tests/test_control_e2e.build_stack``; M = 8 micro-batches of 32 rows, SGD)
+Four gloo processes train 8 ``Linear(WIDTH) + tanh`` layers (the control tests' model, ``resihp_lightning.testing.toy_jobs.build_stack``; M = 8 micro-batches of 32 rows, SGD)
 under a 2 x 2 plan with ``StragglerDetector(link_probe_interval_steps=2)`` and ``ReplanController``.
 From step ``FAULT_STEP`` the injector delays every send and all-reduce of rank 2 by ``delay_ms``
 (``FaultInjector`` ``slow_link``). Per delay it reports:
@@ -44,7 +44,7 @@ def _rank(rank: int, world: int, log_dir: str, delay_ms: float, steps: int) -> d
     from resihp_lightning.config import PlannerConfig
     from resihp_lightning.plan import Plan
     from resihp_lightning.strategy.strategy import ResiHPStrategy
-    from test_control_e2e import build_stack
+    from resihp_lightning.testing.toy_jobs import build_stack
 
     torch.set_num_threads(1)
     Stack = build_stack(WIDTH, DEPTH)  # Linear + tanh layers, SGD: the control tests' model

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -12,7 +10,16 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-from resihp_lightning.testing.multiproc import free_port, run_distributed  # noqa: E402
+from resihp_lightning.testing.multiproc import free_port, run_distributed, start_rank_server  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def rank_server(request: pytest.FixtureRequest) -> None:
+    """When the selected tests include multi-process ones, the ranks' fork server starts importing
+    torch, Lightning and DeepSpeed at the first test, on another core, while the single-process tests
+    run. (Started inside a test, not at collection: its ranks' output then goes to pytest's capture.)"""
+    if any(item.get_closest_marker("multiprocess") for item in request.session.items):
+        start_rank_server()
 
 
 @pytest.fixture

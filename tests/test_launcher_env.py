@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
@@ -49,4 +50,8 @@ def test_restart_count_and_the_agent_store_warning(clean_env):
 
 def test_process_start_time_is_in_the_past():
     started = launcher_env.process_started_at()
-    assert started is None or 0 <= time.time() - started < 3600
+    if not Path("/proc/self/stat").exists():  # None is the answer only where there is no /proc
+        assert started is None
+        return
+    # This process (pytest) started before the test and less than an hour ago.
+    assert started is not None and 0 <= time.time() - started < 3600

@@ -1,4 +1,5 @@
 """Test helpers shared by ``tests/`` and ``benchmarks/``: real gloo processes with a hang timeout
 (:mod:`.multiproc`), jobs whose ranks die on purpose (:mod:`.harness`), synthetic timing traces
-(:mod:`.synthetic`), a brute-force planning oracle (:mod:`.brute_oracle`) and a restartable job
-(:mod:`.elastic_job`). Not used by the library itself."""
+(:mod:`.synthetic`), a brute-force planning oracle and small random problems (:mod:`.brute_oracle`),
+the toy models, data and one-process references the training tests share (:mod:`.toy_jobs`) and a
+restartable job (:mod:`.elastic_job`). Not used by the library itself."""

@@ -5,11 +5,11 @@ fixed by sorting, the only symmetry used), every bounds vector (one shared, or o
 every micro-batch split, and prices each candidate with :func:`resihp_lightning.plan.evaluate`.
 Device positions are enumerated too, so a device's place in its pipeline (which transfers its link
 carries) is searched like everything else. It shares no code with the solver package. Tests import
-it as ``brute_oracle`` (conftest.py puts this directory on ``sys.path``).
+it as ``resihp_lightning.testing.brute_oracle``.
 
 :func:`price` prices a plan a second way, transfer by transfer, as a check of ``evaluate``'s link
-terms; :func:`random_link_problem` draws the small problems with slow links that the solver tests
-share.
+terms; :func:`random_problem` and :func:`random_link_problem` draw the small problems (without and
+with slow links) that the solver tests share.
 """
 
 from __future__ import annotations
@@ -160,3 +160,29 @@ def random_link_problem(rng: random.Random, max_devices: int = 5, max_layers: in
         )
         if problem.candidate_shapes() and count_candidates(problem) <= max_candidates:
             return problem
+
+
+def random_problem(seed: int) -> Problem:
+    """A small random problem; options drawn so that every one of them is exercised."""
+    rng = random.Random(seed)
+    n = rng.randint(1, 4)
+    num_layers = rng.randint(1, 5)
+    speeds = [rng.choice([1.0, 1.0, 0.5, 0.8, 0.3]) for _ in range(n)]
+    tight = rng.random() < 0.4
+    layers = [
+        Layer(rng.choice([0.5, 1.0, 2.0, 3.0]), rng.choice([10.0, 20.0, 30.0]), rng.choice([0.0, 5.0, 10.0]))
+        for _ in range(num_layers)
+    ]
+    devices = [Device(i, speeds[i], rng.choice([40.0, 60.0, 80.0, 200.0]) if tight else 1e6) for i in range(n)]
+    degrees = tuple(sorted(rng.sample([1, 2, 3, 4], rng.randint(1, 3)))) if rng.random() < 0.3 else None
+    return Problem(
+        tuple(layers),
+        tuple(devices),
+        rng.randint(1, 6),
+        p2p_ms=rng.choice([0.0, 0.1, 0.5]),
+        allreduce_ms=rng.choice([0.0, 1.0, 3.0]),
+        pipeline_degrees=degrees,
+        shared_partition=rng.random() < 0.5,
+        allow_exclude=rng.random() < 0.4,
+        min_layers_per_stage=rng.choice([1, 1, 1, 2]),
+    )

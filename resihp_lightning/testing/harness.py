@@ -1,8 +1,7 @@
 """Runs a local job whose members may die on purpose, and never hangs (tests and benchmarks).
 
-Like ``multiproc.py`` beside it (fresh processes, torchrun-style environment, one thread each, a hard
-timeout; forked from a fork server that imported torch once, which saves each rank of each job
-torch's import), except that a rank that dies or stops is an *outcome* to report, not a failure of the
+Like ``multiproc.py`` beside it (fresh processes from the same fork server, torchrun-style
+environment, one thread each, a hard timeout), except that a rank that dies or stops is an *outcome* to report, not a failure of the
 harness: :func:`run_job` waits for the ranks named in ``wait_for`` (default: all) to return, then
 SIGKILLs whatever is left (a SIGSTOPped rank included) and reports each rank as ``ok``, ``error``,
 ``died`` or ``killed``. A rank that is about to kill itself can leave :func:`last_words` (e.g. the
@@ -14,7 +13,6 @@ it to end by itself (``store_host_grace_s``) and kills it otherwise, so no test 
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import pickle
 import signal
@@ -26,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from resihp_lightning.testing.multiproc import free_port, torchrun_env
+from resihp_lightning.testing.multiproc import enter_rank, free_port, rank_context
 from resihp_lightning.resilience.procs import ProcessIdentity
 from resihp_lightning.resilience.store import read_address
 
@@ -86,10 +84,10 @@ class JobOutcome:
 
 
 def _rank_main(
-    fn: Callable[..., Any], rank: int, world_size: int, port: int, run_dir: str, env: dict, kwargs: dict
+    fn: Callable[..., Any], rank: int, world_size: int, port: int, run_dir: str, env: dict, parent_env: dict,
+    kwargs: dict,
 ) -> None:
-    os.environ.update(torchrun_env(rank, world_size, port))
-    os.environ.update(env)
+    enter_rank(rank, world_size, port, env, parent_env)
     import logging
 
     handler = logging.FileHandler(Path(run_dir) / f"rank{rank}.log")
@@ -141,13 +139,14 @@ def run_job(
             before killing it.
         **kwargs: picklable keyword arguments for ``fn``.
     """
-    ctx = _context()
+    ctx = rank_context()
     port = free_port()
+    parent_env = dict(os.environ)
     own_dir = run_dir is None
     run_dir = run_dir or tempfile.mkdtemp(prefix="resihp-job-")
     expected = set(range(world_size) if wait_for is None else wait_for)
     procs = [
-        ctx.Process(target=_rank_main, args=(fn, r, world_size, port, run_dir, dict(env or {}), kwargs), daemon=True)
+        ctx.Process(target=_rank_main, args=(fn, r, world_size, port, run_dir, dict(env or {}), parent_env, kwargs), daemon=True)
         for r in range(world_size)
     ]
     started = time.monotonic()
@@ -192,16 +191,6 @@ def _kill(pid: int) -> bool:
         return True
     except ProcessLookupError:
         return False
-
-
-def _context() -> Any:
-    """Processes forked from a fork server that imported torch once: a fresh interpreter per rank
-    (as with ``spawn``) without paying torch's import in every rank of every job."""
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("spawn")
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed"])
-    return ctx
 
 
 def _store_host(run_dir: str) -> ProcessIdentity | None:

@@ -1,6 +1,7 @@
 """Runs a function on N real gloo processes, torchrun-style, and fails instead of hanging.
 
-Each rank is a fresh ``spawn`` process with ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE``/
+Each rank is a fresh process (forked from a fork server that imported torch, Lightning and DeepSpeed
+once: :func:`rank_context`) with ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE``/
 ``LOCAL_RANK`` set as torchrun would (so Lightning's environment detection sees an externally launched
 job) and ``OMP_NUM_THREADS=1``. The function runs *before* any process group exists; it calls
 ``torch.distributed.init_process_group("gloo")`` itself (or lets Lightning / DeepSpeed do it).
@@ -16,6 +17,7 @@ import os
 import pickle
 import signal
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -49,9 +51,63 @@ def torchrun_env(rank: int, world_size: int, port: int) -> dict[str, str]:
     }
 
 
-def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, out: str, env: dict, kwargs: dict) -> None:
+#: What the fork server imports once, so that no rank of any job pays these imports again (several
+#: seconds each on a small machine: Lightning and DeepSpeed the most; the models package brings
+#: Hugging Face transformers, ~1 s more per rank of the model tests).
+PRELOAD = (
+    "torch", "torch.distributed", "lightning.pytorch", "deepspeed", "resihp_lightning.strategy.strategy",
+    "resihp_lightning.models",
+)
+
+
+def rank_context() -> Any:
+    """The multiprocessing context every test job's ranks start from.
+
+    A ``forkserver`` whose server imported :data:`PRELOAD` once: each rank is a fresh process (no
+    state of the test process, unlike ``fork``) that does not import torch, Lightning and DeepSpeed
+    again (unlike ``spawn``). Where there is no fork server, ``spawn``. The server is shared by every
+    caller of this process; the preload list takes effect when it starts (the first job).
+    """
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx
+
+
+def start_rank_server() -> None:
+    """Starts :func:`rank_context`'s fork server now, in the background (no-op without one).
+
+    Its imports (several seconds) then overlap with whatever this process does next, e.g. a test
+    session's single-process tests, instead of delaying the first job.
+    """
+    if rank_context().get_start_method() == "forkserver":
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
+
+
+def enter_rank(rank: int, world_size: int, port: int, env: dict[str, str], parent_env: dict[str, str]) -> None:
+    """Makes a freshly started rank look as if it had been started by torchrun from the test process.
+
+    A rank forked from the fork server inherits the server's environment, fixed when it started; so
+    the test process's environment at launch is applied first (as a spawned rank would have it), then
+    torchrun's variables and ``env``. What a preloaded module read from the environment at import is
+    read again: Lightning's rank-zero rank (``RANK``).
+    """
+    os.environ.clear()
+    os.environ.update(parent_env)
     os.environ.update(torchrun_env(rank, world_size, port))
     os.environ.update(env)
+    rank_zero = sys.modules.get("lightning_utilities.core.rank_zero")
+    if rank_zero is not None:
+        rank_zero.rank_zero_only.rank = rank
+
+
+def _rank_main(
+    fn: Callable[..., Any], rank: int, world_size: int, port: int, out: str, env: dict, parent_env: dict, kwargs: dict
+) -> None:
+    enter_rank(rank, world_size, port, env, parent_env)
     try:
         import torch
 
@@ -85,12 +141,13 @@ def run_distributed(
     Raises:
         DistributedTestError: a rank raised (its traceback is in the message), died, or the job hung.
     """
-    ctx = multiprocessing.get_context("spawn")
+    ctx = rank_context()
     port = free_port()
+    parent_env = dict(os.environ)
     with tempfile.TemporaryDirectory(prefix="resihp-dist-") as tmp:
         outs = [str(Path(tmp) / f"rank{r}.pkl") for r in range(world_size)]
         procs = [
-            ctx.Process(target=_rank_main, args=(fn, r, world_size, port, outs[r], dict(env or {}), kwargs), daemon=True)
+            ctx.Process(target=_rank_main, args=(fn, r, world_size, port, outs[r], dict(env or {}), parent_env, kwargs), daemon=True)
             for r in range(world_size)
         ]
         for proc in procs:

@@ -1,7 +1,6 @@
 """Seeded synthetic timing traces for the detector's tests and ``benchmarks/detection.py``.
 
-Test-only code, kept out of the package: tests import it as ``synthetic`` (``tests/`` is on
-``sys.path`` through ``conftest.py``) and the benchmark puts ``tests/`` on its path.
+Test-only code: tests and the benchmark import it as ``resihp_lightning.testing.synthetic``.
 
 A trace is what a P-stage x D-replica pipeline job would hand the detector: per step and per rank a
 :class:`~resihp_lightning.telemetry.StepStats` whose micro-batches carry packed, long-tailed document

@@ -13,10 +13,9 @@ import signal
 import time
 
 import pytest
-import torch
 
-from tests.strategy.test_lightning_fidelity import STEPS, build_class, reference
-from tests.strategy.test_strategy_e2e import M, MBS, make_data
+from resihp_lightning.testing.toy_jobs import EPOCH_STEPS as STEPS
+from resihp_lightning.testing.toy_jobs import M, MBS, assert_survivors_match_reference, build_class, make_data
 
 
 def _job(
@@ -87,25 +86,13 @@ def _callbacks(with_controller: bool) -> list:
     return [StragglerDetector(warmup_steps=1, fit_steps=2), ReplanController(planner={"solver": "exact"})]
 
 
-def _check_exact(outcome, survivors, steps) -> None:
-    ref_losses, _, ref_params = reference(steps, None)
-    values = outcome.values()
-    assert sorted(values) == sorted(survivors), outcome.describe()
-    for rank in survivors:
-        result = values[rank]
-        for step, (got, want) in enumerate(zip(result["losses"], ref_losses, strict=True)):
-            assert abs(got - want) < 1e-6, f"rank {rank} step {step}: {got} vs reference {want}"
-        for key, want in ref_params.items():
-            assert torch.allclose(result["state"][key], want, atol=1e-6, rtol=0), (rank, key)
-
-
 @pytest.mark.multiprocess
 @pytest.mark.timeout(200)
 def test_sigkill_inside_a_step_costs_one_step_not_the_job():
     from resihp_lightning.testing.harness import run_job
 
     outcome = run_job(_job, 4, timeout=180, wait_for=[0, 1, 3], victims={2: 2}, steps=STEPS, pipeline_degree=2)
-    _check_exact(outcome, [0, 1, 3], STEPS)
+    assert_survivors_match_reference(outcome, [0, 1, 3], STEPS)
     record = outcome.values()[0]["recovery"]
     assert record.step == 2 and record.members == (0, 1, 3) and 2 in record.failed
     assert sorted(record.plan.device_ids) == [0, 1, 3]
@@ -120,7 +107,7 @@ def test_losing_rank_0_then_another_rank_goes_on_exactly():
     from resihp_lightning.testing.harness import run_job
 
     outcome = run_job(_job, 4, timeout=180, wait_for=[1, 2], victims={0: 1, 3: 3}, steps=STEPS, pipeline_degree=2)
-    _check_exact(outcome, [1, 2], STEPS)
+    assert_survivors_match_reference(outcome, [1, 2], STEPS)
     record = outcome.values()[1]["recovery"]
     assert record.step == 3 and record.members == (1, 2) and 3 in record.failed and record.generation == 2
 
@@ -136,7 +123,7 @@ def test_a_frozen_rank_is_evicted_and_the_job_goes_on_exactly():
     from resihp_lightning.testing.harness import run_job
 
     outcome = run_job(_job, 4, timeout=180, wait_for=[0, 2, 3], victims={1: 2}, steps=STEPS, how="stop", pipeline_degree=2)
-    _check_exact(outcome, [0, 2, 3], STEPS)
+    assert_survivors_match_reference(outcome, [0, 2, 3], STEPS)
     record = outcome.values()[0]["recovery"]
     assert record.members == (0, 2, 3) and 1 in record.failed
     assert record.detected_at - outcome.ranks[1].last_words["died_at"] < 3.0
@@ -189,7 +176,7 @@ def test_a_rank_lost_between_steps_interrupts_the_callbacks_collectives_not_the_
 
     outcome = run_job(_job, 4, timeout=180, wait_for=[0, 2, 3], victims={1: 2}, steps=STEPS, between=True,
                       pipeline_degree=2)
-    _check_exact(outcome, [0, 2, 3], STEPS)
+    assert_survivors_match_reference(outcome, [0, 2, 3], STEPS)
     record = outcome.values()[0]["recovery"]
     assert record.members == (0, 2, 3) and 1 in record.failed and record.redo_s == 0.0  # nothing to redo
     # The controller hands its planner options to the strategy with the device conditions: a recovery plans

@@ -15,9 +15,16 @@ import time
 import pytest
 import torch
 
-from tests.failstop.test_fail_stop_e2e import _check_exact
-from tests.strategy.test_lightning_fidelity import STEPS, build_class
-from tests.strategy.test_strategy_e2e import DEPTH, M, MBS, make_data, make_val_loader
+from resihp_lightning.testing.toy_jobs import EPOCH_STEPS as STEPS
+from resihp_lightning.testing.toy_jobs import (
+    DEPTH,
+    M,
+    MBS,
+    assert_survivors_match_reference,
+    build_class,
+    make_data,
+    make_val_loader,
+)
 
 
 def _plan(replicas: list[tuple[list[int], list[int], int]]) -> dict:
@@ -120,7 +127,7 @@ def test_a_plan_leaves_a_rank_idle_and_a_later_plan_takes_it_back_exactly():
 
     outcome = run_job(_job, 4, timeout=180, wait_for=[0, 1, 2, 3], schedule={1: LEAVE_OUT, 3: TAKE_BACK}, victims={},
                       steps=STEPS, validate=True)
-    _check_exact(outcome, [0, 1, 2, 3], STEPS)
+    assert_survivors_match_reference(outcome, [0, 1, 2, 3], STEPS)
     values = outcome.values()
     assert values[3]["spare_at"] == [2, 3], values[3]["spare_at"]  # idle for the steps under LEAVE_OUT
     assert all(not values[r]["spare_at"] for r in (0, 1, 2))
@@ -145,7 +152,7 @@ def test_a_spare_replaces_a_killed_rank_and_the_job_goes_on_exactly():
 
     outcome = run_job(_job, 4, timeout=180, wait_for=[0, 2, 3], schedule={1: DATA_PARALLEL_3}, victims={1: 3},
                       steps=STEPS)
-    _check_exact(outcome, [0, 2, 3], STEPS)
+    assert_survivors_match_reference(outcome, [0, 2, 3], STEPS)
     values = outcome.values()
     record = values[0]["recovery"]
     assert record.step == 3 and 1 in record.failed and 3 not in record.failed
@@ -160,7 +167,7 @@ def test_a_spare_that_dies_costs_the_members_nothing():
     from resihp_lightning.testing.harness import run_job
 
     outcome = run_job(_job, 4, timeout=180, wait_for=[0, 1, 2], schedule={1: LEAVE_OUT}, victims={3: 3}, steps=STEPS)
-    _check_exact(outcome, [0, 1, 2], STEPS)
+    assert_survivors_match_reference(outcome, [0, 1, 2], STEPS)
     values = outcome.values()
     # No training step was redone. The members learn of the spare's death from their detectors (about
     # 0.2 s), or, when the run ends sooner, from the end-of-fit weight sync it would have joined: then
@@ -182,7 +189,7 @@ def test_a_spare_at_the_end_of_fit_gets_the_trained_weights_and_mirrors_validate
 
     outcome = run_job(_job, 4, timeout=180, wait_for=[0, 1, 2, 3], schedule={1: LEAVE_OUT}, victims={}, steps=STEPS,
                       after_fit=True)
-    _check_exact(outcome, [0, 1, 2, 3], STEPS)  # the spare's module holds the trained weights too
+    assert_survivors_match_reference(outcome, [0, 1, 2, 3], STEPS)  # the spare's module holds the trained weights too
     values = outcome.values()
     assert [values[r]["after_fit"]["spare"] for r in range(4)] == [False, False, False, True]
     for rank in (1, 2, 3):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.strategy.test_strategy_e2e import M, MBS, build_model, make_loader, make_predict_loader, make_recorder, make_trainer, reference_run
+from resihp_lightning.testing.toy_jobs import M, MBS, build_model, make_loader, make_predict_loader, make_recorder, make_trainer, reference_run
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -7,8 +7,7 @@ import itertools
 import math
 
 import pytest
-from resihp_lightning.testing.brute_oracle import solve_brute
-from tests.solver.test_exact import random_problem
+from resihp_lightning.testing.brute_oracle import random_problem, solve_brute
 
 from resihp_lightning.config import PlannerConfig
 from resihp_lightning.errors import InfeasibleError

@@ -10,7 +10,7 @@ import time
 from dataclasses import replace
 
 import pytest
-from resihp_lightning.testing.brute_oracle import count_candidates, price, random_link_problem, solve_brute
+from resihp_lightning.testing.brute_oracle import count_candidates, price, random_link_problem, random_problem, solve_brute
 
 from resihp_lightning.config import PlannerConfig
 from resihp_lightning.errors import InfeasibleError, ProblemError
@@ -25,32 +25,6 @@ from resihp_lightning.solver.heuristic import heuristic_search
 from resihp_lightning.solver.microbatch_split import split
 
 REL = 1e-9
-
-
-def random_problem(seed: int) -> Problem:
-    """A small random problem; options drawn so that every one of them is exercised."""
-    rng = random.Random(seed)
-    n = rng.randint(1, 4)
-    num_layers = rng.randint(1, 5)
-    speeds = [rng.choice([1.0, 1.0, 0.5, 0.8, 0.3]) for _ in range(n)]
-    tight = rng.random() < 0.4
-    layers = [
-        Layer(rng.choice([0.5, 1.0, 2.0, 3.0]), rng.choice([10.0, 20.0, 30.0]), rng.choice([0.0, 5.0, 10.0]))
-        for _ in range(num_layers)
-    ]
-    devices = [Device(i, speeds[i], rng.choice([40.0, 60.0, 80.0, 200.0]) if tight else 1e6) for i in range(n)]
-    degrees = tuple(sorted(rng.sample([1, 2, 3, 4], rng.randint(1, 3)))) if rng.random() < 0.3 else None
-    return Problem(
-        tuple(layers),
-        tuple(devices),
-        rng.randint(1, 6),
-        p2p_ms=rng.choice([0.0, 0.1, 0.5]),
-        allreduce_ms=rng.choice([0.0, 1.0, 3.0]),
-        pipeline_degrees=degrees,
-        shared_partition=rng.random() < 0.5,
-        allow_exclude=rng.random() < 0.4,
-        min_layers_per_stage=rng.choice([1, 1, 1, 2]),
-    )
 
 
 def _optimum(solver, problem: Problem) -> float | None:

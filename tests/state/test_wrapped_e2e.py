@@ -20,7 +20,7 @@ import os
 import pytest
 import torch
 
-from tests.strategy.test_strategy_e2e import WIDTH, M, MBS, ROWS, build_model, make_loader, make_plan, make_recorder, make_trainer, reference_run
+from resihp_lightning.testing.toy_jobs import WIDTH, M, MBS, ROWS, build_model, make_loader, make_plan, make_recorder, make_trainer, reference_run
 
 ZERO1 = {"zero_optimization": {"stage": 1}}
 BF16 = {"bf16": {"enabled": True}}

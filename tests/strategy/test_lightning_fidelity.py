@@ -13,70 +13,22 @@ import os
 
 import pytest
 import torch
-from torch.nn import functional as F
 
-from tests.strategy.test_strategy_e2e import DEPTH, LR, M, MBS, ROWS, Block, epoch_order, lr_lambda, make_data, make_plan
+from resihp_lightning.testing.toy_jobs import (
+    EPOCH_STEPS,
+    M,
+    MBS,
+    ROWS,
+    build_class,
+    make_data,
+    make_plan,
+    make_recorder,
+    reference_fit,
+)
 
 CLIP = 0.05
-STEPS = 6  # one epoch: 48 rows in batches of M x MBS = 8
+STEPS = EPOCH_STEPS  # one epoch: 48 rows in batches of M x MBS = 8
 SWITCH_AT = 3  # a per-replica re-plan mid-run
-
-
-def build_class():
-    """A user's model: every layer an attribute of the module (so load_from_checkpoint sees them all)."""
-    from torch import nn
-
-    from resihp_lightning.strategy.module import ResiHPModule
-
-    class Net(ResiHPModule):
-        def __init__(self, lr: float = LR) -> None:
-            super().__init__()
-            self.save_hyperparameters()
-            self.layers = nn.ModuleList([Block(i) for i in range(DEPTH)])
-
-        def pipeline_layers(self):
-            return list(self.layers)
-
-        def pipeline_loss(self, outputs, labels):
-            loss = F.mse_loss(outputs, labels)
-            self.log("mse_in_pipeline", loss, on_step=True, on_epoch=False)
-            return loss
-
-        def configure_optimizers(self):
-            opt = torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
-            return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda), "interval": "step"}}
-
-    return Net
-
-
-def reference(steps: int, clip: float | None) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
-    """One process: losses, the last step's per-micro-batch losses, and the final parameters."""
-    torch.set_num_threads(1)
-    layers = torch.nn.ModuleList([Block(i) for i in range(DEPTH)])
-    opt = torch.optim.Adam(layers.parameters(), lr=LR)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
-    x, y = make_data()
-    batch = M * MBS
-    losses, micro = [], []
-    for step in range(steps):
-        rows = epoch_order(0)[step * batch : (step + 1) * batch]
-        xb, yb = x[rows], y[rows]
-        opt.zero_grad()
-        micro = []
-        for k in range(M):
-            out = xb[k * MBS : (k + 1) * MBS]
-            for layer in layers:
-                out = layer(out)
-            loss = F.mse_loss(out, yb[k * MBS : (k + 1) * MBS])
-            (loss / M).backward()
-            micro.append(float(loss.detach()))
-        if clip:
-            torch.nn.utils.clip_grad_norm_(layers.parameters(), clip)
-        opt.step()
-        sched.step()
-        losses.append(sum(micro) / M)
-    params = {f"layers.{i}.{name}": p.detach().clone() for i, layer in enumerate(layers) for name, p in layer.named_parameters()}
-    return losses, micro, params
 
 
 def _fidelity_rank(rank: int, world: int, ckpt_dir: str) -> dict:
@@ -85,7 +37,6 @@ def _fidelity_rank(rank: int, world: int, ckpt_dir: str) -> dict:
 
     from resihp_lightning.errors import ConfigError
     from resihp_lightning.strategy.strategy import ResiHPStrategy
-    from tests.strategy.test_strategy_e2e import make_recorder
 
     Net = build_class()
     x, y = make_data()
@@ -150,8 +101,8 @@ def _fidelity_rank(rank: int, world: int, ckpt_dir: str) -> dict:
 @pytest.mark.timeout(400)
 def test_trainer_features_and_the_trained_model_come_back(distributed, tmp_path):
     results = distributed(_fidelity_rank, 4, timeout=380, ckpt_dir=str(tmp_path))
-    ref_losses, ref_micro, ref_params = reference(STEPS, CLIP)
-    unclipped, _, _ = reference(STEPS, None)
+    ref_losses, ref_micro, ref_params = reference_fit(STEPS, CLIP)
+    unclipped, _, _ = reference_fit(STEPS, None)
     assert any(abs(a - b) > 1e-4 for a, b in zip(ref_losses[:3], unclipped[:3])), "the clip must bind in this test"
     for rank, result in enumerate(results):
         for step, (got, want) in enumerate(zip(result["clipped_losses"], ref_losses, strict=True)):
@@ -167,7 +118,7 @@ def test_trainer_features_and_the_trained_model_come_back(distributed, tmp_path)
             assert abs(got - want) < 1e-6, f"ZeRO-1 rank {rank} step {step}: {got} vs clipped reference {want}"
         # gather_weights="rank0": rank 0 holds the trained model; elsewhere, layers of other stages keep
         # their initial values.
-        _, _, two_steps = reference(2, None)
+        _, _, two_steps = reference_fit(2, None)
         for key, want in two_steps.items():
             layer = int(key.split(".")[1])
             got = result["rank0_state"][key]

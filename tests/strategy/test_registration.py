@@ -7,10 +7,13 @@ module without the contract methods gets.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -27,82 +30,128 @@ assert type(trainer.strategy) is ResiHPStrategy, type(trainer.strategy)
 """
 
 
-def _run(*parts: str) -> str:
-    code = "\n".join(textwrap.dedent(part) for part in parts)
-    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
-        env.pop(name, None)
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=150, env=env
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
+def _script(*parts: str) -> str:
+    return "\n".join(textwrap.dedent(part) for part in parts)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(200)
-def test_registered_when_resihp_is_imported_first_and_contract_errors_are_clear():
-    out = _run(
-        """
-        import sys
-        import resihp_lightning
-        assert "torch" not in sys.modules and "lightning" not in sys.modules, "import must stay lazy"
-        import lightning.pytorch as pl
-        """,
-        COMMON,
-        """
-        import torch
-        from lightning.pytorch.utilities.exceptions import MisconfigurationException
-        from torch.utils.data import DataLoader, TensorDataset
+class Interpreters:
+    """Fresh interpreters for this module's selected tests, two running at a time.
 
-        class OnlyLayers(resihp_lightning.ResiHPModule):
-            def __init__(self):
-                super().__init__()
-                self.layer = torch.nn.Linear(2, 2)
-            def pipeline_layers(self):
-                return [self.layer]
-            def configure_optimizers(self):
-                return torch.optim.SGD(self.parameters(), lr=0.1)
+    Each spends seconds importing Lightning on one core; two at a time use both cores of a small
+    machine, one after another would leave one idle. The next one starts while a test checks the
+    output of its own. Output goes to files: a pipe that nobody reads yet could fill up and stop it.
+    """
 
-        class Plain(pl.LightningModule):
-            def training_step(self, batch, batch_idx):
-                return None
-            def configure_optimizers(self):
-                return None
+    PARALLEL = 2
 
-        data = DataLoader(TensorDataset(torch.zeros(4, 2), torch.zeros(4, 2)), batch_size=2)
-        for module, expected in ((OnlyLayers(), "does not implement pipeline_loss()"),
-                                 (Plain(), "does not implement pipeline_layers(), pipeline_loss()")):
-            trainer = pl.Trainer(strategy="resihp", accelerator="cpu", devices=1, logger=False, max_steps=1,
-                                 enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
-            try:
-                trainer.fit(module, data)
-            except MisconfigurationException as err:
-                assert expected in str(err), str(err)
-                assert "resihp_lightning.ResiHPModule" in str(err), str(err)
-            else:
-                raise AssertionError("no error for " + type(module).__name__)
-        print("OK")
-        """
-    )
-    assert out.strip().endswith("OK")
+    def __init__(self, scripts: dict[str, str], folder: Path) -> None:
+        self.pending = list(scripts.items())
+        self.folder = folder
+        self.running: dict[str, tuple[subprocess.Popen, Path]] = {}
+
+    def _start_more(self, first: str | None = None) -> None:
+        if first is not None and any(name == first for name, _ in self.pending):
+            self.pending.sort(key=lambda item: item[0] != first)
+        while self.pending and sum(p.poll() is None for p, _ in self.running.values()) < self.PARALLEL:
+            name, code = self.pending.pop(0)
+            out = self.folder / f"{len(self.running)}.out"
+            env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+            for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+                env.pop(key, None)
+            with open(out, "w") as stdout, open(out.with_suffix(".err"), "w") as stderr:
+                proc = subprocess.Popen([sys.executable, "-c", code], stdout=stdout, stderr=stderr, env=env)
+            self.running[name] = (proc, out)
+
+    def stdout(self, name: str) -> str:
+        """Waits for ``name``'s interpreter (starting it first if it has not started); its stdout once it
+        exited with 0."""
+        while name not in self.running:
+            self._start_more(first=name)
+            if name not in self.running:
+                next(p for p, _ in self.running.values() if p.poll() is None).wait(150)
+        proc, out = self.running[name]
+        try:
+            proc.wait(timeout=150)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+        self._start_more()
+        stdout = out.read_text()
+        assert proc.returncode == 0, stdout[-3000:] + out.with_suffix(".err").read_text()[-3000:]
+        return stdout
+
+    def close(self) -> None:
+        for proc, _ in self.running.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(200)
-def test_registered_when_lightning_is_imported_first():
-    out = _run(
-        """
-        import lightning.pytorch as pl
-        import resihp_lightning
-        """,
-        COMMON,
-        """
-        assert resihp_lightning.ResiHPStrategy is ResiHPStrategy
-        print("OK")
-        """
-    )
-    assert out.strip().endswith("OK")
+@pytest.fixture(scope="module")
+def interpreters(request, tmp_path_factory) -> Iterator[Interpreters]:
+    selected = {item.name for item in request.session.items if item.module is request.module}
+    pool = Interpreters({name: code for name, code in SCRIPTS.items() if name in selected},
+                        tmp_path_factory.mktemp("registration"))
+    pool._start_more()
+    yield pool
+    pool.close()
+
+
+RESIHP_FIRST = _script(
+    """
+    import sys
+    import resihp_lightning
+    assert "torch" not in sys.modules and "lightning" not in sys.modules, "import must stay lazy"
+    import lightning.pytorch as pl
+    """,
+    COMMON,
+    """
+    import torch
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class OnlyLayers(resihp_lightning.ResiHPModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 2)
+        def pipeline_layers(self):
+            return [self.layer]
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    class Plain(pl.LightningModule):
+        def training_step(self, batch, batch_idx):
+            return None
+        def configure_optimizers(self):
+            return None
+
+    data = DataLoader(TensorDataset(torch.zeros(4, 2), torch.zeros(4, 2)), batch_size=2)
+    for module, expected in ((OnlyLayers(), "does not implement pipeline_loss()"),
+                             (Plain(), "does not implement pipeline_layers(), pipeline_loss()")):
+        trainer = pl.Trainer(strategy="resihp", accelerator="cpu", devices=1, logger=False, max_steps=1,
+                             enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+        try:
+            trainer.fit(module, data)
+        except MisconfigurationException as err:
+            assert expected in str(err), str(err)
+            assert "resihp_lightning.ResiHPModule" in str(err), str(err)
+        else:
+            raise AssertionError("no error for " + type(module).__name__)
+    print("OK")
+    """
+)
+
+LIGHTNING_FIRST = _script(
+    """
+    import lightning.pytorch as pl
+    import resihp_lightning
+    """,
+    COMMON,
+    """
+    assert resihp_lightning.ResiHPStrategy is ResiHPStrategy
+    print("OK")
+    """
+)
 
 
 STANDALONE = """
@@ -118,11 +167,36 @@ print("OK")
 """
 
 
+def _standalone(first: str) -> str:
+    second = "pytorch_lightning" if first == "resihp_lightning" else "resihp_lightning"
+    return _script(f"import sys\nimport {first}\nimport {second}\nimport pytorch_lightning as pl\n", STANDALONE)
+
+
+#: Test name -> the script its fresh interpreter runs.
+SCRIPTS = {
+    "test_registered_when_resihp_is_imported_first_and_contract_errors_are_clear": RESIHP_FIRST,
+    "test_registered_when_lightning_is_imported_first": LIGHTNING_FIRST,
+}
+if importlib.util.find_spec("pytorch_lightning") is not None:
+    SCRIPTS.update({f"test_registered_in_standalone_pytorch_lightning[{first}]": _standalone(first)
+                    for first in ("resihp_lightning", "pytorch_lightning")})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_registered_when_resihp_is_imported_first_and_contract_errors_are_clear(interpreters, request):
+    assert interpreters.stdout(request.node.name).strip().endswith("OK")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_registered_when_lightning_is_imported_first(interpreters, request):
+    assert interpreters.stdout(request.node.name).strip().endswith("OK")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("first", ["resihp_lightning", "pytorch_lightning"])
-def test_registered_in_standalone_pytorch_lightning(first):
+def test_registered_in_standalone_pytorch_lightning(first, interpreters, request):
     pytest.importorskip("pytorch_lightning")
-    second = "pytorch_lightning" if first == "resihp_lightning" else "resihp_lightning"
-    out = _run(f"import sys\nimport {first}\nimport {second}\nimport pytorch_lightning as pl\n", STANDALONE)
-    assert out.strip().endswith("OK")
+    assert interpreters.stdout(request.node.name).strip().endswith("OK")

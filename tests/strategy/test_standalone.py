@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.strategy.test_strategy_e2e import build_model, make_loader, make_plan, reference_run
+from resihp_lightning.testing.toy_jobs import build_model, make_loader, make_plan, reference_run
 
 pytest.importorskip("pytorch_lightning")
 

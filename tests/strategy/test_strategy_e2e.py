@@ -2,7 +2,7 @@
 
 One spawned job runs several checks, because starting 4 processes that import Lightning and
 DeepSpeed costs ~15 s here. The reference for every loss and parameter is a single-process
-plain-PyTorch run of the same model, data, optimizer and LR schedule.
+plain-PyTorch run of the same model, data, optimizer and LR schedule (``resihp_lightning.testing.toy_jobs``).
 """
 
 from __future__ import annotations
@@ -13,182 +13,27 @@ import os
 
 import pytest
 import torch
-from torch import nn
-from torch.nn import functional as F
 
-WIDTH, DEPTH, MBS, M, ROWS = 6, 8, 2, 4, 48
-LR = 0.05
-
-
-def make_data() -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(123)
-    x = torch.randn(ROWS, WIDTH, generator=gen)
-    y = torch.sin(x @ torch.randn(WIDTH, WIDTH, generator=gen))
-    return x, y
-
-
-class Block(nn.Sequential):
-    """Linear + tanh whose initial values depend only on its layer index (so a DeepSpeed ``LayerSpec``
-    builds the same values on any rank, and the reference builds them too)."""
-
-    def __init__(self, index: int) -> None:
-        super().__init__(nn.Linear(WIDTH, WIDTH), nn.Tanh())
-        gen = torch.Generator().manual_seed(100 + index)
-        with torch.no_grad():
-            for p in self.parameters():
-                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(WIDTH))
-
-
-#: Layers 0..3 are nn.Modules held by the LightningModule; 4..7 are LayerSpecs, built only where held.
-MODULE_LAYERS = 4
-
-
-def make_layers() -> nn.ModuleList:
-    return nn.ModuleList([Block(i) for i in range(DEPTH)])
-
-
-def lr_lambda(step: int) -> float:
-    return 1.0 / (1.0 + 0.1 * step)
-
-
-def make_optimizer(params):
-    opt = torch.optim.Adam(params, lr=LR)
-    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
-
-
-def epoch_order(epoch: int) -> list[int]:
-    """Row order of one training epoch as Lightning feeds it under a distributed strategy.
-
-    Lightning puts a shuffled ``DistributedSampler`` (seed ``PL_GLOBAL_SEED``, default 0) on training
-    loaders; ResiHPStrategy asks for one replica, so every rank reads the whole epoch in this order.
-    """
-    from torch.utils.data import DistributedSampler
-
-    sampler = DistributedSampler(range(ROWS), num_replicas=1, rank=0, shuffle=True, seed=0)
-    sampler.set_epoch(epoch)
-    return list(sampler)
-
-
-def reference_run(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Plain PyTorch, one process: loss = mean over the M micro-batches of the per-micro-batch mean."""
-    torch.set_num_threads(1)
-    layers = make_layers()
-    opt, sched = make_optimizer(layers.parameters())
-    x, y = make_data()
-    losses = []
-    batch = M * MBS
-    per_epoch = ROWS // batch
-    for step in range(steps):
-        i = step % per_epoch
-        rows = epoch_order(step // per_epoch)[i * batch : (i + 1) * batch]
-        xb, yb = x[rows], y[rows]
-        opt.zero_grad()
-        total = 0.0
-        for k in range(M):
-            out = xb[k * MBS : (k + 1) * MBS]
-            for layer in layers:
-                out = layer(out)
-            loss = F.mse_loss(out, yb[k * MBS : (k + 1) * MBS]) / M
-            loss.backward()
-            total += float(loss.detach())
-        opt.step()
-        sched.step()
-        losses.append(total)
-    params = {f"{i}.{name}": p.detach().clone() for i, layer in enumerate(layers) for name, p in layer.named_parameters()}
-    return losses, params
-
-
-def build_model(base: type | None = None):
-    """The ResiHPModule used by these tests (defined lazily: importing Lightning costs seconds).
-
-    Args:
-        base: the module base class (default ``resihp_lightning.ResiHPModule``; the standalone
-            ``pytorch_lightning`` test passes its own).
-    """
-    if base is None:
-        from resihp_lightning.strategy.module import ResiHPModule as base
-
-    class Stack(base):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layers = nn.ModuleList([Block(i) for i in range(MODULE_LAYERS)])
-
-        def pipeline_layers(self):
-            from deepspeed.pipe import LayerSpec
-
-            return list(self.layers) + [LayerSpec(Block, i) for i in range(MODULE_LAYERS, DEPTH)]
-
-        def pipeline_loss(self, outputs, labels):
-            return F.mse_loss(outputs, labels)
-
-        def configure_optimizers(self):
-            opt, sched = make_optimizer(self.parameters())
-            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
-    return Stack()
-
-
-def make_loader(shuffle: bool = False):
-    from torch.utils.data import DataLoader, TensorDataset
-
-    x, y = make_data()
-    return DataLoader(TensorDataset(x, y), batch_size=M * MBS, shuffle=shuffle)
-
-
-def make_trainer(strategy, world: int, steps: int, callbacks=(), **kwargs):
-    import lightning.pytorch as pl
-
-    options = dict(
-        accelerator="cpu",
-        devices=world,
-        num_nodes=1,
-        strategy=strategy,
-        max_steps=steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        num_sanity_val_steps=0,
-        callbacks=list(callbacks),
-    )
-    options.update(kwargs)
-    return pl.Trainer(**options)
-
-
-def make_recorder(schedule: dict[int, object] | None = None):
-    """A Lightning callback (built lazily) that records losses, stats and plans, and requests plans."""
-    import lightning.pytorch as pl
-
-    class _Recorder(pl.Callback):
-        def __init__(self) -> None:
-            self.losses: list[float] = []
-            self.migrations: list[dict] = []
-            self.stats = []
-            self.refused: list[str] = []
-            self.plans: list[dict] = []
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            strategy = trainer.strategy
-            self.losses.append(float(outputs["loss"]))
-            self.stats.append(strategy.last_step_stats)
-            self.plans.append(strategy.current_plan.to_dict())
-            if strategy.last_migration is not None and (not self.migrations or self.migrations[-1] is not strategy.last_migration):
-                self.migrations.append(strategy.last_migration)
-            request = (schedule or {}).get(trainer.global_step)
-            if request is not None:
-                try:
-                    strategy.request_plan(request)
-                except Exception as err:  # noqa: BLE001 - recorded and checked by the test
-                    self.refused.append(f"{type(err).__name__}: {err}")
-
-    return _Recorder()
-
-
-def make_plan(replicas):
-    from resihp_lightning.plan import Plan, Replica
-
-    return Plan(tuple(Replica(tuple(devices), tuple(bounds), m) for devices, bounds, m in replicas))
-
+from resihp_lightning.testing.toy_jobs import (
+    DEPTH,
+    EPOCH_STEPS,
+    M,
+    MBS,
+    MODULE_LAYERS,
+    PREDICT_BATCH,
+    VAL_ROWS,
+    WIDTH,
+    build_model,
+    make_loader,
+    make_plan,
+    make_predict_loader,
+    make_recorder,
+    make_trainer,
+    make_val_loader,
+    reference_outputs,
+    reference_run,
+    reference_val_loss,
+)
 
 # Re-plans requested after the given step (they apply at the next step): moving bounds with uneven
 # micro-batches, moving placement, 2x2 -> 4x1 -> 1x4 -> 2x2, then a micro-batch-only change.
@@ -331,50 +176,12 @@ def test_fit_through_reconfigurations_matches_single_process(distributed):
         assert math.isclose(cost.activation_mb, MBS * WIDTH * 4 / 2**20, rel_tol=1e-9)
 
 
-VAL_ROWS = 10
-
-
-def make_val_loader():
-    from torch.utils.data import DataLoader, TensorDataset
-
-    gen = torch.Generator().manual_seed(5)
-    x = torch.randn(VAL_ROWS, WIDTH, generator=gen)
-    return DataLoader(TensorDataset(x, torch.tanh(x)), batch_size=VAL_ROWS)
-
-
-#: Rows per predict batch: the second batch is short (3 rows) and leaves a replica without work.
-PREDICT_BATCH = 7
-
-
-def make_predict_loader():
-    from torch.utils.data import DataLoader
-
-    return DataLoader(make_val_loader().dataset.tensors[0], batch_size=PREDICT_BATCH)
-
-
-def reference_outputs(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    layers = make_layers()
-    with torch.no_grad():
-        for i, layer in enumerate(layers):
-            for name, p in layer.named_parameters():
-                p.copy_(params[f"{i}.{name}"])
-        out = x
-        for layer in layers:
-            out = layer(out)
-        return out
-
-
-def reference_val_loss(params: dict[str, torch.Tensor]) -> float:
-    x, y = next(iter(make_val_loader()))
-    return float(F.mse_loss(reference_outputs(params, x), y))
-
-
 def _checkpoint_rank(rank: int, world: int, ckpt_dir: str) -> dict:
     import lightning.pytorch as pl
 
     from resihp_lightning.strategy.strategy import ResiHPStrategy
 
-    per_epoch = ROWS // (M * MBS)
+    per_epoch = EPOCH_STEPS
     # Run A: 2x2, one epoch, ModelCheckpoint writes at the epoch's end; then validation.
     saver = pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_top_k=-1, every_n_epochs=1)
     first = make_recorder()
@@ -415,7 +222,7 @@ def _checkpoint_rank(rank: int, world: int, ckpt_dir: str) -> dict:
 @pytest.mark.timeout(400)
 def test_checkpoint_under_2x2_resumes_under_4x1(distributed, tmp_path):
     results = distributed(_checkpoint_rank, 4, timeout=380, ckpt_dir=str(tmp_path))
-    per_epoch = ROWS // (M * MBS)
+    per_epoch = EPOCH_STEPS
     ref_losses, _ = reference_run(2 * per_epoch)
     _, ref_params_a = reference_run(per_epoch)
     _, ref_params_b = reference_run(2 * per_epoch)

@@ -277,7 +277,7 @@ def test_a_job_tensor_parallelism_cannot_run_yet_is_refused_by_name():
     from resihp_lightning.callbacks.progress import ResiHPProgressBar, StepRecorder
     from resihp_lightning.callbacks.failstop.failstop_reporter import FailStopReporter
     from resihp_lightning.strategy.tensor_setup import check_tensor_parallel_job, create_tensor_groups
-    from tests.strategy.test_lightning_fidelity import build_class
+    from resihp_lightning.testing.toy_jobs import build_class
 
     error = MisconfigurationException
     plain = build_class()()  # a ResiHPModule without the tensor-parallel hooks

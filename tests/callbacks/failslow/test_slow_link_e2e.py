@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.callbacks.replan.test_replan_e2e import build_stack
+from resihp_lightning.testing.toy_jobs import build_stack
 
 WORLD, WIDTH, DEPTH, MBS, M = 4, 128, 8, 8, 8
 SLOW_RANK, DELAY_MS = 2, 25.0

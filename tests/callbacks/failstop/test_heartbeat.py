@@ -1,15 +1,14 @@
 """Fail-stop detection with real processes: a rank dies (os._exit), a survivor reports exactly it in time.
 
 The ``distributed`` fixture treats a rank that exits without a result as a test failure, which is
-what this test needs to cause on purpose; so the dying job is spawned here with the same recipe
-(spawned processes, torchrun-style environment, a hard timeout that kills everything) and results
-returned through a queue.
+what this test needs to cause on purpose; so the dying job is started here with the same recipe
+(processes from the fixture's fork server, torchrun-style environment, a hard timeout that kills
+everything) and results returned through a queue.
 """
 
 from __future__ import annotations
 
 import datetime
-import multiprocessing
 import os
 import signal
 import time
@@ -17,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from resihp_lightning.testing.multiproc import free_port
+from resihp_lightning.testing.multiproc import free_port, rank_context
 from resihp_lightning.callbacks.events import EventLog, read_events
 from resihp_lightning.callbacks.failstop.heartbeat import STORE_UNREACHABLE, Heartbeat, HeartbeatConfig
 from resihp_lightning.errors import ConfigError
@@ -69,7 +68,7 @@ def _member(rank, world, port, pg_port, log_dir, queue):
 
 
 def _run_job(world, tmp_path):
-    ctx = multiprocessing.get_context("spawn")
+    ctx = rank_context()
     queue = ctx.Queue()
     port, pg_port = free_port(), free_port()
     procs = [ctx.Process(target=_member, args=(r, world, port, pg_port, str(tmp_path), queue), daemon=True)

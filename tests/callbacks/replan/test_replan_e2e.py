@@ -21,8 +21,8 @@ import statistics
 
 import pytest
 import torch
-from torch import nn
-from torch.nn import functional as F
+
+from resihp_lightning.testing.toy_jobs import build_stack
 
 WORLD, WIDTH, DEPTH, MBS, M = 4, 512, 4, 64, 32
 # Rank 2: not the event log's writer (rank 0), so its fault_injected line is a forced write.
@@ -53,28 +53,6 @@ class _Rows(torch.utils.data.Dataset):
         return self.x[i % BASE_ROWS], self.y[i % BASE_ROWS]
 
 
-def build_stack(width: int = WIDTH, depth: int = DEPTH) -> type:
-    """The control tests' model: ``depth`` Linear + tanh layers, SGD (built lazily: Lightning imports slowly)."""
-    from resihp_lightning.strategy.module import ResiHPModule
-
-    class Stack(ResiHPModule):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.layers = nn.ModuleList([nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(depth)])
-
-        def pipeline_layers(self):
-            return list(self.layers)
-
-        def pipeline_loss(self, outputs, labels):
-            return F.mse_loss(outputs, labels)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.01)
-
-    return Stack
-
-
 def _control_rank(rank: int, world: int, log_dir: str) -> dict:
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader
@@ -84,7 +62,7 @@ def _control_rank(rank: int, world: int, log_dir: str) -> dict:
     from resihp_lightning.config import PlannerConfig
     from resihp_lightning.strategy.strategy import ResiHPStrategy
 
-    Stack = build_stack()
+    Stack = build_stack(WIDTH, DEPTH)
 
     steps: list[dict] = []  # per training step: plan in force, rank's step time, detector's view
 

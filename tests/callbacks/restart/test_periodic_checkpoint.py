@@ -98,7 +98,7 @@ def test_an_iterable_dataset_is_refused():
 def _checkpoint_rank(rank: int, world: int, root: str) -> dict:
     import lightning.pytorch as pl
 
-    import elastic_job as job
+    from resihp_lightning.testing import elastic_job as job
     from resihp_lightning.callbacks.restart.elastic_restart import ElasticRestart
     from resihp_lightning.callbacks.restart.periodic_checkpoint import periodic_checkpoint
     from resihp_lightning.strategy.checkpoint_io import make_checkpoint_io, timed_io
@@ -180,7 +180,7 @@ def test_periodic_checkpoints_keep_the_last_k_and_resume_exactly(distributed, tm
 def _fit_rank(rank: int, world: int, root: str, steps: int, elastic: bool, ckpt: str | None) -> dict:
     import lightning.pytorch as pl
 
-    import elastic_job as job
+    from resihp_lightning.testing import elastic_job as job
     from resihp_lightning.callbacks.restart.elastic_restart import ElasticRestart
     from resihp_lightning.callbacks.restart.periodic_checkpoint import periodic_checkpoint
     from resihp_lightning.strategy.strategy import ResiHPStrategy

@@ -10,8 +10,8 @@ import signal
 
 import pytest
 
-from tests.strategy.test_lightning_fidelity import STEPS, build_class
-from tests.strategy.test_strategy_e2e import M, MBS, make_data
+from resihp_lightning.testing.toy_jobs import EPOCH_STEPS as STEPS
+from resihp_lightning.testing.toy_jobs import M, MBS, build_class, make_data
 
 VICTIM, AT_STEP = 2, 2
 

@@ -235,30 +235,15 @@ CL_WIDTH, CL_DEPTH, CL_MBS, CL_M, CL_FAULT_STEP = 1024, 8, 16, 8, 16
 def _closed_loop_rank(rank: int, world: int, log_dir: str, steps: int, control: bool) -> dict:
     import lightning.pytorch as pl
     import torch
-    from torch import nn
-    from torch.nn import functional as F
     from torch.utils.data import DataLoader, TensorDataset
 
     from resihp_lightning.callbacks import EventLog, FaultInjector, ReplanController, StragglerDetector
     from resihp_lightning.callbacks.replan.replan_policy import ControllerConfig
     from resihp_lightning.config import PlannerConfig
-    from resihp_lightning.strategy.module import ResiHPModule
     from resihp_lightning.strategy.strategy import ResiHPStrategy
+    from resihp_lightning.testing.toy_jobs import build_stack
 
-    class Stack(ResiHPModule):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.layers = nn.ModuleList([nn.Sequential(nn.Linear(CL_WIDTH, CL_WIDTH), nn.Tanh()) for _ in range(CL_DEPTH)])
-
-        def pipeline_layers(self):
-            return list(self.layers)
-
-        def pipeline_loss(self, outputs, labels):
-            return F.mse_loss(outputs, labels)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.01)
+    Stack = build_stack(CL_WIDTH, CL_DEPTH)
 
     gen = torch.Generator().manual_seed(1)
     rows = CL_M * CL_MBS * steps

@@ -42,30 +42,15 @@ TAKE_BACK = _plan([([0, 1], [0, 4, DEPTH], 4), ([2, 3], [0, 4, DEPTH], 4)])
 def _job(rank: int, world: int, run_dir: str, schedule: dict, victims: dict) -> dict:
     import lightning.pytorch as pl
     import torch
-    from torch import nn
-    from torch.nn import functional as F
     from torch.utils.data import DataLoader, TensorDataset
 
     from resihp_lightning.plan import Plan
-    from resihp_lightning.strategy.module import ResiHPModule
+    from resihp_lightning.testing.toy_jobs import build_stack
     from resihp_lightning.strategy.strategy import ResiHPStrategy
 
     torch.set_num_threads(1)
 
-    class Stack(ResiHPModule):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.layers = nn.ModuleList([nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(DEPTH)])
-
-        def pipeline_layers(self):
-            return list(self.layers)
-
-        def pipeline_loss(self, outputs, labels):
-            return F.mse_loss(outputs, labels)
-
-        def configure_optimizers(self):
-            return torch.optim.Adam(self.parameters(), lr=1e-4)
+    Stack = build_stack(WIDTH, DEPTH, optimizer=lambda params: torch.optim.Adam(params, lr=1e-4))
 
     rows: list[dict] = []
 

@@ -17,6 +17,7 @@ that spawned ranks run stay in the test modules, importable by name.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -221,8 +222,14 @@ def build_class() -> type:
     return Net
 
 
-def build_stack(width: int, depth: int) -> type:
-    """The control job's model class: ``depth`` Linear(``width``) + tanh layers (seed 0), SGD (lr 0.01)."""
+def build_stack(width: int, depth: int, optimizer: Callable[[Any], torch.optim.Optimizer] | None = None) -> type:
+    """The control job's model class: ``depth`` Linear(``width``) + tanh layers (seed 0), MSE loss.
+
+    Args:
+        width: features of every layer.
+        depth: layers.
+        optimizer: builds the optimizer from the parameters (default: SGD, lr 0.01).
+    """
     from resihp_lightning.strategy.module import ResiHPModule
 
     class Stack(ResiHPModule):
@@ -238,6 +245,8 @@ def build_stack(width: int, depth: int) -> type:
             return F.mse_loss(outputs, labels)
 
         def configure_optimizers(self):
+            if optimizer is not None:
+                return optimizer(self.parameters())
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
     return Stack

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -12,14 +13,17 @@ import pytest
 from resihp_lightning.resilience.failure_detector import (
     EXITED,
     GOODBYE,
+    HUNG,
     SILENT,
     Failure,
     FailureDetector,
     FailureDetectorConfig,
+    main_thread_waiting,
     running_detector,
 )
 from resihp_lightning.resilience.procs import ProcessIdentity, pid_namespace
 from resihp_lightning.resilience.store import beat_key, proc_key
+from resihp_lightning.testing.stores import tcp_store_client, tcp_store_server
 
 INTERVAL, TIMEOUT = 0.05, 1.0
 
@@ -227,3 +231,82 @@ def test_the_detector_imports_without_torch():
     code = "import sys, resihp_lightning.resilience.failure_detector\nprint('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "False"
+
+
+# ------------------------------------- hung vs. waiting (from test_resilience_units.py)
+def _fake_beat(store, rank, counter, step, waiting):
+    store.set(beat_key(rank), f"{counter}:{step}:{int(waiting)}:0")
+
+
+def test_a_rank_stuck_outside_communication_is_blamed_not_the_ones_waiting_for_it():
+    import torch.distributed as dist
+
+    server = tcp_store_server()
+    peers = dist.PrefixStore("job", tcp_store_client(server))
+    config = FailureDetectorConfig(interval_s=0.05, timeout_s=1.0, progress_timeout_s=0.3, probe_local_pids=False)
+    seen: list = []
+    detector = FailureDetector(config, rank=0, connect=lambda: dist.PrefixStore("job", tcp_store_client(server)),
+                               on_failures=seen.extend)
+    for r in (1, 2):
+        _fake_beat(peers, r, 0, 5, False)
+    detector.start()
+    detector.progress(5)
+    detector.watch([0, 1, 2], 0)
+    try:
+        # Rank 1 waits in a collective, rank 2 computes and never reaches it; both keep beating.
+        deadline = time.monotonic() + 5
+        counter = 1
+        while not seen and time.monotonic() < deadline:
+            _fake_beat(peers, 1, counter, 5, True)
+            _fake_beat(peers, 2, counter, 5, False)
+            counter += 1
+            time.sleep(0.05)
+        assert [(f.rank, f.reason) for f in seen] == [(2, HUNG)]
+    finally:
+        detector.stop()
+
+
+def test_nobody_is_blamed_when_every_rank_is_busy_with_something_long():
+    import torch.distributed as dist
+
+    server = tcp_store_server()
+    peers = dist.PrefixStore("job", tcp_store_client(server))
+    config = FailureDetectorConfig(interval_s=0.05, timeout_s=1.0, progress_timeout_s=0.2, probe_local_pids=False)
+    seen: list = []
+    detector = FailureDetector(config, rank=0, connect=lambda: dist.PrefixStore("job", tcp_store_client(server)),
+                               on_failures=seen.extend)
+    _fake_beat(peers, 1, 0, 5, False)
+    detector.start()
+    detector.progress(5)
+    detector.watch([0, 1], 0)
+    try:
+        for counter in range(1, 20):  # 1 s: both stalled at step 5, nobody in a collective
+            _fake_beat(peers, 1, counter, 5, False)
+            time.sleep(0.05)
+        assert seen == []
+        time.sleep(1.3)  # now rank 1 goes silent
+        assert [(f.rank, f.reason) for f in seen] == [(1, "silent")]
+    finally:
+        detector.stop()
+
+
+def test_the_main_thread_counts_as_waiting_inside_communication_modules():
+    code = compile("import time\ndef wait():\n    time.sleep(0.6)\n", "/x/torch/distributed/fake_c10d.py", "exec")
+    namespace: dict = {}
+    exec(code, namespace)  # noqa: S102 - a function whose frame looks like torch.distributed's
+    main = threading.main_thread().ident
+    fragments = FailureDetectorConfig().comm_frames
+    answers: list[bool] = []
+
+    def look() -> None:
+        time.sleep(0.3)
+        answers.append(main_thread_waiting(main, fragments, 3))
+
+    thread = threading.Thread(target=look)
+    thread.start()
+    namespace["wait"]()
+    thread.join()
+    thread = threading.Thread(target=lambda: answers.append(main_thread_waiting(main, fragments, 3)))
+    thread.start()
+    thread.join()
+    assert answers == [True, False]

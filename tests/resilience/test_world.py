@@ -6,6 +6,8 @@ in a loop of collectives under :class:`ElasticWorld`. The victim leaves the ``ti
 its failure (one clock for all processes of a machine); the survivors report when their blocked
 collective was released (:class:`PeerFailure` caught) and when the new generation was formed, and
 prove it with an all_reduce whose exact sum names its members.
+
+At the end, single-process checks of ``world.py``'s options and of how it tells transport errors from bugs.
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ from pathlib import Path
 
 import pytest
 
+from resihp_lightning.errors import ConfigError
+from resihp_lightning.resilience.failure_detector import FailureDetectorConfig
+from resihp_lightning.resilience.store import StoreConfig
+from resihp_lightning.resilience.world import WorldConfig, is_transport_error
 from resihp_lightning.testing.harness import last_words, run_job
-
-pytestmark = pytest.mark.multiprocess
 
 
 def _sum_of(members) -> float:
@@ -148,6 +152,7 @@ def _deaths(outcome):
     return {r.rank: r.last_words["at"] for r in outcome.ranks if r.last_words}
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("mode", ["all_reduce", "p2p"])
 def test_sigkill_of_rank_two_releases_the_survivors_who_regroup_into_three(mode):
     outcome = run_job(_train, 4, timeout=45, wait_for=[0, 1, 3], store_host_grace_s=4.0,
@@ -164,6 +169,7 @@ def test_sigkill_of_rank_two_releases_the_survivors_who_regroup_into_three(mode)
     assert outcome.store_host_ended_by_itself, "the store host outlived the job"
 
 
+@pytest.mark.multiprocess
 def test_rank_zero_then_rank_three_die_in_a_pipeline_chain_and_the_store_survives():
     outcome = run_job(_train, 4, timeout=50, wait_for=[1, 2], mode="p2p",
                       failures=[(0, 15, "kill"), (3, 35, "kill")], steps=50)
@@ -177,6 +183,7 @@ def test_rank_zero_then_rank_three_die_in_a_pipeline_chain_and_the_store_survive
         assert value["rank_of"] == {1: 0, 2: 1}
 
 
+@pytest.mark.multiprocess
 def test_a_stopped_rank_is_evicted_the_others_go_on_and_it_learns_so_when_resumed():
     outcome = run_job(_train, 4, timeout=45, mode="all_reduce",
                       failures=[(1, 20, "stop")], steps=40, progress_timeout_s=1.5, resume=1)
@@ -193,6 +200,7 @@ def test_a_stopped_rank_is_evicted_the_others_go_on_and_it_learns_so_when_resume
     assert any(reason.startswith("silent") for reason in reasons), reasons
 
 
+@pytest.mark.multiprocess
 def test_a_rank_stuck_in_its_step_is_evicted_as_hung_not_the_ones_waiting_for_it():
     outcome = run_job(_train, 4, timeout=45, wait_for=[0, 1, 2], mode="p2p",
                       failures=[(3, 20, "hang")], steps=40, progress_timeout_s=1.5)
@@ -206,6 +214,7 @@ def test_a_rank_stuck_in_its_step_is_evicted_as_hung_not_the_ones_waiting_for_it
     assert any(reason.startswith("hung") for reason in reasons), reasons
 
 
+@pytest.mark.multiprocess
 def test_a_rank_dying_after_it_joined_the_regroup_costs_one_more_generation_not_a_hang():
     outcome = run_job(_train, 4, timeout=45, wait_for=[0, 1], mode="all_reduce",
                       failures=[(2, 20, "kill")], steps=40, dies_after_joining=3)
@@ -244,6 +253,7 @@ def _loses_the_store(rank, world_size, run_dir):
     raise AssertionError("no failure or no StoreUnavailable")
 
 
+@pytest.mark.multiprocess
 def test_without_its_store_host_the_job_trains_on_and_a_later_failure_ends_it_cleanly():
     """The store host's death is the one loss the job cannot regroup from (restart path)."""
     outcome = run_job(_loses_the_store, 4, timeout=45, wait_for=[0, 1, 3])
@@ -252,6 +262,7 @@ def test_without_its_store_host_the_job_trains_on_and_a_later_failure_ends_it_cl
         assert value["aborted"] == 0 and value["store_unavailable_after"] < 5.0
 
 
+@pytest.mark.multiprocess
 def test_a_leader_alive_but_late_for_the_regroup_is_left_out_and_the_others_go_on(tmp_path):
     """Rank 0, the regroup's leader, stalls after rank 2 dies: alive (its detector keeps beating), so
     nobody names it failed, and it never joins. After ``join_timeout_s`` the lowest rank that joined (1)
@@ -272,3 +283,36 @@ def test_a_leader_alive_but_late_for_the_regroup_is_left_out_and_the_others_go_o
     dumps = sorted(p.name for p in Path(outcome.run_dir).glob("stalled-rank*.txt"))
     assert dumps == ["stalled-rank0.txt"], dumps
     assert "in _train" in (Path(outcome.run_dir) / "stalled-rank0.txt").read_text()
+
+
+# ------------------------------------- single process: options and errors (from test_resilience_units.py)
+@pytest.mark.parametrize(
+    ("build", "option"),
+    [
+        (lambda: WorldConfig(backend="mpi"), "resilience.backend"),
+        (lambda: WorldConfig(join_timeout_s=0), "resilience.join_timeout_s"),
+        (lambda: WorldConfig(join_timeout_s=50, regroup_timeout_s=40), "resilience.join_timeout_s"),
+        (lambda: WorldConfig(min_world_size=0), "resilience.min_world_size"),
+        (lambda: FailureDetectorConfig(interval_s=0.5, timeout_s=0.6), "resilience.detector.timeout_s"),
+        (lambda: FailureDetectorConfig(progress_timeout_s=0.1), "resilience.detector.progress_timeout_s"),
+        (lambda: FailureDetectorConfig(comm_frame_depth=0), "resilience.detector.comm_frame_depth"),
+        (lambda: StoreConfig(port=70000), "resilience.store.port"),
+        (lambda: StoreConfig(linger_s=-1), "resilience.store.linger_s"),
+        (lambda: StoreConfig(run_id="a b"), "resilience.store.run_id"),
+    ],
+)
+def test_options_are_validated(build, option):
+    with pytest.raises(ConfigError, match=option.replace(".", r"\.")):
+        build()
+
+
+def test_defaults_detect_a_silent_rank_within_a_second():
+    config = WorldConfig()
+    assert config.detector.interval_s == 0.2 and config.detector.timeout_s == 1.0
+    assert config.backend == "gloo"
+
+
+def test_transport_errors_are_told_from_bugs():
+    gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1")
+    assert is_transport_error(gloo)
+    assert not is_transport_error(ValueError("shapes do not match"))

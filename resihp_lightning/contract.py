@@ -238,5 +238,10 @@ class Survivable(Protocol):
         """Called (no arguments) on every survivor inside a recovery, in registration order, after the new
         group formed: a callback re-synchronises its cross-rank state there (collectives allowed)."""
 
+    @property
+    def failure_detector(self) -> Any:
+        """The job's :class:`~resihp_lightning.resilience.failure_detector.FailureDetector` (a reporting
+        callback subscribes to it instead of running a second one); ``None`` without ``fail_stop``."""
+
     device_conditions: DeviceConditions
     """What a recovery plans the survivors with (healthy by default; the controller keeps it current)."""

@@ -12,7 +12,8 @@ fail_slow_recovered     rank, speed
 slow_link_detected      rank, link_speed (its links' round trips vs the median device's; 1.0 healthy)
 slow_link_recovered     rank, link_speed
 fault_struck            kind, rank, at (a kill / hang fault fired inside the step; monotonic time)
-fail_stop_detected      rank, how (exited, silent = heartbeat, hung = progress, left out), at
+fail_stop_detected      rank, how (exited, silent = heartbeat, hung = progress, left out), at (FailStopReporter);
+                        or rank, reason, how, reporter (HeartbeatMonitor)
 recovery_started        generation, members (the survivors), failed
 recovery_finished       generation, members, spares (idle), abort_s, regroup_s, plan_s, restore_s, redo_s, total_s, bytes_moved
 fail_stop_unrecoverable reason, exit_code

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from resihp_lightning._logging import user_info, user_warn
 from resihp_lightning.contract import DeviceConditions
 from resihp_lightning.plan import Plan
+from resihp_lightning.resilience.failure_detector import FailureDetector
 from resihp_lightning.resilience.failures import PeerFailure
 from resihp_lightning.failstop.recovery_record import RecoveryRecord
 from resihp_lightning.failstop.spares import Reshape
@@ -90,6 +91,10 @@ class SurvivingMembership:
     @property
     def last_recovery(self) -> RecoveryRecord | None:
         return self.job.last_recovery
+
+    @property
+    def failure_detector(self) -> FailureDetector | None:
+        return self.job.world.detector
 
     @property
     def listeners(self) -> list[Callable[[str, dict[str, Any]], None]]:

@@ -38,8 +38,9 @@ still abort the generation, so that nobody hangs; the regroup that follows raise
 
 A process that ends on purpose can say goodbye (``stop(goodbye=True)``: its beat becomes
 :data:`GOODBYE`); its peers then stop judging it (:attr:`FailureDetector.left`). One detector runs
-per process: :func:`running_detector` returns the elastic world's, so that a reporting callback uses it
-instead of starting a second one.
+per process: a strategy with ``fail_stop`` offers its elastic world's as ``strategy.failure_detector``
+(:class:`~resihp_lightning.contract.Survivable`), so that a reporting callback uses it instead of starting
+a second one.
 """
 
 from __future__ import annotations
@@ -75,14 +76,6 @@ _NOT_COMM_FRAMES = (f"torch{_SEP}distributed{_SEP}elastic{_SEP}", f"torch{_SEP}d
 EXITED, SILENT, HUNG = "exited", "silent", "hung"
 #: The beat of a process that stopped on purpose (never judged again).
 GOODBYE = b"done"
-
-_running: FailureDetector | None = None
-
-
-def running_detector() -> FailureDetector | None:
-    """The detector this process started with ``shared=True`` (an elastic world's) and has not stopped, or ``None``."""
-    return _running
-
 
 def abort_key(generation: int) -> str:
     """The job key that marks ``generation`` as aborted (value: JSON with ``by``, ``reason``, ``failed``)."""
@@ -254,14 +247,8 @@ class FailureDetector:
     def thread(self) -> threading.Thread | None:
         return self._thread
 
-    def start(self, *, shared: bool = False) -> FailureDetector:
-        """Connects, writes the first beat and starts the thread (no verdicts before :meth:`watch`).
-
-        Args:
-            shared: offer this detector to reporters as the process's :func:`running_detector`
-                (the elastic world's; a reporter's own detector is not shared).
-        """
-        global _running
+    def start(self) -> FailureDetector:
+        """Connects, writes the first beat and starts the thread (no verdicts before :meth:`watch`)."""
         if self._thread is not None:
             return self
         self.store = self._connect()
@@ -269,8 +256,6 @@ class FailureDetector:
         self._last_read = time.monotonic()
         self._thread = threading.Thread(target=self._run, name=f"resihp-detector-{self.rank}", daemon=True)
         self._thread.start()
-        if shared and _running is None:
-            _running = self
         return self
 
     def subscribe(self, listener: Callable[[list[Failure]], None]) -> None:
@@ -348,13 +333,10 @@ class FailureDetector:
             goodbye: write :data:`GOODBYE` as this process's beat, so that peers stop judging it (a
                 process that ends on purpose; never raises, the store may be gone already).
         """
-        global _running
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.config.interval_s * 5 + 1)
         self._thread = None
-        if _running is self:
-            _running = None
         if goodbye and self.store is not None:
             try:
                 self.store.set(beat_key(self.rank), GOODBYE)

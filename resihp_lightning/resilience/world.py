@@ -356,7 +356,7 @@ class ElasticWorld:
             connect=lambda: store.scoped(store.connect()),
             on_failures=self._on_failures,
             on_abort_marker=self._on_abort_marker,
-        ).start(shared=True)
+        ).start()
         if cfg.track_new_groups:
             _install_group_hook(self)
         self._job = tuple(range(self.initial_world_size))

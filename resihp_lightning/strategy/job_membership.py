@@ -58,6 +58,11 @@ class Membership(Protocol):
         ...
 
     @property
+    def failure_detector(self) -> Any:
+        """The failure detector of the job's groups (``None`` for a plain job)."""
+        ...
+
+    @property
     def listeners(self) -> list[Callable[[str, dict[str, Any]], None]]:
         """Called before the process exits unrecoverably."""
         ...
@@ -138,6 +143,7 @@ class PlainMembership:
     is_spare = False
     collectives_interrupted = False
     last_recovery = None
+    failure_detector = None
     commit = None
 
     @property

@@ -49,6 +49,7 @@ from resihp_lightning.failstop.surviving_membership import SurvivingMembership
 from resihp_lightning.failstop.surviving_steps import SurvivingSteps
 from resihp_lightning.failstop.survivors import SurvivingJob
 from resihp_lightning.placement import row_offset
+from resihp_lightning.resilience.failure_detector import FailureDetector
 from resihp_lightning.plan import Plan
 from resihp_lightning.runtime import batching, link_probe
 from resihp_lightning.runtime.device_memory import memory_budget_mb
@@ -321,6 +322,11 @@ class ResiHPStrategyMixin:
     def last_recovery(self) -> RecoveryRecord | None:
         """The last in-process fail-stop recovery (``None`` before one)."""
         return self._membership.last_recovery
+
+    @property
+    def failure_detector(self) -> FailureDetector | None:
+        """The failure detector of the job's groups (``fail_stop`` on), which reporting callbacks subscribe to."""
+        return self._membership.failure_detector
 
     @property
     def fail_stop_listeners(self) -> list[Callable[[str, dict[str, Any]], None]]:

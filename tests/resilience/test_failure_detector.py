@@ -19,7 +19,6 @@ from resihp_lightning.resilience.failure_detector import (
     FailureDetector,
     FailureDetectorConfig,
     main_thread_waiting,
-    running_detector,
 )
 from resihp_lightning.resilience.procs import ProcessIdentity, pid_namespace
 from resihp_lightning.resilience.store import beat_key, proc_key
@@ -212,19 +211,6 @@ def test_listeners_hear_of_every_failure_once_whoever_found_it(server):
         assert len(heard) == 2
     finally:
         detector.stop()
-
-
-def test_the_shared_detector_is_the_running_one_until_it_stops(server):
-    assert running_detector() is None
-    private = _detector(server, []).start()
-    shared = _detector(server, []).start(shared=True)
-    another = _detector(server, []).start(shared=True)
-    try:
-        assert running_detector() is shared
-    finally:
-        for detector in (private, shared, another):
-            detector.stop()
-    assert running_detector() is None
 
 
 def test_the_detector_imports_without_torch():

@@ -1,7 +1,7 @@
 """``HeartbeatMonitor``: reports fail-stop failures for the length of ``trainer.fit``.
 
 At ``setup`` it takes the detector the job already runs, when there is one (the strategy's, with
-``fail_stop`` on: :func:`~resihp_lightning.resilience.failure_detector.running_detector`), and only
+``fail_stop`` on: ``strategy.failure_detector``, see :class:`~resihp_lightning.contract.Survivable`), and only
 reports what that detector finds: the strategy recovers, so ``on_failure`` does not apply and the
 trainer is not stopped. Without one it starts a :class:`~.heartbeat.Heartbeat` with a detector of its
 own (the process group exists by then, so rank 0 can pick a free port for the store and broadcast
@@ -27,7 +27,6 @@ from resihp_lightning._logging import user_warn
 from resihp_lightning.callbacks.events import EventLog
 from resihp_lightning.callbacks.failstop.heartbeat import Heartbeat, HeartbeatConfig
 from resihp_lightning.config import config_from_options
-from resihp_lightning.resilience.failure_detector import running_detector
 
 
 class HeartbeatMonitor(Callback):
@@ -61,7 +60,7 @@ class HeartbeatMonitor(Callback):
             log_dir = self.log_dir or trainer.log_dir or trainer.default_root_dir
             self.events = EventLog(Path(log_dir), rank=trainer.global_rank)
         self._trainer = trainer
-        detector = running_detector()
+        detector = getattr(trainer.strategy, "failure_detector", None)
         if detector is not None:
             ignored = _options_without_effect(self.config)
             if ignored:

@@ -20,7 +20,7 @@ from resihp_lightning.testing.multiproc import free_port, rank_context
 from resihp_lightning.callbacks.events import EventLog, read_events
 from resihp_lightning.callbacks.failstop.heartbeat import STORE_UNREACHABLE, Heartbeat, HeartbeatConfig
 from resihp_lightning.errors import ConfigError
-from resihp_lightning.resilience.failure_detector import HUNG, SILENT, Failure, FailureDetector, running_detector
+from resihp_lightning.resilience.failure_detector import HUNG, SILENT, Failure, FailureDetector
 
 INTERVAL, TIMEOUT = 0.2, 1.0
 
@@ -248,7 +248,7 @@ def test_a_running_detector_is_reported_on_and_left_running(tmp_path):
     detector = FailureDetector(
         HeartbeatConfig(interval_s=0.05, timeout_s=1.0).detector_config(), rank=1,
         connect=lambda: dist.PrefixStore("job", dist.TCPStore("127.0.0.1", server.port, None, False)),
-    ).start(shared=True)
+    ).start()
     peers.set("hb/0", "0:0:0:0")
     detector.watch([0, 1, 2], 0)
     events = EventLog(tmp_path, rank=1)
@@ -264,7 +264,7 @@ def test_a_running_detector_is_reported_on_and_left_running(tmp_path):
             (2, SILENT, "heartbeat timeout", 1), (0, "left out of generation 1", "left out of generation 1", 2)]
         assert [e["rank"] for e in read_events(tmp_path)] == [2, 0]
         heart.stop()
-        assert detector.thread is not None and running_detector() is detector
+        assert detector.thread is not None  # left running: it is the strategy's
     finally:
         detector.stop()
 
@@ -273,9 +273,9 @@ def test_the_monitor_reports_on_the_running_detector_and_says_what_does_not_appl
     from resihp_lightning.callbacks.failstop.heartbeat_monitor import HeartbeatMonitor  # Lightning: not in the spawned ranks
 
     server = _server()
-    detector = FailureDetector(rank=0, connect=lambda: server).start(shared=True)
+    detector = FailureDetector(rank=0, connect=lambda: server).start()
     trainer = SimpleNamespace(global_rank=0, world_size=2, log_dir=str(tmp_path), default_root_dir=str(tmp_path),
-                              should_stop=False)
+                              should_stop=False, strategy=SimpleNamespace(failure_detector=detector))
     monitor = HeartbeatMonitor(on_failure="exit", timeout_s=5.0)
     try:
         with pytest.warns(UserWarning, match="timeout_s=5.0, on_failure='exit' do not apply"):
@@ -293,13 +293,12 @@ def test_without_a_running_detector_the_monitor_runs_its_own_and_stops_the_train
     from resihp_lightning.callbacks.failstop.heartbeat_monitor import HeartbeatMonitor  # Lightning: not in the spawned ranks
 
     trainer = SimpleNamespace(global_rank=0, world_size=2, log_dir=str(tmp_path), default_root_dir=str(tmp_path),
-                              should_stop=False)
+                              should_stop=False, strategy=SimpleNamespace(failure_detector=None))  # fail_stop off
     monitor = HeartbeatMonitor(port=free_port(), interval_s=0.05, timeout_s=5.0)
     monitor.setup(trainer, None, "fit")
     heartbeat = monitor.heartbeat
     try:
         assert heartbeat.owns_detector and heartbeat.detector.thread is not None
-        assert running_detector() is None  # an own detector is not offered to others
         monitor.on_train_batch_start(SimpleNamespace(global_step=7), None, None, 0)
         assert heartbeat.detector.step == 7
         heartbeat.detector.declare([Failure(1, "exited", 0, time.monotonic())])

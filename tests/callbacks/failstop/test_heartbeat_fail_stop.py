@@ -22,7 +22,6 @@ def _job(rank: int, world: int, run_dir: str) -> dict:
 
     from resihp_lightning.callbacks import HeartbeatMonitor
     from resihp_lightning.failstop.fail_stop_config import FailStopConfig
-    from resihp_lightning.resilience.failure_detector import running_detector
     from resihp_lightning.strategy.strategy import ResiHPStrategy
 
     monitor = HeartbeatMonitor(monitor="all")
@@ -31,7 +30,7 @@ def _job(rank: int, world: int, run_dir: str) -> dict:
     class Victim(pl.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             heartbeat = monitor.heartbeat
-            seen.update(borrowed=not heartbeat.owns_detector, same=heartbeat.detector is running_detector())
+            seen.update(borrowed=not heartbeat.owns_detector, same=heartbeat.detector is trainer.strategy.failure_detector)
             if trainer.strategy.device_id == VICTIM and trainer.global_step == AT_STEP:
                 os.kill(os.getpid(), signal.SIGKILL)
 

@@ -1,7 +1,7 @@
 """``Trainer(strategy="resihp")`` in the standalone ``pytorch_lightning`` package, on 2 gloo processes.
 
 The run goes through two re-plans (1x2 -> 2x1 with moved bounds -> 1x2 with uneven micro-batches)
-and must match the single-process plain-PyTorch reference of ``test_strategy_e2e`` step by step.
+and must match the single-process plain-PyTorch reference of ``test_strategy`` step by step.
 """
 
 from __future__ import annotations

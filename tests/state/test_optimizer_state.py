@@ -4,7 +4,7 @@ One job on 2 real gloo processes runs four fits:
 
 * ZeRO-1 (fp32) through three re-plans that move every layer (2x1 -> swapped 2x1 with other bounds
   -> 1x2 with 3/1 micro-batches -> 2x1): every loss and the final parameters match the one-process
-  plain-PyTorch reference of ``test_strategy_e2e`` to 1e-6;
+  plain-PyTorch reference of ``test_strategy`` to 1e-6;
 * ZeRO-1 checkpoint written under 2x1, resumed under 1x2 into a module whose weights were zeroed:
   the resumed losses continue the reference (so the wrapper's fp32 masters and moments were restored);
 * bf16 with re-plans that keep the arithmetic (ranks swap stages, a bound moves) and the same run

@@ -8,8 +8,8 @@ carries) is searched like everything else. It shares no code with the solver pac
 it as ``resihp_lightning.testing.brute_oracle``.
 
 :func:`price` prices a plan a second way, transfer by transfer, as a check of ``evaluate``'s link
-terms; :func:`random_problem` and :func:`random_link_problem` draw the small problems (without and
-with slow links) that the solver tests share.
+terms; :func:`random_problem` and :func:`random_link_problem` (:func:`link_problem` by seed) draw the
+small problems (without and with slow links) that the solver tests share.
 """
 
 from __future__ import annotations
@@ -160,6 +160,11 @@ def random_link_problem(rng: random.Random, max_devices: int = 5, max_layers: in
         )
         if problem.candidate_shapes() and count_candidates(problem) <= max_candidates:
             return problem
+
+
+def link_problem(seed: int) -> Problem:
+    """A small problem with slow links (:func:`random_link_problem`), one per seed."""
+    return random_link_problem(random.Random(10_000 + seed))
 
 
 def random_problem(seed: int) -> Problem:

@@ -8,10 +8,8 @@ no code with the knapsack) on problems too large for brute force. The decomposit
 
 from __future__ import annotations
 
-import itertools
 import math
 import random
-from collections import Counter
 
 import pytest
 from resihp_lightning.testing.brute_oracle import count_candidates, random_link_problem, solve_brute
@@ -25,7 +23,6 @@ from resihp_lightning.solver.exact import exact_search, solve_exact
 from resihp_lightning.solver.replica_search import BudgetExceeded
 from resihp_lightning.solver.exact_model import Best, Model, build_plan
 from resihp_lightning.solver.heuristic import heuristic_search
-from resihp_lightning.solver.knapsack import ReplicaKnapsack, compositions
 
 REL = 1e-9
 
@@ -67,40 +64,6 @@ def _same(a: float | None, b: float | None) -> bool:
     if a is None or b is None:
         return a is b
     return abs(a - b) <= REL * max(1.0, abs(b))
-
-
-def test_knapsack_matches_enumeration_of_replica_mixes():
-    rng = random.Random(4)
-    checked = 0
-    for _ in range(60):
-        counts = [rng.randint(1, 4) for _ in range(rng.randint(1, 3))]
-        p = rng.randint(1, 3)
-        exclude = rng.random() < 0.5
-        d = rng.randint(1, max(1, sum(counts) // p))
-        if not exclude and d * p != sum(counts):
-            continue
-        kn = ReplicaKnapsack(p, d, counts, exclude)
-        values = {k: rng.randint(0, 9) for k in compositions(p, counts)}
-        free_pure = tuple(p if c == kn.free else 0 for c in range(len(counts)))
-        free_value = values.get(free_pure, 0)
-        best = -1
-        comps = [k for k in compositions(p, counts) if values[k] >= 1]
-        for mix in itertools.combinations_with_replacement(comps, d):
-            used = [sum(k[c] for k in mix) for c in range(len(counts))]
-            if all(u <= n for u, n in zip(used, counts)) and (exclude or used == counts):
-                best = max(best, sum(values[k] for k in mix))
-        found = kn.solve(values, free_value)
-        if best < 0:
-            assert found is None
-            continue
-        assert found.total == best
-        mix = Counter({k: n for k, n in found.items.items()})
-        if found.free_replicas:
-            mix[free_pure] += found.free_replicas
-        assert sum(mix.values()) == d
-        assert sum(values[k] * n for k, n in mix.items()) == best
-        checked += 1
-    assert checked > 20
 
 
 def test_decomposition_matches_brute_force_on_small_problems():

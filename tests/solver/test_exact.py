@@ -3,26 +3,21 @@
 from __future__ import annotations
 
 import importlib
-import itertools
 import math
 import random
 import time
 from dataclasses import replace
 
 import pytest
-from resihp_lightning.testing.brute_oracle import count_candidates, price, random_link_problem, random_problem, solve_brute
+from resihp_lightning.testing.brute_oracle import count_candidates, link_problem, price, random_problem, solve_brute
 
 from resihp_lightning.config import PlannerConfig
 from resihp_lightning.errors import InfeasibleError, ProblemError
 from resihp_lightning.plan import Device, Layer, Plan, Problem, Replica, evaluate, validate
 from resihp_lightning.solver import solve
-from resihp_lightning.solver.bounds import shape_lower_bound
-from resihp_lightning.solver.enumeration import all_bounds, layouts
 from resihp_lightning.solver.exact import exact_search, solve_exact
-from resihp_lightning.solver.replica_search import min_bottleneck
 from resihp_lightning.solver.exact_model import Best, Model, build_plan
 from resihp_lightning.solver.heuristic import heuristic_search
-from resihp_lightning.solver.microbatch_split import split
 
 REL = 1e-9
 
@@ -273,73 +268,6 @@ def test_config_options_are_applied():
     assert plan1.pipeline_degree == 1 and plan1.status == "optimal"
 
 
-def test_min_bottleneck_matches_enumeration():
-    """The exact planner's bottleneck partition (ms, memory by Model.stage_cap) against every bounds vector."""
-    checked = 0
-    problems = [random_problem(seed) for seed in range(0, 180, 3)] + [link_problem(seed) for seed in range(0, 150, 5)]
-    for problem in problems:
-        model = Model(problem)
-        for p in range(1, problem.num_layers // problem.min_layers_per_stage + 1):
-            for cls in range(len(model.classes)):
-                for m in range(1, p + 2):
-                    best = math.inf
-                    for bounds in all_bounds(model.L, p, model.min_layers):
-                        stages = [(bounds[j], bounds[j + 1]) for j in range(p)]
-                        if all(model.stage_cap(a, b, cls, p - j) >= m for j, (a, b) in enumerate(stages)):
-                            best = min(best, max(model.stage_time(a, b, cls, j, p) for j, (a, b) in enumerate(stages)))
-                    value, bounds = min_bottleneck(model, cls, p, m)
-                    assert value == best, (problem.to_json(), p, cls, m)
-                    if bounds is not None:
-                        assert max(model.stage_time(bounds[j], bounds[j + 1], cls, j, p) for j in range(p)) == best
-                        assert all(model.stage_cap(bounds[j], bounds[j + 1], cls, p - j) >= m for j in range(p))
-                    checked += 1
-    assert checked > 300
-
-
-def test_shape_lower_bound_is_below_every_plan_of_its_degree():
-    problems = [random_problem(seed) for seed in range(0, 180, 7)] + [link_problem(seed) for seed in range(0, 150, 6)]
-    for problem in problems:
-        for p in sorted({shape[0] for shape in problem.candidate_shapes()}):
-            one_degree = replace(problem, pipeline_degrees=(p,))
-            try:
-                optimum = solve_brute(one_degree).iteration_ms
-            except InfeasibleError:
-                continue
-            bound = min(shape_lower_bound(problem, p, d) for q, d in problem.candidate_shapes() if q == p)
-            assert bound <= optimum * (1 + REL), (problem.to_json(), p)
-
-
-def test_split_is_optimal_for_fixed_replica_costs():
-    rng = random.Random(7)
-    for _ in range(200):
-        groups = [(rng.uniform(1, 5), rng.uniform(0.1, 3), rng.randint(1, 6), 1) for _ in range(rng.randint(1, 4))]
-        total = rng.randint(len(groups), 12)
-        best = math.inf
-        ranges = [range(1, g[2] + 1) for g in groups]
-        for counts in itertools.product(*ranges):
-            if sum(counts) == total:
-                best = min(best, max(g[0] + (m - 1) * g[1] for g, m in zip(groups, counts)))
-        result = split(groups, total)
-        if math.isinf(best):
-            assert result is None
-        else:
-            value, rows = result
-            assert sum(r[0] for r in rows) == total
-            assert all(1 <= r[0] <= g[2] for r, g in zip(rows, groups))
-            assert value == pytest.approx(best, rel=1e-12)
-
-
-def test_layouts_are_distinct_up_to_replica_order():
-    got = list(layouts(2, 2, (2, 2)))
-    canonical = {tuple(sorted(g)) for g in got}
-    assert len(canonical) == len(got)
-    # Independently: all ways to fill a 2x2 grid with two devices of class 0 and two of class 1.
-    want = set()
-    for cells in set(itertools.permutations((0, 0, 1, 1))):
-        want.add(tuple(sorted((cells[0:2], cells[2:4]))))
-    assert canonical == want
-
-
 def test_large_problem_warm_start_is_fast():
     rng = random.Random(3)
     speeds = [1.0] * 256
@@ -363,11 +291,6 @@ def test_large_problem_warm_start_is_fast():
 
 # ---------------------------------------------------------------------------------- slow links
 LINK_SEEDS = range(150)
-
-
-def link_problem(seed: int) -> Problem:
-    """A small problem with slow links (resihp_lightning/testing/brute_oracle.py), one per seed."""
-    return random_link_problem(random.Random(10_000 + seed))
 
 
 def _healthy_links(problem: Problem) -> Problem:

@@ -301,20 +301,6 @@ def test_a_job_tensor_parallelism_cannot_run_yet_is_refused_by_name():
         initial_plan(StrategyOptions(tensor_degree=2, pipeline_degree=3), 2, 4)
 
 
-def test_tensor_groups_are_consecutive_ranks_and_slices_relabel_plans():
-    from resihp_lightning.plan import Plan
-    from resihp_lightning.tensor.tensor_groups import TensorGroups
-
-    groups = TensorGroups(2, 8)
-    assert groups.groups == 4 and groups.ranks_of(1) == [2, 3]
-    assert [groups.group_of(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
-    assert [groups.member_of(r) for r in range(8)] == [0, 1] * 4
-    plan = Plan.uniform([0, 1, 2, 3], 6, 2, 4)  # over groups: replicas (0, 1) and (2, 3)
-    slices = groups.slice_plans(plan)
-    assert [r.devices for r in slices[0].replicas] == [(0, 2), (4, 6)]
-    assert [r.devices for r in slices[1].replicas] == [(1, 3), (5, 7)]
-
-
 # ---------------------------------------------------------------------------------------- fail-slow
 SLOW_RANK, FACTOR, FAULT_STEP, SLOW_STEPS, M = 1, 4.0, 8, 20, 8
 

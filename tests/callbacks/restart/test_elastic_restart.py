@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from resihp_lightning.testing.multiproc import free_port
+from resihp_lightning.testing.multiproc import free_port, run_distributed
 
 ROOT = Path(__file__).resolve().parents[3]
 JOB = ROOT / "resihp_lightning" / "testing" / "elastic_job.py"
@@ -97,19 +97,23 @@ def _kill_all(agents: list[subprocess.Popen], run_dir: Path) -> None:
             pass
 
 
+def _reference_rank(rank: int, world_size: int, args: list[str]) -> None:
+    from resihp_lightning.testing import elastic_job
+
+    elastic_job.main(args)
+
+
 def _reference(run_dir: Path, ckpt: str, plan: dict) -> list[dict]:
-    """A 3-process run (one agent, --standalone) resumed from ``ckpt`` under ``plan``."""
+    """A 3-process run resumed from ``ckpt`` under ``plan``: the job's own ``main`` on ranks that see what
+    torchrun gives its workers (``TORCHELASTIC_RUN_ID``, no restart yet), forked from the test jobs' server
+    instead of three fresh interpreters (the agents' part is what the restarted run above tested)."""
     run_dir.mkdir()
     plan_file = run_dir / "plan.json"
     plan_file.write_text(json.dumps(plan))
-    cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", "3", str(JOB), "--run-dir", str(run_dir),
-           "--max-steps", str(STEPS), "--every-n-steps", "1000", "--ckpt", ckpt, "--plan", str(plan_file)]
-    with open(run_dir / "agent.log", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            assert proc.wait(120) == 0, (run_dir / "agent.log").read_text()[-3000:]
-        finally:
-            _kill_all([proc], run_dir)
+    args = ["--run-dir", str(run_dir), "--max-steps", str(STEPS), "--every-n-steps", "1000", "--ckpt", ckpt,
+            "--plan", str(plan_file)]
+    run_distributed(_reference_rank, 3, timeout=120, env={"TORCHELASTIC_RUN_ID": "reference", "PYTHONWARNINGS": "ignore"},
+                    args=args)
     return _jsonl(run_dir / "steps.jsonl")
 
 

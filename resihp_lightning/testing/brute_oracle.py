@@ -191,3 +191,19 @@ def random_problem(seed: int) -> Problem:
         allow_exclude=rng.random() < 0.4,
         min_layers_per_stage=rng.choice([1, 1, 1, 2]),
     )
+
+
+def random_plan(rng: random.Random, problem: Problem) -> Plan | None:
+    """A random plan of one of ``problem``'s candidate shapes (random devices, cuts and micro-batch counts),
+    or ``None`` when the cuts drawn leave a stage below ``min_layers_per_stage``; not checked for memory."""
+    p, d = rng.choice(problem.candidate_shapes())
+    ids = [dv.id for dv in problem.devices]
+    chosen = rng.sample(ids, p * d) if problem.allow_exclude else rng.sample(ids, len(ids))
+    cuts = sorted(rng.sample(range(1, problem.num_layers), p - 1)) if p > 1 else []
+    bounds = (0, *cuts, problem.num_layers)
+    if any(bounds[j + 1] - bounds[j] < problem.min_layers_per_stage for j in range(p)):
+        return None
+    counts = [1] * d
+    for _ in range(problem.micro_batches - d):
+        counts[rng.randrange(d)] += 1
+    return Plan(tuple(Replica(tuple(chosen[r * p:(r + 1) * p]), bounds, counts[r]) for r in range(d)))

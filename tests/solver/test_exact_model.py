@@ -6,24 +6,10 @@ import math
 import random
 
 import pytest
-from resihp_lightning.testing.brute_oracle import link_problem, random_problem
+from resihp_lightning.testing.brute_oracle import link_problem, random_plan, random_problem
 
-from resihp_lightning.plan import Plan, Replica, evaluate, validate
+from resihp_lightning.plan import evaluate, validate
 from resihp_lightning.solver.exact_model import Best, Model, build_plan
-
-
-def _random_plan(rng: random.Random, problem) -> Plan | None:
-    p, d = rng.choice(problem.candidate_shapes())
-    ids = [dv.id for dv in problem.devices]
-    chosen = rng.sample(ids, p * d) if problem.allow_exclude else rng.sample(ids, len(ids))
-    cuts = sorted(rng.sample(range(1, problem.num_layers), p - 1)) if p > 1 else []
-    bounds = (0, *cuts, problem.num_layers)
-    if any(bounds[j + 1] - bounds[j] < problem.min_layers_per_stage for j in range(p)):
-        return None
-    counts = [1] * d
-    for _ in range(problem.micro_batches - d):
-        counts[rng.randrange(d)] += 1
-    return Plan(tuple(Replica(tuple(chosen[r * p:(r + 1) * p]), bounds, counts[r]) for r in range(d)))
 
 
 def _class_of(model: Model) -> dict[int, int]:
@@ -40,7 +26,7 @@ def test_profile_and_allreduce_price_plans_like_evaluate():
         model = Model(problem)
         cls = _class_of(model)
         for _ in range(3):
-            plan = _random_plan(rng, problem)
+            plan = random_plan(rng, problem)
             if plan is None:
                 continue
             worst, fits = 0.0, True

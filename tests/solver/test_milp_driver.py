@@ -7,11 +7,11 @@ import random
 from dataclasses import replace
 
 import pytest
-from resihp_lightning.testing.brute_oracle import random_problem, solve_brute
+from resihp_lightning.testing.brute_oracle import random_plan, random_problem, solve_brute
 
 from resihp_lightning.config import PlannerConfig
 from resihp_lightning.errors import InfeasibleError, ResiHPError
-from resihp_lightning.plan import Plan, Replica, evaluate
+from resihp_lightning.plan import Plan, evaluate
 from resihp_lightning.solver.milp_driver import (
     DegreeOutcome,
     crude_upper_ms,
@@ -42,20 +42,6 @@ def test_lower_bound_of_each_degree_is_below_its_optimum():
     assert checked > 30
 
 
-def _random_plan(rng: random.Random, problem) -> Plan | None:
-    p, d = rng.choice(problem.candidate_shapes())
-    ids = [dv.id for dv in problem.devices]
-    chosen = rng.sample(ids, p * d) if problem.allow_exclude else rng.sample(ids, len(ids))
-    cuts = sorted(rng.sample(range(1, problem.num_layers), p - 1)) if p > 1 else []
-    bounds = (0, *cuts, problem.num_layers)
-    if any(bounds[j + 1] - bounds[j] < problem.min_layers_per_stage for j in range(p)):
-        return None
-    counts = [1] * d
-    for _ in range(problem.micro_batches - d):
-        counts[rng.randrange(d)] += 1
-    return Plan(tuple(Replica(tuple(chosen[r * p:(r + 1) * p]), bounds, counts[r]) for r in range(d)))
-
-
 def test_crude_upper_is_above_every_plan():
     rng = random.Random(41)
     checked = 0
@@ -65,7 +51,7 @@ def test_crude_upper_is_above_every_plan():
             continue
         upper = crude_upper_ms(problem)
         for _ in range(5):
-            plan = _random_plan(rng, problem)
+            plan = random_plan(rng, problem)
             if plan is not None:
                 assert evaluate(problem, plan).iteration_ms <= upper * (1 + REL)
                 checked += 1

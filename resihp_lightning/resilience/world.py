@@ -453,6 +453,11 @@ class ElasticWorld:
                 return False
             gen.aborted_at = time.monotonic()
             gen.abort_reason = reason
+            if self._stall_dump is not None:
+                # Late for the regroup: where this process was stuck goes to a file, before the others
+                # leave it out (after join_timeout_s) and kill it. Armed under the lock, with the abort
+                # itself: a regroup that finds the generation aborted (and disarms) finds it armed.
+                self._stall_dump.arm(self.config.join_timeout_s / 2)
         if self.detector is not None:
             self.detector.hold()
         cut = gen.sockets.shutdown()
@@ -460,10 +465,6 @@ class ElasticWorld:
         log.warning(
             "rank %d aborts generation %d (%d connections cut): %s", self.original_rank, gen.number, cut, reason
         )
-        if self._stall_dump is not None:
-            # Late for the regroup: where this process was stuck goes to a file, before the others
-            # leave it out (after join_timeout_s) and kill it.
-            self._stall_dump.arm(self.config.join_timeout_s / 2)
         self.history.append({"event": "abort", "generation": gen.number, "at": gen.aborted_at, "reason": reason})
         if publish:
             self._publish_abort(gen, reason, failed or [])

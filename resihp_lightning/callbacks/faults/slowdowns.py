@@ -21,7 +21,7 @@
   instruction (input clones, buffer handling), a small share of the measured busy time.
 * Link faults (``slow_link``, ``delay_p2p``) delay the runtime's own transfers:
   :mod:`resihp_lightning.runtime.transport_delays` (``DelayedCall``, ``delay_p2p_sends``,
-  ``slow_links``; re-exported here), the only place that knows which functions the runtime sends through.
+  ``slow_links``), the only place that knows which functions the runtime sends through.
 """
 
 from __future__ import annotations
@@ -33,9 +33,8 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from resihp_lightning.errors import ConfigError, invalid_option
-from resihp_lightning.runtime.transport_delays import DelayedCall, delay_p2p_sends, slow_links
 
-__all__ = ["FAULT_KINDS", "STOP_KINDS", "FaultConfig", "Slowdown", "DelayedCall", "delay_p2p_sends", "slow_links"]
+__all__ = ["FAULT_KINDS", "STOP_KINDS", "FaultConfig", "Slowdown"]
 
 FAULT_KINDS = ("slow", "slow_link", "delay_p2p", "kill", "hang")
 #: Faults that end (``kill``: SIGKILL, like ``kill -9``) or freeze (``hang``: SIGSTOP) the process.

@@ -93,7 +93,7 @@ def test_measured_costs_and_link_speeds_reach_the_problem_unless_configured():
 def _probe_rank(rank, world_size, slow_rank, delay_ms, probes):
     import torch.distributed as dist
 
-    from resihp_lightning.callbacks.faults.slowdowns import slow_links
+    from resihp_lightning.runtime.transport_delays import slow_links
     from resihp_lightning.runtime import link_probe
 
     dist.init_process_group("gloo")

@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from resihp_lightning.callbacks.faults.slowdowns import DelayedCall, FaultConfig, Slowdown, delay_p2p_sends
+from resihp_lightning.callbacks.faults.slowdowns import FaultConfig, Slowdown
+from resihp_lightning.runtime.transport_delays import DelayedCall, delay_p2p_sends
 from resihp_lightning.callbacks.failslow.straggler_core import StragglerConfig, LocalTracker, StragglerCore
 from resihp_lightning.errors import ConfigError
 from resihp_lightning.telemetry import MicroBatchStats, StepStats

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import io
 import statistics
 import time
@@ -52,12 +53,14 @@ from resihp_lightning.plan import Plan
 from resihp_lightning.torch_utils.shards import gather_shards, shard_of, split_dim
 from resihp_lightning.runtime import batching, engine as engines
 from resihp_lightning.runtime.layerwise import LayerwiseReducer, install
-from resihp_lightning.state.migration import layer_tensors, migrate
+from resihp_lightning.state.migration import migrate
+from resihp_lightning.torch_utils.layer_tensors import layer_tensors
 from resihp_lightning.state.bound_optimizer import BoundOptimizer, local_parameters
 from resihp_lightning.state.optimizer_state import CapturedState, StateCarrier, carrier_for
 from resihp_lightning.runtime.pipeline_module import BoundedPipelineModule, materialize_layer
 from resihp_lightning.runtime.profiling import StageProfiler
-from resihp_lightning.tensor.tensor_groups import TensorParallelism
+from resihp_lightning.tensor.resplit import resplit
+from resihp_lightning.tensor.tensor_groups import TensorParallelism, destroy_process_groups
 from resihp_lightning.runtime.topology import PlanTopology, TensorPlanTopology
 from resihp_lightning.telemetry import LayerCost
 
@@ -310,6 +313,85 @@ class PipelineRuntime:
         captured = self._carrier.capture(None, self.local_parameters())
         self._ranks = dict(ranks)
         return self._move(plan, captured, start, 0.0, between)
+
+    def reshape(self, tensor: TensorParallelism, plan: Plan, ranks: Mapping[int, int] | None = None) -> MigrationRecord:
+        """Puts ``plan`` over new tensor-parallel groups in force (another degree, other members).
+
+        Every layer this process holds under ``plan`` is split anew over its new group, from a copy of the
+        model's layer, and its shards (weights and optimizer state) arrive piece by piece from the old
+        holders (:mod:`~resihp_lightning.tensor.resplit`): nothing is gathered whole, nothing touches the
+        disk. Collective over the current default group; every process of it must be in a new group.
+
+        Args:
+            tensor: this process's part of the new groups (:func:`~resihp_lightning.tensor.tensor_groups.tensor_parallelism`
+                created their process groups).
+            plan: the plan over the new groups' ids.
+            ranks: device id -> rank of the current default group (default: the identity).
+
+        Raises:
+            ConfigError: this runtime has no tensor parallelism, a process is in no new group, or a layer
+                does not split over its new group (the module's reason, e.g. heads that do not divide);
+                every process raises it before anything changes.
+        """
+        start = time.perf_counter()
+        old_tensor = self.config.tensor
+        if old_tensor is None:
+            raise ConfigError("reshape() changes tensor-parallel groups; this runtime has no tensor parallelism")
+        me = old_tensor.groups.rank(self.device, old_tensor.member)
+        group = tensor.groups.group_of(me)
+        new_position = _position_or_none(plan, group) if group is not None else None
+        new_layers: dict[int, nn.Module] = {}
+        error = None
+        try:
+            if new_position is None:
+                raise ConfigError(
+                    f"device {me} is in no group of the new plan: spares under tensor parallelism are not supported yet"
+                )
+            for i in new_position.layers:
+                new_layers[i] = self._split_copy(i, materialize_layer(self.config.layers[i], skip_init=True), tensor)
+        except (ConfigError, ValueError) as err:
+            error = f"device {me}: {err}"
+        errors: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        failed = [e for e in errors if e]
+        if failed:
+            raise ConfigError(f"the tensor-parallel groups {tensor.groups.members} cannot be applied: {failed[0]}")
+        for layer in new_layers.values():
+            layer.to(self.config.device)
+        self._carrier.prepare_incoming(list(new_layers.values()))
+        captured = self._carrier.capture(self._engine, self.local_parameters())
+        state_s = time.perf_counter() - start
+        old_layers = self.local_layers()
+        self._stop_engine()
+        rank_of = (lambda d: d) if ranks is None else dict(ranks).__getitem__
+        moving = time.perf_counter()
+        sent, received = resplit(
+            old_tensor.groups, self._plan, tensor.groups, plan, me, old_layers, new_layers,
+            self._carrier.outgoing(captured), rank_of,
+        )
+        transfer_s = time.perf_counter() - moving
+        total = torch.tensor([float(sent)], dtype=torch.float64, device=self.config.device)
+        dist.all_reduce(total)
+        destroy_process_groups(old_tensor)
+        self.config = dataclasses.replace(self.config, tensor=tensor)
+        self.device = group
+        self._ranks = {g: rank_of(d) for g, d in tensor.groups.slice_ranks(tensor.member).items()}
+        self._plan, self._position = plan, new_position
+        self._pipe, self._held = self._build_pipe(plan, new_layers), {}
+        self._layer_numel = self._gather_layer_sizes()
+        params = self.local_parameters()
+        received_by_key = {f"{layer}.{name}": s for layer, per in received.items() for name, s in per.items()}
+        self._carrier.bind(params, received_by_key)
+        self._build_engine(broadcast=False)
+        restoring = time.perf_counter()
+        self._carrier.restore(self._engine, params, CapturedState(), received_by_key)
+        state_s += time.perf_counter() - restoring
+        seconds = time.perf_counter() - start
+        log.info("re-split over groups %s: %d bytes moved in %.3f s", tensor.groups.members, int(total.item()), seconds)
+        return MigrationRecord(
+            plan=plan, seconds=seconds, bytes_moved=int(total.item()), transfer_seconds=transfer_s,
+            rebuild_seconds=seconds - transfer_s, state_seconds=state_s,
+        )
 
     def _move(
         self,
@@ -590,10 +672,11 @@ class PipelineRuntime:
         layer = materialize_layer(self.config.layers[index], skip_init=skip_init)
         return layer if self.config.tensor is None else self._split_copy(index, layer)
 
-    def _split_copy(self, index: int, layer: nn.Module) -> nn.Module:
-        """This member's split of a copy of ``layer`` (tensor parallelism); a layer on the meta device is
-        given storage first: the split needs values to cut, which a migration then overwrites."""
-        tensor = self.config.tensor
+    def _split_copy(self, index: int, layer: nn.Module, tensor: TensorParallelism | None = None) -> nn.Module:
+        """This member's split of a copy of ``layer`` over its group (default: the one in force); a layer on
+        the meta device is given storage first: the split needs values to cut, which a migration then
+        overwrites."""
+        tensor = tensor if tensor is not None else self.config.tensor
         layer = copy.deepcopy(layer)
         if meta.has_meta(layer):
             meta.allocate(layer, self.config.device)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from resihp_lightning.contract import MigrationRecord
 from resihp_lightning.plan import Plan
 from resihp_lightning.runtime.pipeline_runtime import PipelineRuntime
+from resihp_lightning.tensor.tensor_groups import TensorGroups
 
 
 @dataclass
@@ -22,12 +23,14 @@ class RuntimeState:
     Attributes:
         runtime: this process's pipeline runtime (``None`` before the Trainer's setup builds it).
         pending: a requested plan, applied at the start of the next training step.
+        pending_groups: the tensor-parallel groups ``pending`` names (a re-split); ``None``: the groups in force.
         micro_batches: M, micro-batches per global batch (``None`` until known).
         last_migration: the last plan switch, reshape or recovery.
     """
 
     runtime: PipelineRuntime | None = None
     pending: Plan | None = None
+    pending_groups: TensorGroups | None = None
     micro_batches: int | None = None
     last_migration: MigrationRecord | None = None
 

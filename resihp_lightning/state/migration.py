@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from resihp_lightning.placement import Transfer
+from resihp_lightning.torch_utils.layer_tensors import layer_tensors
 
 #: Tensors with at most this many elements travel inside the metadata exchange.
 SMALL_NUMEL = 16
@@ -29,20 +30,6 @@ def _describe(value: Any) -> tuple[str, Any]:
     if isinstance(value, torch.Tensor):
         return ("value", value.detach().cpu().clone())
     return ("value", value)
-
-
-def layer_tensors(layer: nn.Module) -> dict[str, torch.Tensor]:
-    """A layer's parameters and persistent buffers (e.g. running stats) by name, in a fixed order: what
-    its new owner needs, and what a checkpoint stores of it."""
-    out: dict[str, torch.Tensor] = dict(layer.named_parameters())
-    out.update(persistent_buffers(layer))
-    return out
-
-
-def persistent_buffers(layer: nn.Module) -> dict[str, torch.Tensor]:
-    """The buffers of ``layer`` that belong in its state dict."""
-    keys = set(layer.state_dict(keep_vars=True))
-    return {name: b for name, b in layer.named_buffers() if name in keys}
 
 
 def migrate(

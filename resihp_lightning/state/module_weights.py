@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from resihp_lightning.torch_utils import meta
 from resihp_lightning.placement import owners
 from resihp_lightning.plan import Plan
-from resihp_lightning.state.migration import layer_tensors
+from resihp_lightning.torch_utils.layer_tensors import layer_tensors
 
 #: Key prefix of layers that are not attributes of the LightningModule (DeepSpeed ``LayerSpec``).
 DETACHED_PREFIX = "pipeline_layers"

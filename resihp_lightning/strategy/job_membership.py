@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from resihp_lightning.tensor.tensor_groups import TensorGroups
+
 
 class Membership(Protocol):
     """What the strategy asks about the job's processes (see the module docstring)."""
@@ -122,6 +124,8 @@ class PlainMembership:
         self._rank = rank
         self._world_size = world_size
         self.tensor_degree = tensor_degree
+        #: The tensor-parallel groups in force once they differ from the starting ones (a re-split).
+        self.tensor_groups: TensorGroups | None = None
 
     @property
     def rank(self) -> int:
@@ -133,11 +137,18 @@ class PlainMembership:
 
     @property
     def device_id(self) -> int:
-        """The global rank; with ``tensor_degree`` t, the tensor-parallel group's (global rank // t)."""
+        """The global rank; with ``tensor_degree`` t, the tensor-parallel group's (global rank // t, or its id
+        among the groups in force after a re-split)."""
+        if self.tensor_groups is not None:
+            group = self.tensor_groups.group_of(self.rank)
+            assert group is not None  # re-splits keep every rank in a group
+            return group
         return self.rank // self.tensor_degree
 
     @property
     def devices_alive(self) -> tuple[int, ...]:
+        if self.tensor_groups is not None:
+            return tuple(range(self.tensor_groups.groups))
         return tuple(range(self.world_size // self.tensor_degree))
 
     is_spare = False

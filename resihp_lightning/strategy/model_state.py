@@ -31,7 +31,6 @@ class ModelState:
         keys: the LightningModule's own keys of the layers' tensors (``None`` before setup).
         gather_weights: ``"all"``, ``"rank0"`` or ``"none"``: who receives the trained weights at the end of fit.
         micro_batch_size: rows per micro-batch (recorded in checkpoints).
-        tensor_degree: processes per planning device (recorded in checkpoints).
     """
 
     def __init__(
@@ -43,7 +42,6 @@ class ModelState:
         keys: LayerKeys | None,
         gather_weights: str,
         micro_batch_size: int,
-        tensor_degree: int,
     ) -> None:
         self.state = state
         self.membership = membership
@@ -52,7 +50,6 @@ class ModelState:
         self.keys = keys
         self.gather_weights = gather_weights
         self.micro_batch_size = micro_batch_size
-        self.tensor_degree = tensor_degree
 
     def module_state(self, module: Any) -> dict[str, Any]:
         """Every tensor of the model under the LightningModule's own keys, on rank 0 (collective).
@@ -87,7 +84,7 @@ class ModelState:
             "micro_batches": self.state.micro_batches,
             "micro_batch_size": self.micro_batch_size,
             "num_layers": len(self.specs),
-            "tensor_degree": self.tensor_degree,  # the plan names groups of this many processes
+            "tensor_degree": self.tensor.degree,  # the plan names groups of this many processes
         }
 
     def load_module_state(self, module: Any, checkpoint: Mapping[str, Any], strict: bool) -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -40,7 +40,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from resihp_lightning import _registration
-from resihp_lightning._logging import quiet_agreed_errors, user_warn
+from resihp_lightning._logging import quiet_agreed_errors, user_info, user_warn
 from resihp_lightning.contract import DeviceConditions, MigrationRecord
 from resihp_lightning.errors import PlanError
 from resihp_lightning.failstop.fail_stop_config import FailStopConfig
@@ -68,7 +68,8 @@ from resihp_lightning.strategy.module import check_contract, layer_specs, resolv
 from resihp_lightning.strategy.options import StrategyOptions
 from resihp_lightning.strategy.plan_rules import check_plan, initial_plan, settle_micro_batches
 from resihp_lightning.strategy.tensor_modes import SplitLayers, TensorMode, WholeLayers
-from resihp_lightning.strategy.tensor_setup import check_tensor_parallel_job, create_tensor_groups
+from resihp_lightning.strategy.tensor_setup import check_tensor_groups, check_tensor_parallel_job, create_tensor_groups
+from resihp_lightning.tensor.tensor_groups import TensorGroups
 from resihp_lightning.strategy.trainer_options import effective_deepspeed_config, refuse_unsupported
 from resihp_lightning.telemetry import LayerCost, LinkSample, StepStats
 
@@ -264,18 +265,35 @@ class ResiHPStrategyMixin:
         if self._state.runtime is not None:
             self._state.runtime.profiler.record_layers = bool(value)
 
-    def request_plan(self, plan: Plan) -> None:
+    def request_plan(self, plan: Plan, tensor_groups: TensorGroups | Sequence[Sequence[int]] | None = None) -> None:
         """Asks for ``plan`` to take effect at the next step boundary (call on every rank).
 
         With ``fail_stop`` on, the plan may leave live devices idle (hot spares) and may take spares
         back; a spare's own request is ignored (the members decide, and tell the spares).
 
+        Args:
+            plan: the plan (over the devices, or with tensor parallelism over the groups).
+            tensor_groups: with ``tensor_degree`` > 1, new tensor-parallel groups for ``plan``: each the
+                global ranks of its members, member 0 first, all groups of one degree, every rank in one
+                (e.g. ``[[0, 1], [2, 3]]`` after ``tensor_degree=4`` on 4 processes). Every layer is re-cut over
+                its new group, its shards and optimizer state moving member to member
+                (``docs/tensor_parallel.md``); ``plan`` names the new groups by their index.
+
         Raises:
             PlanError: the plan does not fit this job (bounds, P x D vs world size, micro-batch sum,
                 per-replica bounds); nothing changes and training goes on under the current plan.
+            ConfigError: ``tensor_groups`` without tensor parallelism, or groups that do not partition the
+                job's processes into groups of one degree.
         """
-        self.check_plan(plan)
-        self._state.pending = plan
+        groups = None
+        if tensor_groups is not None:
+            groups = tensor_groups if isinstance(tensor_groups, TensorGroups) else TensorGroups(tuple(map(tuple, tensor_groups)))
+            check_tensor_groups(groups, self.options.tensor_degree, self.world_size)
+            check_plan(plan, range(groups.groups), self.num_layers, self._state.micro_batches, self.deepspeed_config,
+                       None, idle_allowed=False)
+        else:
+            self.check_plan(plan)
+        self._state.pending, self._state.pending_groups = plan, groups
 
     def check_plan(self, plan: Plan) -> None:
         """Raises :class:`~resihp_lightning.errors.PlanError` when ``plan`` cannot run on this job (see ``plan_rules.check_plan``)."""
@@ -614,7 +632,7 @@ class ResiHPStrategyMixin:
         """(Re)builds the parts that hold the modes and the module's layers (after either changes)."""
         self._model_state = ModelState(
             self._state, self._membership, self._tensor, self._specs, self._keys, self.options.gather_weights,
-            self.micro_batch_size, self.options.tensor_degree,
+            self.micro_batch_size,
         )
         self._evaluation = EvaluationSteps(self._state, self._membership, self._tensor, self.micro_batch_size,
                                            self._loss_log)
@@ -636,12 +654,27 @@ class ResiHPStrategyMixin:
         if self._state.pending is None:
             return None
         plan, self._state.pending = self._state.pending, None
+        groups, self._state.pending_groups = self._state.pending_groups, None
+        if groups is not None:
+            self._reshape(groups, plan)
+            return None
         try:
             self.check_plan(plan)
         except PlanError as err:
             user_warn(f"ResiHPStrategy: dropping the requested plan {plan.layout_key()}: {err}")
             return None
         return plan
+
+    def _reshape(self, groups: TensorGroups, plan: Plan) -> None:
+        """Re-cuts the layers over new tensor-parallel groups (collective; the pending request of every rank)."""
+        assert isinstance(self._tensor, SplitLayers)
+        record = self._tensor.reshape(self._state.require(), groups, plan, self.global_rank, None)
+        self._membership.tensor_groups = groups
+        self._state.last_migration = record
+        user_info(
+            f"ResiHPStrategy: re-split over tensor-parallel groups {[list(g) for g in groups.members]} (degree "
+            f"{groups.degree}): {record.bytes_moved / 2**20:.1f} MB moved in {record.seconds:.2f} s"
+        )
 
     def _run_replica_share(self, split: batching.SplitBatch) -> ReplicaShare:
         """This replica's m_r micro-batches of the global batch through the pipeline, under the plan in force."""

@@ -8,15 +8,18 @@ themselves are built in :mod:`.tensor_setup`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any, Protocol
 
 from torch import Tensor
 
+from resihp_lightning.contract import MigrationRecord
+from resihp_lightning.errors import ConfigError
 from resihp_lightning.plan import Plan
 from resihp_lightning.runtime.pipeline_runtime import PipelineRuntime
 from resihp_lightning.state.module_weights import LayerKeys, restore_full_precision, write_trained
-from resihp_lightning.tensor.tensor_groups import TensorParallelism
+from resihp_lightning.tensor.tensor_groups import TensorGroups, TensorParallelism, tensor_parallelism
 
 
 class TensorMode(Protocol):
@@ -24,6 +27,11 @@ class TensorMode(Protocol):
 
     #: Whether each process holds a shard of its device's layers.
     splits_layers: bool
+
+    @property
+    def degree(self) -> int:
+        """Processes per planning device under the groups in force (1: none)."""
+        ...
 
     @property
     def parallelism(self) -> TensorParallelism | None:
@@ -62,6 +70,7 @@ class WholeLayers:
     splits_layers = False
     parallelism = None
     reports_device = True
+    degree = 1
 
     def runtime_ranks(self, ranks: dict[int, int] | None) -> dict[int, int] | None:
         return ranks
@@ -83,13 +92,38 @@ class SplitLayers:
     """Tensor parallelism: this process holds its member's shard of its group's layers.
 
     Args:
-        parallelism: its tensor-parallel groups (:func:`.tensor_setup.create_tensor_groups`).
+        parallelism: its tensor-parallel groups (:func:`.tensor_setup.create_tensor_groups`); a re-split
+            replaces it (:meth:`reshape`), and every part of the strategy holding this mode sees the new one.
     """
 
     splits_layers = True
 
     def __init__(self, parallelism: TensorParallelism) -> None:
         self.parallelism = parallelism
+
+    @property
+    def degree(self) -> int:
+        return self.parallelism.groups.degree
+
+    def reshape(self, runtime: PipelineRuntime, groups: TensorGroups, plan: Plan, rank: int, ranks: dict[int, int] | None) -> MigrationRecord:
+        """Puts ``plan`` over new ``groups`` in force: creates their process groups and re-cuts every layer
+        (collective over the default group; :meth:`PipelineRuntime.reshape`).
+
+        Args:
+            runtime: the runtime in force.
+            groups: the new groups (device ids: the processes' global ranks at the start).
+            plan: the plan over the new groups' ids.
+            rank: this process's device id.
+            ranks: device id -> rank of the current default group (``None``: the identity).
+        """
+        current = groups if ranks is None else groups.relabelled(ranks)
+        parallelism = tensor_parallelism(current, ranks[rank] if ranks is not None else rank, self.parallelism.split_layer)
+        if parallelism is None:
+            raise ConfigError(f"rank {rank} is in none of the tensor-parallel groups {groups.members}")
+        parallelism = dataclasses.replace(parallelism, groups=groups)
+        record = runtime.reshape(parallelism, plan, ranks)
+        self.parallelism = parallelism
+        return record
 
     @property
     def reports_device(self) -> bool:

@@ -7,7 +7,7 @@ from typing import Any
 
 from resihp_lightning.errors import ConfigError
 from resihp_lightning.strategy.module import ResiHPModuleMixin
-from resihp_lightning.tensor.tensor_groups import TensorGroups, TensorParallelism
+from resihp_lightning.tensor.tensor_groups import TensorGroups, TensorParallelism, tensor_parallelism
 
 #: The module hooks tensor parallelism needs (the contract's defaults refuse).
 TENSOR_HOOKS = ("pipeline_split_layer", "pipeline_tensor_parallel_loss")
@@ -73,13 +73,27 @@ def create_tensor_groups(degree: int, rank: int, world_size: int, module: Any, e
             does not divide the world size.
     """
     try:
-        groups = TensorGroups(degree, world_size)
+        groups = TensorGroups.consecutive(degree, world_size)
     except ConfigError as err:
         raise error(str(err)) from None
-    process_groups = groups.new_process_groups()
-    return TensorParallelism(
-        groups=groups,
-        member=groups.member_of(rank),
-        group=process_groups[groups.group_of(rank)],
-        split_layer=module.pipeline_split_layer,
-    )
+    parallelism = tensor_parallelism(groups, rank, module.pipeline_split_layer)
+    assert parallelism is not None  # consecutive groups cover the world
+    return parallelism
+
+
+def check_tensor_groups(groups: TensorGroups, tensor_degree: int, world_size: int) -> None:
+    """Checks requested tensor-parallel groups against the job (a re-split: ``request_plan(tensor_groups=...)``).
+
+    Raises:
+        ConfigError: the job has no tensor parallelism, or the groups do not hold every process exactly once.
+    """
+    if tensor_degree <= 1:
+        raise ConfigError(
+            "request_plan(tensor_groups=...) re-splits layers over new tensor-parallel groups; this job has none "
+            "(ResiHPStrategy(tensor_degree=1))"
+        )
+    if sorted(groups.ranks) != list(range(world_size)):
+        raise ConfigError(
+            f"tensor_groups {[list(g) for g in groups.members]} must hold every rank 0..{world_size - 1} exactly once "
+            "(spares under tensor parallelism are not supported yet)"
+        )

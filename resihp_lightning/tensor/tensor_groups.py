@@ -1,15 +1,21 @@
 """The tensor-parallel groups of a job: which processes split each planning device's layers.
 
-With ``tensor_degree`` t, consecutive ranks form a group (on GPUs: one machine's NVLink domain), group
-``g`` being ranks ``g*t .. g*t + t - 1``. A plan names *groups*: to the planner, the placement and the
-pipeline a group is one device, whose layers are split t ways (:mod:`resihp_lightning.models.tensor_parallel`).
+A plan names *groups*: to the planner, the placement and the pipeline a group is one device, whose
+layers are split over its members (:mod:`resihp_lightning.models.tensor_parallel`). At the start of a
+job with ``tensor_degree`` t, consecutive ranks form the groups (on GPUs: one machine's NVLink domain),
+group ``g`` being ranks ``g*t .. g*t + t - 1`` (:meth:`TensorGroups.consecutive`). A re-plan may form
+other groups of another degree (:mod:`resihp_lightning.tensor.resplit` re-cuts the layers); ranks in no
+group are spares.
+
 Member ``i`` of every group forms *slice* ``i``: a pipeline x data-parallel job of its own over the
 shards ``i`` of the layers, wired exactly as a job without tensor parallelism is; the slices meet only
-inside the layers, in the groups' all-reduces.
+inside the layers, in the groups' all-reduces. The runtime needs every group of one degree for that
+(:attr:`TensorGroups.degree`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,60 +28,106 @@ from resihp_lightning.plan import Plan
 
 @dataclass(frozen=True)
 class TensorGroups:
-    """The tensor-parallel layout of a world of ``world_size`` ranks.
+    """The tensor-parallel layout of a job: its groups, each the ranks of its members in member order.
 
     Attributes:
-        degree: t, processes per group.
-        world_size: processes in the job (a multiple of ``degree``).
+        members: ``members[g]`` = the ranks of group ``g`` (the planning device ``g``). Members are
+            numbered in ascending rank order, as ``torch.distributed`` numbers a process group's members
+            (the given order is sorted). Every group has the same number of members; a rank is in one
+            group at most.
     """
 
-    degree: int
-    world_size: int
+    members: tuple[tuple[int, ...], ...]
 
     def __post_init__(self) -> None:
-        if self.degree < 1 or self.world_size % self.degree:
+        seen: set[int] = set()
+        for group in self.members:
+            for rank in group:
+                if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+                    raise ConfigError(f"tensor-parallel group members must be ranks (integers >= 0), got {rank!r}")
+                if rank in seen:
+                    raise ConfigError(f"rank {rank} is in two tensor-parallel groups: {self.members!r}")
+                seen.add(rank)
+        members = tuple(tuple(sorted(group)) for group in self.members)
+        object.__setattr__(self, "members", members)
+        if not members or not members[0]:
+            raise ConfigError(f"tensor-parallel groups must name at least one group of one rank, got {members!r}")
+        sizes = sorted({len(group) for group in members})
+        if len(sizes) > 1:
             raise ConfigError(
-                f"invalid value {self.degree!r} for option `tensor_degree`; allowed: a divisor of the world size "
-                f"{self.world_size}"
+                f"tensor-parallel groups of different degrees {sizes} in one job are not supported yet: every group "
+                "must have the same number of members"
             )
+
+    @classmethod
+    def consecutive(cls, degree: int, world_size: int) -> TensorGroups:
+        """Groups of ``degree`` consecutive ranks over a world of ``world_size`` (the job's start).
+
+        Raises:
+            ConfigError: ``degree`` does not divide ``world_size`` (named as the ``tensor_degree`` option).
+        """
+        if not isinstance(degree, int) or degree < 1 or world_size % degree:
+            raise ConfigError(
+                f"invalid value {degree!r} for option `tensor_degree`; allowed: a divisor of the world size {world_size}"
+            )
+        return cls(tuple(tuple(range(g * degree, (g + 1) * degree)) for g in range(world_size // degree)))
+
+    @property
+    def degree(self) -> int:
+        """Members per group."""
+        return len(self.members[0])
 
     @property
     def groups(self) -> int:
         """How many groups (planning devices) the job has."""
-        return self.world_size // self.degree
+        return len(self.members)
 
-    def group_of(self, rank: int) -> int:
-        """The group (the planning device id) of ``rank``."""
-        return rank // self.degree
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Every rank in some group, in group then member order."""
+        return tuple(rank for group in self.members for rank in group)
 
-    def member_of(self, rank: int) -> int:
-        """``rank``'s index in its group: which shard of its group's layers it holds."""
-        return rank % self.degree
+    def group_of(self, rank: int) -> int | None:
+        """The group (the planning device id) of ``rank``; ``None`` for a rank in no group (a spare)."""
+        for g, group in enumerate(self.members):
+            if rank in group:
+                return g
+        return None
+
+    def member_of(self, rank: int) -> int | None:
+        """``rank``'s index in its group (which shard of its group's layers it holds); ``None`` for a spare."""
+        g = self.group_of(rank)
+        return None if g is None else self.members[g].index(rank)
 
     def rank(self, group: int, member: int) -> int:
         """The rank of member ``member`` of group ``group``."""
-        return group * self.degree + member
+        return self.members[group][member]
 
     def ranks_of(self, group: int) -> list[int]:
         """The ranks of ``group``, in member order."""
-        return [self.rank(group, member) for member in range(self.degree)]
+        return list(self.members[group])
 
     def slice_ranks(self, member: int) -> dict[int, int]:
         """Group id -> rank of its member ``member``: slice ``member``'s ranks."""
-        return {group: self.rank(group, member) for group in range(self.groups)}
+        return {g: group[member] for g, group in enumerate(self.members)}
 
     def slice_plans(self, plan: Plan) -> list[Plan]:
         """``plan`` (over groups) in the ranks of each slice, in member order."""
         return [relabel(plan, self.slice_ranks(member)) for member in range(self.degree)]
 
+    def relabelled(self, ranks: Sequence[int] | dict[int, int]) -> TensorGroups:
+        """The same groups with every rank ``r`` replaced by ``ranks[r]`` (e.g. into a new process group)."""
+        return TensorGroups(tuple(tuple(ranks[r] for r in group) for group in self.members))
+
     def new_process_groups(self) -> list[Any]:
-        """Creates every group's process group (collective: every rank creates all of them, in order).
+        """Creates every group's process group (collective: every rank of the default group creates all of
+        them, in order).
 
         Returns:
             the process group of each group, by group id (``GroupMember.NON_GROUP_MEMBER`` for groups
             this rank is not in).
         """
-        return [dist.new_group(ranks=self.ranks_of(group)) for group in range(self.groups)]
+        return [dist.new_group(ranks=list(group)) for group in self.members]
 
 
 @dataclass(frozen=True)
@@ -88,9 +140,34 @@ class TensorParallelism:
         group: its group's process group.
         split_layer: ``split_layer(index, layer, group)`` -> this member's split of ``layer``, a private copy
             of the unsplit layer (the module's ``pipeline_split_layer``).
+        process_groups: every group's process group, by group id (``None``: not kept).
     """
 
     groups: TensorGroups
     member: int
     group: Any
     split_layer: Any
+    process_groups: tuple[Any, ...] | None = None
+
+
+def tensor_parallelism(groups: TensorGroups, rank: int, split_layer: Any) -> TensorParallelism | None:
+    """Creates ``groups``' process groups (collective over the default group) and returns ``rank``'s part
+    (``None`` for a rank in no group: a spare)."""
+    made = tuple(groups.new_process_groups())
+    g = groups.group_of(rank)
+    if g is None:
+        return None
+    return TensorParallelism(groups=groups, member=groups.member_of(rank), group=made[g], split_layer=split_layer,
+                             process_groups=made)
+
+
+def destroy_process_groups(parallelism: TensorParallelism | None) -> None:
+    """Destroys the process groups ``parallelism`` created (each rank its own handles; local)."""
+    if parallelism is None or parallelism.process_groups is None:
+        return
+    for group in parallelism.process_groups:
+        if isinstance(group, dist.ProcessGroup):
+            try:
+                dist.destroy_process_group(group)
+            except (ValueError, RuntimeError):  # already gone with a regroup
+                pass

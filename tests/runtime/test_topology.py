@@ -44,7 +44,7 @@ def test_with_shared_bounds_the_data_parallel_groups_are_the_holder_sets(plan):
 
 
 def test_tensor_topology_model_groups_are_the_tensor_groups_and_slices_keep_the_plan():
-    groups = TensorGroups(2, 12)  # 6 groups of 2
+    groups = TensorGroups.consecutive(2, 12)  # 6 groups of 2
     plan = Plan((Replica((4, 0, 2), (0, 2, 3, 6), 2), Replica((1, 5, 3), (0, 2, 3, 6), 2)))  # over groups
     slices = groups.slice_plans(plan)
     topo = TensorPlanTopology(slices)

@@ -8,7 +8,8 @@ import torch.distributed as dist
 from torch import nn
 
 from resihp_lightning.placement import Transfer
-from resihp_lightning.state.migration import layer_tensors, migrate, persistent_buffers
+from resihp_lightning.state.migration import migrate
+from resihp_lightning.torch_utils.layer_tensors import layer_tensors, persistent_buffers
 
 
 class Layer(nn.Module):

@@ -7,7 +7,7 @@ import torch
 from deepspeed.pipe import LayerSpec
 from torch import nn
 
-from resihp_lightning.state.migration import layer_tensors
+from resihp_lightning.torch_utils.layer_tensors import layer_tensors
 from resihp_lightning.state.module_weights import (
     DETACHED_PREFIX,
     LayerKeys,

@@ -14,7 +14,7 @@ def test_tensor_groups_are_consecutive_ranks_and_slices_relabel_plans():
     from resihp_lightning.plan import Plan
     from resihp_lightning.tensor.tensor_groups import TensorGroups
 
-    groups = TensorGroups(2, 8)
+    groups = TensorGroups.consecutive(2, 8)
     assert groups.groups == 4 and groups.ranks_of(1) == [2, 3]
     assert [groups.group_of(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
     assert [groups.member_of(r) for r in range(8)] == [0, 1] * 4
@@ -26,7 +26,7 @@ def test_tensor_groups_are_consecutive_ranks_and_slices_relabel_plans():
 
 @pytest.mark.parametrize(("degree", "world"), [(1, 1), (1, 4), (2, 2), (2, 6), (3, 9), (4, 8)])
 def test_groups_partition_the_world_and_rank_inverts_group_and_member(degree, world):
-    groups = TensorGroups(degree, world)
+    groups = TensorGroups.consecutive(degree, world)
     assert groups.groups * degree == world
     members = [rank for g in range(groups.groups) for rank in groups.ranks_of(g)]
     assert sorted(members) == list(range(world))  # every rank in exactly one group
@@ -45,11 +45,11 @@ def test_groups_partition_the_world_and_rank_inverts_group_and_member(degree, wo
 @pytest.mark.parametrize(("degree", "world"), [(0, 4), (-1, 4), (3, 4), (5, 4), (2, 3)])
 def test_a_degree_that_does_not_divide_the_world_is_refused(degree, world):
     with pytest.raises(ConfigError, match=rf"`tensor_degree`; allowed: a divisor of the world size {world}"):
-        TensorGroups(degree, world)
+        TensorGroups.consecutive(degree, world)
 
 
 def test_each_slice_plan_puts_member_i_of_a_group_where_the_plan_puts_the_group():
-    groups = TensorGroups(3, 12)  # 4 groups
+    groups = TensorGroups.consecutive(3, 12)  # 4 groups
     # Per-replica bounds and a non-identity device order, so a wrong relabelling shows.
     plan = Plan((Replica((3, 1), (0, 2, 5), 2), Replica((0, 2), (0, 4, 5), 3)))
     slices = groups.slice_plans(plan)
@@ -69,7 +69,7 @@ def test_new_process_groups_in_a_one_process_world(tmp_path):
     assert not dist.is_initialized()
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        made = TensorGroups(1, 1).new_process_groups()
+        made = TensorGroups.consecutive(1, 1).new_process_groups()
         assert len(made) == 1
         assert dist.get_world_size(made[0]) == 1 and dist.get_rank(made[0]) == 0
         value = torch.tensor([2.0])

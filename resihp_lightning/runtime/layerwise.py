@@ -60,6 +60,30 @@ def _buckets(tensors: list[Tensor], numel: int) -> list[list[Tensor]]:
     return [bucket for bucket in out if bucket]
 
 
+def averaged_allreduce(settings: Any, tensors: list[Tensor], group: Any, world: int) -> None:
+    """DeepSpeed's ``allreduce_bucket`` maths on one flattened buffer of ``tensors`` over ``group`` of ``world``
+    holders; ``settings`` carries the engine's ``average``, ``prescale``, ``predivide`` and
+    ``communication_dtype`` (a reducer after :func:`install`)."""
+    flat = _flatten_dense_tensors(tensors)
+    dtype = settings.communication_dtype
+    work = flat if dtype in (None, flat.dtype) else flat.to(dtype)
+    if not settings.average:
+        dist.all_reduce(work, group=group)
+    elif not settings.prescale:
+        if settings.predivide != 1.0:
+            work.mul_(1.0 / settings.predivide)
+        dist.all_reduce(work, group=group)
+        if settings.predivide != world:
+            work.mul_(settings.predivide / world)
+    else:
+        work.mul_(1.0 / world)
+        dist.all_reduce(work, group=group)
+    if work is not flat:
+        flat.copy_(work)
+    for tensor, synced in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
+        tensor.copy_(synced)
+
+
 @dataclass
 class _Tie:
     """One tied parameter as this rank sees it.
@@ -273,24 +297,7 @@ class LayerwiseReducer:
                     p.grad.copy_(total)
 
     def _allreduce(self, tensors: list[Tensor], group: Any, world: int) -> None:
-        """DeepSpeed's ``allreduce_bucket`` maths on one flattened buffer."""
-        flat = _flatten_dense_tensors(tensors)
-        work = flat if self.communication_dtype in (None, flat.dtype) else flat.to(self.communication_dtype)
-        if not self.average:
-            dist.all_reduce(work, group=group)
-        elif not self.prescale:
-            if self.predivide != 1.0:
-                work.mul_(1.0 / self.predivide)
-            dist.all_reduce(work, group=group)
-            if self.predivide != world:
-                work.mul_(self.predivide / world)
-        else:
-            work.mul_(1.0 / world)
-            dist.all_reduce(work, group=group)
-        if work is not flat:
-            flat.copy_(work)
-        for tensor, synced in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
-            tensor.copy_(synced)
+        averaged_allreduce(self, tensors, group, world)
 
     def broadcast(self) -> None:
         """Copies every local parameter from its holder in the first replica to the other holders.
@@ -415,7 +422,7 @@ def _layerwise_class(base: type) -> type:
 
             def _committed_optimizer_step(self, lr_kwargs: Any = None) -> None:
                 with torch.no_grad():
-                    self._resihp_loss = base._aggregate_total_loss(self)
+                    self._resihp_loss = _aggregate_loss(self, base)
                 if self.gradient_clipping() > 0.0:
                     group = self.grid.get_pipe_parallel_group() if self.grid.pipe_parallel_size > 1 else None
                     self._resihp_norm = self._resihp_reducer.grad_norm(group, self.device)
@@ -428,13 +435,20 @@ def _layerwise_class(base: type) -> type:
 
             def _aggregate_total_loss(self) -> Any:
                 loss, self._resihp_loss = self._resihp_loss, None
-                return loss if loss is not None else base._aggregate_total_loss(self)
+                return loss if loss is not None else _aggregate_loss(self, base)
 
             _INSTRUCTION_MAP = {**base._INSTRUCTION_MAP, schedule.OptimizerStep: _committed_optimizer_step}
 
         LayerwisePipelineEngine.__name__ = LayerwisePipelineEngine.__qualname__ = f"Layerwise{base.__name__}"
         _CLASSES[base] = LayerwisePipelineEngine
     return _CLASSES[base]
+
+
+def _aggregate_loss(engine: Any, base: type) -> Any:
+    """The engine's loss average over replicas: its grid's own when it has one (groups of different
+    tensor-parallel degrees, :class:`~resihp_lightning.runtime.tensor_grid.TensorGrid`), else DeepSpeed's."""
+    aggregate = getattr(engine.grid, "aggregate_loss", None)
+    return aggregate(engine) if aggregate is not None else base._aggregate_total_loss(engine)
 
 
 def install(engine: Any, reducer: LayerwiseReducer) -> Any:

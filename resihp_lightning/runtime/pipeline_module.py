@@ -24,6 +24,8 @@ class BoundedPipelineModule(PipelineModule):
     Args:
         layers: the model's layers in order (``nn.Module`` or DeepSpeed ``LayerSpec``).
         topology: the plan's topology.
+        grid: the pipeline grid to use instead of the one DeepSpeed derives from ``topology``
+            (:class:`~resihp_lightning.runtime.tensor_grid.TensorGrid`, whose topology is ``topology``).
         bounds: the P + 1 stage bounds.
         loss_fn: ``loss_fn(outputs, labels)`` run on the last stage.
         reuse: modules this rank already holds, by global layer index (layers migrated in are built
@@ -38,6 +40,7 @@ class BoundedPipelineModule(PipelineModule):
         bounds: Sequence[int],
         loss_fn: Callable[..., Any],
         reuse: Mapping[int, nn.Module] | None = None,
+        grid: Any = None,
         **kwargs: Any,
     ) -> None:
         # Set before PipelineModule.__init__, which calls _partition_layers.
@@ -45,14 +48,15 @@ class BoundedPipelineModule(PipelineModule):
         specs = list(layers)
         for index, module in (reuse or {}).items():
             specs[index] = module
-        super().__init__(
-            layers=specs,
-            topology=topology,
-            loss_fn=loss_fn,
-            partition_method="uniform",
-            dynamic_shape=True,
-            **kwargs,
-        )
+        with _given_grid(grid):
+            super().__init__(
+                layers=specs,
+                topology=topology,
+                loss_fn=loss_fn,
+                partition_method="uniform",
+                dynamic_shape=True,
+                **kwargs,
+            )
 
     def _partition_layers(self, method: str = "uniform") -> None:  # noqa: ARG002 - bounds are given
         stage = self._topo.get_coord(self.global_rank).pipe
@@ -62,6 +66,23 @@ class BoundedPipelineModule(PipelineModule):
     def local_layers(self) -> dict[int, nn.Module]:
         """This rank's layers that are modules, by global index."""
         return {int(name): module for name, module in self.named_children() if name.isdigit()}
+
+
+@contextlib.contextmanager
+def _given_grid(grid: Any) -> Iterator[None]:
+    """While ``PipelineModule.__init__`` runs, its grid is ``grid`` (when given) instead of a
+    ``PipelineParallelGrid`` built from the topology."""
+    if grid is None:
+        yield
+        return
+    from deepspeed.runtime.pipe import module as pipe_module
+
+    saved = pipe_module.PipelineParallelGrid
+    pipe_module.PipelineParallelGrid = lambda process_group=None, topology=None: grid
+    try:
+        yield
+    finally:
+        pipe_module.PipelineParallelGrid = saved
 
 
 def materialize_layer(layer: Any, skip_init: bool = False) -> nn.Module:

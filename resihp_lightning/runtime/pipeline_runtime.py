@@ -53,6 +53,8 @@ from resihp_lightning.plan import Plan
 from resihp_lightning.torch_utils.shards import gather_shards, shard_of, split_dim
 from resihp_lightning.runtime import batching, engine as engines
 from resihp_lightning.runtime.layerwise import LayerwiseReducer, install
+from resihp_lightning.runtime.mixed_reduction import MixedDegreeReducer
+from resihp_lightning.runtime.tensor_grid import TensorGrid
 from resihp_lightning.state.migration import migrate
 from resihp_lightning.torch_utils.layer_tensors import layer_tensors
 from resihp_lightning.state.bound_optimizer import BoundOptimizer, local_parameters
@@ -243,6 +245,9 @@ class PipelineRuntime:
             engines.set_micro_batches(self._engine, plan.replicas[self._position.replica].micro_batches)
             self._plan = plan
             return MigrationRecord(plan=plan, seconds=time.perf_counter() - start, bytes_moved=0)
+        if self.mixed_degrees:
+            # Layers moving between groups of different degrees are cut anew: a re-split over the same groups.
+            return self.reshape(self.config.tensor, plan)
         captured = self._carrier.capture(self._engine, self.local_parameters())
         state_s = time.perf_counter() - start
         self._stop_engine()
@@ -372,10 +377,13 @@ class PipelineRuntime:
         transfer_s = time.perf_counter() - moving
         total = torch.tensor([float(sent)], dtype=torch.float64, device=self.config.device)
         dist.all_reduce(total)
-        destroy_process_groups(old_tensor)
+        if tensor is not old_tensor:
+            destroy_process_groups(old_tensor)
         self.config = dataclasses.replace(self.config, tensor=tensor)
         self.device = group
-        self._ranks = {g: rank_of(d) for g, d in tensor.groups.slice_ranks(tensor.member).items()}
+        # Uniform groups: this member's slice; otherwise the members 0 (the plan's whole-layer writers).
+        member = tensor.member if tensor.groups.uniform else 0
+        self._ranks = {g: rank_of(d) for g, d in tensor.groups.slice_ranks(member).items()}
         self._plan, self._position = plan, new_position
         self._pipe, self._held = self._build_pipe(plan, new_layers), {}
         self._layer_numel = self._gather_layer_sizes()
@@ -586,7 +594,8 @@ class PipelineRuntime:
         the unsplit parameters: under tensor parallelism each process takes its shards)."""
         cut = self.saved_shards()
         if cut is not None:
-            params, degree = self.local_parameters(), self.config.tensor.groups.degree
+            tensor = self.config.tensor
+            params, degree = self.local_parameters(), len(tensor.groups.members[self.device])
             state = dict(saved["state"])
             for key, dim in self.shard_dims().items():
                 if key in state:
@@ -656,15 +665,40 @@ class PipelineRuntime:
         if interval:
             kwargs["activation_checkpoint_interval"] = interval
         # DeepSpeed prints its seed settings and topology on every build; keep re-plans quiet.
+        grid = self._mixed_grid(plan)
         with contextlib.redirect_stdout(io.StringIO()):
             return BoundedPipelineModule(
                 self.config.layers,
-                self._topology(plan),
+                grid.topology() if grid is not None else self._topology(plan),
                 plan.replicas[position(plan, self.device).replica].bounds,
                 loss_fn=self._scaled_loss,
                 reuse=reuse,
+                grid=grid,
                 **kwargs,
             )
+
+    @property
+    def mixed_degrees(self) -> bool:
+        """Whether the tensor-parallel groups in force differ in degree (:mod:`.tensor_grid` runs them)."""
+        tensor = self.config.tensor
+        return tensor is not None and len({len(group) for group in tensor.groups.members}) > 1
+
+    def _members(self) -> dict[int, tuple[int, ...]]:
+        """Group id -> its members' ranks in the current default group."""
+        members = self.config.tensor.groups.members
+        rank = self._rank_of_id
+        return {g: tuple(rank(d) for d in group) for g, group in enumerate(members)}
+
+    def _rank_of_id(self, device: int) -> int:
+        """The current default group's rank of the process with job-wide id ``device`` (a global rank at the
+        start; the identity: tensor-parallel jobs do not change their default group)."""
+        return device
+
+    def _mixed_grid(self, plan: Plan) -> TensorGrid | None:
+        """A :class:`~.tensor_grid.TensorGrid` for ``plan`` when the groups differ in degree (collective)."""
+        if not self.mixed_degrees:
+            return None
+        return TensorGrid(plan, self._members(), dist.get_rank())
 
     def _fresh_layer(self, index: int, skip_init: bool) -> nn.Module:
         """A layer this process starts to hold (its values arrive by migration when ``skip_init``): the
@@ -716,7 +750,13 @@ class PipelineRuntime:
         # Plain fp32: the layer-wise reduction (any bounds; exact gradient clipping). ZeRO / bf16 / fp16
         # keep DeepSpeed's own (the strategy then requires shared bounds).
         layerwise = self._carrier.per_replica_bounds
-        if layerwise:
+        if layerwise and self.mixed_degrees:
+            grid = self._pipe._grid
+            self._reducer = MixedDegreeReducer(
+                plan, self._members(), dist.get_rank(), self.local_layers(), tensor.group, grid.get_pipe_parallel_group(),
+                tied=self.config.tied,
+            )
+        elif layerwise:
             self._reducer = LayerwiseReducer(
                 self._in_ranks(plan), self._rank(self.device), self.local_layers(), tied=self.config.tied,
                 slices=tensor.groups.slice_plans(plan) if tensor is not None else (),
@@ -735,7 +775,10 @@ class PipelineRuntime:
 
     def _stop_engine(self) -> None:
         self._profiler.detach()
+        grid = getattr(self._engine.module, "_grid", None)
         engines.destroy_engine(self._engine)
+        if isinstance(grid, TensorGrid):
+            grid.destroy()
         self._engine = None
         if self._reducer is not None:
             self._reducer.destroy()

@@ -672,8 +672,8 @@ class ResiHPStrategyMixin:
         self._membership.tensor_groups = groups
         self._state.last_migration = record
         user_info(
-            f"ResiHPStrategy: re-split over tensor-parallel groups {[list(g) for g in groups.members]} (degree "
-            f"{groups.degree}): {record.bytes_moved / 2**20:.1f} MB moved in {record.seconds:.2f} s"
+            f"ResiHPStrategy: re-split over tensor-parallel groups {[list(g) for g in groups.members]}: "
+            f"{record.bytes_moved / 2**20:.1f} MB moved in {record.seconds:.2f} s"
         )
 
     def _run_replica_share(self, split: batching.SplitBatch) -> ReplicaShare:

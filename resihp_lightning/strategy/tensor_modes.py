@@ -16,6 +16,7 @@ from torch import Tensor
 
 from resihp_lightning.contract import MigrationRecord
 from resihp_lightning.errors import ConfigError
+from resihp_lightning.placement import relabel
 from resihp_lightning.plan import Plan
 from resihp_lightning.runtime.pipeline_runtime import PipelineRuntime
 from resihp_lightning.state.module_weights import LayerKeys, restore_full_precision, write_trained
@@ -131,8 +132,10 @@ class SplitLayers:
         return self.parallelism.member == 0
 
     def runtime_ranks(self, ranks: dict[int, int] | None) -> dict[int, int] | None:
-        """This member's slice: group id -> the rank of its member with this process's index."""
-        return self.parallelism.groups.slice_ranks(self.parallelism.member)
+        """This member's slice: group id -> the rank of its member with this process's index (groups of
+        different degrees: the members 0)."""
+        groups = self.parallelism.groups
+        return groups.slice_ranks(self.parallelism.member if groups.uniform else 0)
 
     def pipeline_loss(self, module: Any, outputs: Any, labels: Any) -> Tensor:
         return module.pipeline_tensor_parallel_loss(outputs, labels, self.parallelism.group)
@@ -149,4 +152,4 @@ class SplitLayers:
 
     def weights_plan(self, runtime: PipelineRuntime) -> Plan:
         """Slice 0's plan: member 0 of each group sends the whole layers."""
-        return self.parallelism.groups.slice_plans(runtime.plan)[0]
+        return relabel(runtime.plan, self.parallelism.groups.slice_ranks(0))

@@ -9,8 +9,8 @@ group are spares.
 
 Member ``i`` of every group forms *slice* ``i``: a pipeline x data-parallel job of its own over the
 shards ``i`` of the layers, wired exactly as a job without tensor parallelism is; the slices meet only
-inside the layers, in the groups' all-reduces. The runtime needs every group of one degree for that
-(:attr:`TensorGroups.degree`).
+inside the layers, in the groups' all-reduces. Groups of different degrees (a group that lost or dropped
+a member goes on smaller) form no slices: :mod:`resihp_lightning.runtime.tensor_grid` runs them.
 """
 
 from __future__ import annotations
@@ -33,8 +33,7 @@ class TensorGroups:
     Attributes:
         members: ``members[g]`` = the ranks of group ``g`` (the planning device ``g``). Members are
             numbered in ascending rank order, as ``torch.distributed`` numbers a process group's members
-            (the given order is sorted). Every group has the same number of members; a rank is in one
-            group at most.
+            (the given order is sorted). Groups may differ in degree; a rank is in one group at most.
     """
 
     members: tuple[tuple[int, ...], ...]
@@ -52,12 +51,6 @@ class TensorGroups:
         object.__setattr__(self, "members", members)
         if not members or not members[0]:
             raise ConfigError(f"tensor-parallel groups must name at least one group of one rank, got {members!r}")
-        sizes = sorted({len(group) for group in members})
-        if len(sizes) > 1:
-            raise ConfigError(
-                f"tensor-parallel groups of different degrees {sizes} in one job are not supported yet: every group "
-                "must have the same number of members"
-            )
 
     @classmethod
     def consecutive(cls, degree: int, world_size: int) -> TensorGroups:
@@ -73,9 +66,19 @@ class TensorGroups:
         return cls(tuple(tuple(range(g * degree, (g + 1) * degree)) for g in range(world_size // degree)))
 
     @property
+    def degrees(self) -> tuple[int, ...]:
+        """Members of each group, by group id."""
+        return tuple(len(group) for group in self.members)
+
+    @property
+    def uniform(self) -> bool:
+        """Whether every group has the same degree (the job is then ``degree`` slices)."""
+        return len(set(self.degrees)) == 1
+
+    @property
     def degree(self) -> int:
-        """Members per group."""
-        return len(self.members[0])
+        """Members per group (the largest, when the groups differ)."""
+        return max(self.degrees)
 
     @property
     def groups(self) -> int:
@@ -108,11 +111,16 @@ class TensorGroups:
         return list(self.members[group])
 
     def slice_ranks(self, member: int) -> dict[int, int]:
-        """Group id -> rank of its member ``member``: slice ``member``'s ranks."""
+        """Group id -> rank of its member ``member``: slice ``member``'s ranks (slice 0, the members 0,
+        exists whatever the degrees)."""
+        if any(member >= len(group) for group in self.members):
+            raise ValueError(f"slice {member} needs groups of more than {member} members; the degrees are {self.degrees}")
         return {g: group[member] for g, group in enumerate(self.members)}
 
     def slice_plans(self, plan: Plan) -> list[Plan]:
-        """``plan`` (over groups) in the ranks of each slice, in member order."""
+        """``plan`` (over groups) in the ranks of each slice, in member order (groups of one degree)."""
+        if not self.uniform:
+            raise ValueError(f"groups of degrees {self.degrees} do not form slices")
         return [relabel(plan, self.slice_ranks(member)) for member in range(self.degree)]
 
     def relabelled(self, ranks: Sequence[int] | dict[int, int]) -> TensorGroups:

@@ -28,7 +28,7 @@ ALLOWED: dict[str, set[str]] = {
     "state": {"torch_utils"},
     "tensor": {"torch_utils"},
     "runtime": {"torch_utils", "state", "tensor"},
-    "failstop": {"solver", "resilience", "runtime", "state", "torch_utils"},
+    "failstop": {"solver", "resilience", "runtime", "state", "tensor", "torch_utils"},
     "strategy": {"solver", "resilience", "runtime", "state", "tensor", "failstop", "torch_utils"},
     # Callbacks see the strategy only through contract.py (core). Injected link faults delay the
     # runtime's own transfers, so callbacks/faults may reach into the runtime.

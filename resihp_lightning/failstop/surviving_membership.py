@@ -25,6 +25,7 @@ from resihp_lightning.failstop.recovery_record import RecoveryRecord
 from resihp_lightning.failstop.spares import Reshape
 from resihp_lightning.failstop.survivors import SurvivingJob
 from resihp_lightning.runtime.runtime_state import RuntimeState
+from resihp_lightning.tensor.tensor_groups import TensorGroups, TensorParallelism
 
 
 class SurvivingMembership:
@@ -62,6 +63,10 @@ class SurvivingMembership:
         self.interrupted = False
         #: This training step's committed result (what spares taken in by a recovery return).
         self.step_result: Any = None
+        #: With tensor parallelism: the groups in force (plans name them) ...
+        self.tensor_groups: TensorGroups | None = None
+        #: ... and what learns this process's part of the survivors' groups after a recovery.
+        self.on_tensor: Callable[[TensorParallelism], None] | None = None
 
     # ------------------------------------------------------------------------------- views
     @property
@@ -74,11 +79,30 @@ class SurvivingMembership:
 
     @property
     def device_id(self) -> int:
+        """This process's device in plans: its global rank at the start, or with tensor parallelism its
+        group's id among the groups in force."""
+        if self.tensor_groups is not None:
+            group = self.tensor_groups.group_of(self.job.device_id)
+            assert group is not None  # every live process is in a group under tensor parallelism
+            return group
+        return self.job.device_id
+
+    @property
+    def process_id(self) -> int:
+        """This process's id for the job's lifetime: its global rank at the start."""
         return self.job.device_id
 
     @property
     def devices_alive(self) -> tuple[int, ...]:
+        if self.tensor_groups is not None:
+            return tuple(range(self.tensor_groups.groups))
         return self.job.job_members
+
+    def uses_every_device(self, plan: Plan) -> bool:
+        """Whether ``plan`` keeps every current member busy (else it is a reshape that spares join)."""
+        if self.tensor_groups is not None:
+            return set(plan.device_ids) == set(range(self.tensor_groups.groups))
+        return set(plan.device_ids) == set(self.job.members)
 
     @property
     def is_spare(self) -> bool:
@@ -159,7 +183,12 @@ class SurvivingMembership:
             failure, state.require(), state.micro_batches, step, self._on_regrouped, finished=(call, finished),
             conditions=self._conditions(),
         )
-        state.pending = None
+        state.pending = state.pending_groups = None
+        tensor = state.require().config.tensor
+        if tensor is not None:
+            self.tensor_groups = tensor.groups
+            if self.on_tensor is not None:
+                self.on_tensor(tensor)
         record, plan = job.last_recovery, state.require().plan
         spares = f"; idle (hot spares): {list(record.spares)}" if record.spares else ""
         user_warn(

@@ -98,7 +98,7 @@ class SurvivingSteps:
                 return self._take(got.value, device)
             plan, self._plan = self._plan, None
             if plan is not None:
-                if set(plan.device_ids) == set(job.members):
+                if membership.uses_every_device(plan):
                     self.state.last_migration = runtime.switch(plan)
                 else:
                     if job.rank == 0:

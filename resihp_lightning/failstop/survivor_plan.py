@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 
 from resihp_lightning._logging import user_warn
@@ -12,6 +13,7 @@ from resihp_lightning.errors import PlanError
 from resihp_lightning.plan import Plan, Problem
 from resihp_lightning.problem_builder import problem_from_costs
 from resihp_lightning.telemetry import LayerCost
+from resihp_lightning.tensor.tensor_groups import TensorGroups
 
 
 def survivor_problem(
@@ -101,3 +103,33 @@ def survivor_plan(
     if not set(plan.device_ids) <= set(members):
         raise PlanError(f"the survivors' plan uses devices {sorted(plan.device_ids)} outside {sorted(members)}")
     return plan
+
+
+def tensor_survivor_conditions(
+    old: TensorGroups, new: TensorGroups, budgets: Mapping[int, float | None], conditions: DeviceConditions
+) -> tuple[DeviceConditions, dict[int, float]]:
+    """The survivors' groups as planning devices: speeds and memory relative to the old groups'.
+
+    The layer costs were measured on groups of the old degree t: a group of degree d made from one of
+    them runs a layer ``t / d`` times longer (speed ``d / t``) and holds ``d / t`` of the memory, in the
+    measured units. Group ids change, so the known slow devices do not carry over; the plan must use every
+    group (idle processes under tensor parallelism are not supported yet).
+
+    Args:
+        old: the groups before the loss.
+        new: the survivors' groups (:func:`~resihp_lightning.tensor.resplit.surviving_groups`).
+        budgets: each survivor's memory budget in MB by process id (``None``: unlimited).
+        conditions: the known conditions (their transfer costs and planner options are kept).
+
+    Returns:
+        (the conditions over the new group ids, each new group's memory budget).
+    """
+    speeds: dict[int, float] = {}
+    memory: dict[int, float] = {}
+    for g, members in enumerate(new.members):
+        before = len(old.members[old.group_of(members[0])])
+        speeds[g] = len(members) / before
+        known = [budgets.get(d) for d in members]
+        memory[g] = math.inf if any(b is None for b in known) else min(known) * len(members) / before
+    planner = dataclasses.replace(conditions.planner or PlannerConfig(), allow_exclude=False)
+    return dataclasses.replace(conditions, speeds=speeds, link_speeds={}, planner=planner), memory

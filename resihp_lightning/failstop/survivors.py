@@ -35,9 +35,11 @@ from resihp_lightning.runtime.engine import init_deepspeed_comm
 from resihp_lightning.failstop.fail_stop_config import FailStopConfig
 from resihp_lightning.failstop.recovery_record import RecoveryClock, RecoveryRecord
 from resihp_lightning.failstop.step_commit import StepCommit
-from resihp_lightning.failstop.survivor_plan import survivor_plan
+from resihp_lightning.failstop.survivor_plan import survivor_plan, tensor_survivor_conditions
 from resihp_lightning.runtime.pipeline_runtime import PipelineRuntime
 from resihp_lightning.failstop.spares import CallMirror
+from resihp_lightning.tensor.resplit import lost_parts, surviving_groups
+from resihp_lightning.tensor.tensor_groups import TensorGroups, tensor_parallelism
 
 log = get_logger(__name__)
 
@@ -186,14 +188,24 @@ class SurvivingJob:
         clock.mark("regroup")
         members = self.members
         self._agree_old_plan(runtime, held_by, finished)
-        lost = lost_layers(runtime.plan, members)
+        tensor = runtime.config.tensor
+        if tensor is None:
+            lost = lost_layers(runtime.plan, members)
+        else:  # a layer is lost when some part of its split tensors has no live holder
+            lost = lost_parts(tensor.groups, runtime.plan, set(members))
         if lost:
             self.unrecoverable(step, f"layers {lost} had no live holder (every replica holding them failed)")
         conditions = conditions or DeviceConditions()
-        plan = self._agree_plan(runtime, members, micro_batches, conditions)
+        groups = surviving_groups(tensor.groups, set(members)) if tensor is not None else None
+        plan = self._agree_plan(runtime, members, micro_batches, conditions, groups)
         clock.mark("plan")
         try:
-            record = runtime.recover(plan, self.rank_map(), between=lambda: self._leave_out_idle(plan, on_regrouped))
+            if tensor is None:
+                record = runtime.recover(plan, self.rank_map(), between=lambda: self._leave_out_idle(plan, on_regrouped))
+            else:
+                ranks = self.rank_map()
+                made = tensor_parallelism(groups.relabelled(ranks), self.world.rank, tensor.split_layer)
+                record = runtime.recover_tensor(replace(made, groups=groups), plan, ranks)
         except (PlanError, ConfigError) as err:
             self.unrecoverable(step, str(err))
         clock.mark("restore")
@@ -302,19 +314,24 @@ class SurvivingJob:
         return result
 
     def _agree_plan(self, runtime: PipelineRuntime, members: tuple[int, ...], micro_batches: int,
-                    conditions: DeviceConditions) -> Plan:
+                    conditions: DeviceConditions, groups: TensorGroups | None = None) -> Plan:
         """Rank 0 of the new group plans from the measured layer costs and the known device conditions;
-        every survivor gets its plan."""
+        every survivor gets its plan. With tensor parallelism the plan is over the survivors' ``groups``."""
         import torch.distributed as dist
 
         profile = runtime.layer_profile()  # collective: each layer's costs from a survivor that held it
         budgets: list[Any] = [None] * dist.get_world_size()  # the survivors take over layers: plan within memory
         dist.all_gather_object(budgets, (self.device_id, memory_budget_mb(runtime.config.device)))
+        memory: dict[int, Any] = dict(budgets)
+        devices: Any = members
+        if groups is not None:
+            devices = range(groups.groups)
+            conditions, memory = tensor_survivor_conditions(runtime.config.tensor.groups, groups, memory, conditions)
         box: list[Any] = [None]
         if self.rank == 0:
             try:
-                box[0] = survivor_plan(profile, members, micro_batches, runtime.per_replica_bounds, self.config.solver,
-                                       memory_mb=dict(budgets), min_data_degree=self.config.min_data_degree,
+                box[0] = survivor_plan(profile, devices, micro_batches, runtime.per_replica_bounds, self.config.solver,
+                                       memory_mb=memory, min_data_degree=self.config.min_data_degree,
                                        conditions=conditions).to_dict()
             except Exception as err:  # noqa: BLE001 - every survivor must learn it, not wait in the broadcast
                 box[0] = {"error": f"{type(err).__name__}: {err}"}

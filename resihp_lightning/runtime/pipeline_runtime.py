@@ -62,7 +62,7 @@ from resihp_lightning.state.optimizer_state import CapturedState, StateCarrier, 
 from resihp_lightning.runtime.pipeline_module import BoundedPipelineModule, materialize_layer
 from resihp_lightning.runtime.profiling import StageProfiler
 from resihp_lightning.tensor.resplit import resplit
-from resihp_lightning.tensor.tensor_groups import TensorParallelism, destroy_process_groups
+from resihp_lightning.tensor.tensor_groups import TensorGroups, TensorParallelism, destroy_process_groups
 from resihp_lightning.runtime.topology import PlanTopology, TensorPlanTopology
 from resihp_lightning.telemetry import LayerCost
 
@@ -129,6 +129,7 @@ class PipelineRuntime:
         self.config = config
         self.device = device
         self._ranks = dict(ranks) if ranks is not None else None
+        self._id_ranks: dict[int, int] | None = None  # job-wide process id -> rank, after a TP regroup
         self._plan = plan
         self._position = _position_or_none(plan, device)
         if self._position is None:
@@ -338,6 +339,39 @@ class PipelineRuntime:
                 does not split over its new group (the module's reason, e.g. heads that do not divide);
                 every process raises it before anything changes.
         """
+        return self._resplit_to(tensor, plan, ranks, alive=None)
+
+    def recover_tensor(self, tensor: TensorParallelism, plan: Plan, ranks: Mapping[int, int]) -> MigrationRecord:
+        """:meth:`recover` under tensor parallelism: the survivors' new groups and their plan.
+
+        The old engine and the old groups are abandoned without a collective; every layer is cut anew
+        over the new groups from the live processes' shards (:meth:`reshape`, with the lost processes
+        sending nothing), so a lost member's shards come from another group holding the same layers.
+
+        Args:
+            tensor: this process's part of the survivors' groups (their process groups exist).
+            plan: the plan over the new groups' ids.
+            ranks: device id -> rank in the new default group, for exactly the live processes.
+
+        Raises:
+            PlanError: a part of a layer has no live holder (restart from a checkpoint).
+            ConfigError: a DeepSpeed wrapper owns the optimizer state, or a layer does not split over its
+                new group.
+        """
+        if not self._carrier.per_replica_bounds:
+            raise ConfigError(
+                "in-process recovery needs the plain fp32 optimizer: ZeRO-1 / bf16 keep optimizer state in "
+                "partitions spread over the lost group; restart from a checkpoint instead"
+            )
+        self._abandon_engine()
+        for param in self.local_parameters().values():
+            param.grad = None
+        return self._resplit_to(tensor, plan, ranks, alive=set(ranks))
+
+    def _resplit_to(
+        self, tensor: TensorParallelism, plan: Plan, ranks: Mapping[int, int] | None, alive: set[int] | None
+    ) -> MigrationRecord:
+        """:meth:`reshape` and :meth:`recover_tensor` (``alive``: the live processes after a loss)."""
         start = time.perf_counter()
         old_tensor = self.config.tensor
         if old_tensor is None:
@@ -367,18 +401,20 @@ class PipelineRuntime:
         captured = self._carrier.capture(self._engine, self.local_parameters())
         state_s = time.perf_counter() - start
         old_layers = self.local_layers()
-        self._stop_engine()
+        if self._engine is not None:
+            self._stop_engine()
         rank_of = (lambda d: d) if ranks is None else dict(ranks).__getitem__
         moving = time.perf_counter()
         sent, received = resplit(
             old_tensor.groups, self._plan, tensor.groups, plan, me, old_layers, new_layers,
-            self._carrier.outgoing(captured), rank_of,
+            self._carrier.outgoing(captured), rank_of, alive=alive,
         )
         transfer_s = time.perf_counter() - moving
         total = torch.tensor([float(sent)], dtype=torch.float64, device=self.config.device)
         dist.all_reduce(total)
-        if tensor is not old_tensor:
+        if tensor is not old_tensor and alive is None:  # after a loss the old groups died with their generation
             destroy_process_groups(old_tensor)
+        self._id_ranks = dict(ranks) if ranks is not None else None
         self.config = dataclasses.replace(self.config, tensor=tensor)
         self.device = group
         # Uniform groups: this member's slice; otherwise the members 0 (the plan's whole-layer writers).
@@ -690,9 +726,14 @@ class PipelineRuntime:
         return {g: tuple(rank(d) for d in group) for g, group in enumerate(members)}
 
     def _rank_of_id(self, device: int) -> int:
-        """The current default group's rank of the process with job-wide id ``device`` (a global rank at the
-        start; the identity: tensor-parallel jobs do not change their default group)."""
-        return device
+        """The current default group's rank of the process with job-wide id ``device`` (its global rank at
+        the start; the identity until a recovery regroups the survivors)."""
+        return device if self._id_ranks is None else self._id_ranks[device]
+
+    def groups_in_ranks(self) -> TensorGroups:
+        """The tensor-parallel groups in force, in ranks of the current default group."""
+        groups = self.config.tensor.groups
+        return groups if self._id_ranks is None else groups.relabelled(self._id_ranks)
 
     def _mixed_grid(self, plan: Plan) -> TensorGrid | None:
         """A :class:`~.tensor_grid.TensorGrid` for ``plan`` when the groups differ in degree (collective)."""
@@ -719,7 +760,7 @@ class PipelineRuntime:
     def _topology(self, plan: Plan) -> PlanTopology | TensorPlanTopology:
         if self.config.tensor is None:
             return PlanTopology(self._in_ranks(plan))
-        return TensorPlanTopology(self.config.tensor.groups.slice_plans(plan))
+        return TensorPlanTopology(self.groups_in_ranks().slice_plans(plan))
 
     def _load(self, index: int, layer: nn.Module) -> None:
         """Gives a layer still on the meta device its values through ``config.load_layer``."""
@@ -759,7 +800,7 @@ class PipelineRuntime:
         elif layerwise:
             self._reducer = LayerwiseReducer(
                 self._in_ranks(plan), self._rank(self.device), self.local_layers(), tied=self.config.tied,
-                slices=tensor.groups.slice_plans(plan) if tensor is not None else (),
+                slices=self.groups_in_ranks().slice_plans(plan) if tensor is not None else (),
                 tensor_group=tensor.group if tensor is not None else None,
             )
         bound = self._carrier.bound

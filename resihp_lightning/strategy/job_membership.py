@@ -40,6 +40,14 @@ class Membership(Protocol):
         ...
 
     @property
+    def process_id(self) -> int:
+        """This process's id for the job's lifetime (its global rank at the start)."""
+        ...
+
+    #: With tensor parallelism, the groups in force once known (plans name them); ``None`` before.
+    tensor_groups: TensorGroups | None
+
+    @property
     def devices_alive(self) -> tuple[int, ...]:
         """The device ids of the job's live processes (hot spares included)."""
         ...
@@ -144,6 +152,11 @@ class PlainMembership:
             assert group is not None  # re-splits keep every rank in a group
             return group
         return self.rank // self.tensor_degree
+
+    @property
+    def process_id(self) -> int:
+        """This process's id for the job's lifetime: its global rank."""
+        return self.rank
 
     @property
     def devices_alive(self) -> tuple[int, ...]:

@@ -90,9 +90,6 @@ class StrategyOptions:
         self.fail_stop = FailStopConfig.from_value(self.fail_stop)
         if not isinstance(self.tensor_degree, int) or isinstance(self.tensor_degree, bool) or self.tensor_degree < 1:
             raise invalid_option("tensor_degree", self.tensor_degree, "an integer >= 1")
-        if self.tensor_degree > 1 and self.fail_stop is not None:
-            raise invalid_option("fail_stop", "on", "off (None) with tensor_degree > 1: recovery of a tensor-parallel "
-                                 "group is not built yet")
         if self.tensor_degree > 1 and (stage or any((self.deepspeed_config.get(k) or {}).get("enabled") for k in ("bf16", "fp16"))):
             raise invalid_option("tensor_degree", self.tensor_degree, "1 with ZeRO / bf16 / fp16 in deepspeed_config "
                                  "(tensor parallelism needs the plain fp32 optimizer for now)")

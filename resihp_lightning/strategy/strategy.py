@@ -69,7 +69,7 @@ from resihp_lightning.strategy.options import StrategyOptions
 from resihp_lightning.strategy.plan_rules import check_plan, initial_plan, settle_micro_batches
 from resihp_lightning.strategy.tensor_modes import SplitLayers, TensorMode, WholeLayers
 from resihp_lightning.strategy.tensor_setup import check_tensor_groups, check_tensor_parallel_job, create_tensor_groups
-from resihp_lightning.tensor.tensor_groups import TensorGroups
+from resihp_lightning.tensor.tensor_groups import TensorGroups, TensorParallelism
 from resihp_lightning.strategy.trainer_options import effective_deepspeed_config, refuse_unsupported
 from resihp_lightning.telemetry import LayerCost, LinkSample, StepStats
 
@@ -185,8 +185,9 @@ class ResiHPStrategyMixin:
 
     @property
     def tensor_degree(self) -> int:
-        """Processes per planning device (``tensor_degree`` option; 1: no tensor parallelism)."""
-        return self.options.tensor_degree
+        """Processes per planning device: the ``tensor_degree`` option until a re-split or a recovery forms
+        other groups, then the largest of theirs (1: no tensor parallelism)."""
+        return self._tensor.degree if self._tensor.splits_layers else self.options.tensor_degree
 
     @property
     def reports_device(self) -> bool:
@@ -501,6 +502,9 @@ class ResiHPStrategyMixin:
             if not self._tensor.splits_layers:  # the first setup forms the groups (collective)
                 self._tensor = SplitLayers(create_tensor_groups(self.options.tensor_degree, self.global_rank,
                                                                 self.world_size, module, self.misconfiguration_error))
+                self._membership.tensor_groups = self._tensor.parallelism.groups
+                if isinstance(self._membership, SurvivingMembership):
+                    self._membership.on_tensor = self._tensor_recovered
         self._compose()
         previous = self._state.runtime
         if previous is not None and previous.idle:  # set up again on a spare: nothing to build
@@ -666,15 +670,26 @@ class ResiHPStrategyMixin:
         return plan
 
     def _reshape(self, groups: TensorGroups, plan: Plan) -> None:
-        """Re-cuts the layers over new tensor-parallel groups (collective; the pending request of every rank)."""
+        """Re-cuts the layers over new tensor-parallel groups (collective; the pending request of every rank).
+        Under ``fail_stop`` a peer lost meanwhile regroups the survivors, whose plan replaces the request."""
         assert isinstance(self._tensor, SplitLayers)
-        record = self._tensor.reshape(self._state.require(), groups, plan, self.global_rank, None)
-        self._membership.tensor_groups = groups
+        membership = self._membership
+        done, record = membership.collective(
+            lambda: self._tensor.reshape(self._state.require(), groups, plan, membership.process_id, membership.rank_map())
+        )
+        if not done:
+            return
+        membership.tensor_groups = groups
         self._state.last_migration = record
         user_info(
             f"ResiHPStrategy: re-split over tensor-parallel groups {[list(g) for g in groups.members]}: "
             f"{record.bytes_moved / 2**20:.1f} MB moved in {record.seconds:.2f} s"
         )
+
+    def _tensor_recovered(self, parallelism: TensorParallelism) -> None:
+        """A recovery formed the survivors' tensor-parallel groups: the loss and the outputs use them."""
+        assert isinstance(self._tensor, SplitLayers)
+        self._tensor.parallelism = parallelism
 
     def _run_replica_share(self, split: batching.SplitBatch) -> ReplicaShare:
         """This replica's m_r micro-batches of the global batch through the pipeline, under the plan in force."""

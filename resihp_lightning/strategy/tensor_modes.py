@@ -152,4 +152,4 @@ class SplitLayers:
 
     def weights_plan(self, runtime: PipelineRuntime) -> Plan:
         """Slice 0's plan: member 0 of each group sends the whole layers."""
-        return relabel(runtime.plan, self.parallelism.groups.slice_ranks(0))
+        return relabel(runtime.plan, runtime.groups_in_ranks().slice_ranks(0))

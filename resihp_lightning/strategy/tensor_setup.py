@@ -13,9 +13,12 @@ from resihp_lightning.tensor.tensor_groups import TensorGroups, TensorParallelis
 TENSOR_HOOKS = ("pipeline_split_layer", "pipeline_tensor_parallel_loss")
 #: ... and the one ``trainer.predict`` needs.
 PREDICT_HOOK = "pipeline_tensor_parallel_outputs"
-#: Callbacks of this package that work with tensor parallelism (the others recover lost processes,
-#: which a tensor-parallel job cannot do yet).
-SUPPORTED_CALLBACKS = ("StepRecorder", "ResiHPProgressBar", "StragglerDetector", "ReplanController", "FaultInjector")
+#: Callbacks of this package that work with tensor parallelism (ElasticRestart does not yet: its restart
+#: plans processes, not tensor-parallel groups).
+SUPPORTED_CALLBACKS = (
+    "StepRecorder", "ResiHPProgressBar", "StragglerDetector", "ReplanController", "FaultInjector", "HeartbeatMonitor",
+    "FailStopReporter",
+)
 
 
 def check_tensor_parallel_job(
@@ -54,8 +57,8 @@ def check_tensor_parallel_job(
     ]
     if unsupported:
         raise error(
-            f"the callbacks {unsupported} do not support ResiHPStrategy(tensor_degree={degree}) yet: a tensor-parallel "
-            "job cannot recover lost processes yet; see docs/tensor_parallel.md"
+            f"the callbacks {unsupported} do not support ResiHPStrategy(tensor_degree={degree}) yet: a restart onto a new "
+            "world plans processes, not tensor-parallel groups; see docs/tensor_parallel.md"
         )
     for key in ("bf16", "fp16"):
         if (deepspeed_config.get(key) or {}).get("enabled"):

@@ -145,6 +145,47 @@ def plan_pieces(
     return out
 
 
+def surviving_groups(groups: TensorGroups, alive: Collection[int]) -> TensorGroups:
+    """The groups that go on after the processes outside ``alive`` are lost.
+
+    A group with every member alive stays as it is. A group that lost members goes on with its live
+    ones at a smaller degree: the largest divisor of its degree that they fill, then the same for the
+    rest (3 live members of a group of 4 form groups of 2 and 1). A divisor of a degree the model
+    splits over always splits it too (heads, key-value heads and vocabulary divide by it).
+
+    Raises:
+        PlanError: no process of any group is alive.
+    """
+    out: list[tuple[int, ...]] = []
+    for group in groups.members:
+        live = [d for d in group if d in alive]
+        if len(live) == len(group):
+            out.append(group)
+            continue
+        while live:
+            size = max(d for d in range(1, len(group) + 1) if len(group) % d == 0 and d <= len(live))
+            out.append(tuple(live[:size]))
+            live = live[size:]
+    if not out:
+        raise PlanError("no process of the job's tensor-parallel groups is alive")
+    return TensorGroups(tuple(out))
+
+
+def lost_parts(groups: TensorGroups, plan: Plan, alive: Collection[int]) -> list[str]:
+    """The parts of layers (``"layer 3 [1/2, 1)"``) that no live process holds under ``groups`` and ``plan``."""
+    lost = []
+    for layer, held in sorted(holders(groups, plan).items()):
+        ranges = sorted(shard_range(i, len(group)) for group in held for i, d in enumerate(group) if d in alive)
+        covered = Fraction(0)
+        for lo, hi in ranges:
+            if lo > covered:
+                lost.append(f"layer {layer} [{covered}, {lo})")
+            covered = max(covered, hi)
+        if covered < 1:
+            lost.append(f"layer {layer} [{covered}, 1)")
+    return lost
+
+
 def _describe(value: Any, param: torch.Tensor) -> tuple[str, Any]:
     """How one optimizer-state entry travels: cut like its parameter, whole, or by value."""
     if isinstance(value, torch.Tensor) and value.shape == param.shape and split_dim(param) is not None:

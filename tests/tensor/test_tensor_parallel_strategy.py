@@ -258,10 +258,10 @@ def test_tensor_degree_is_checked_by_name():
     from resihp_lightning.strategy.options import StrategyOptions
 
     assert StrategyOptions(tensor_degree=2).tensor_degree == 2
+    assert StrategyOptions(tensor_degree=2, fail_stop=True).fail_stop is not None  # a lost member is recovered
     for bad, pattern in (
         ({"tensor_degree": 0}, r"`tensor_degree`; allowed: an integer >= 1"),
         ({"tensor_degree": True}, r"`tensor_degree`; allowed: an integer >= 1"),
-        ({"tensor_degree": 2, "fail_stop": True}, r"`fail_stop`"),
         ({"tensor_degree": 2, "deepspeed_config": {"zero_optimization": {"stage": 1}}}, r"`tensor_degree`.*fp32"),
     ):
         with pytest.raises(ConfigError, match=pattern):
@@ -285,11 +285,10 @@ def test_a_job_tensor_parallelism_cannot_run_yet_is_refused_by_name():
         check_tensor_parallel_job(2, plain, [], {}, False, error)
     llm = _module(RUNS[0])
     recorder = StepRecorder()
-    supported = [recorder, ResiHPProgressBar(recorder), StragglerDetector(), ReplanController()]
+    supported = [recorder, ResiHPProgressBar(recorder), StragglerDetector(), ReplanController(), FailStopReporter()]
     check_tensor_parallel_job(2, llm, supported, {}, True, error)  # passes
-    for callback in (FailStopReporter(), ElasticRestart()):
-        with pytest.raises(error, match=rf"\['{type(callback).__name__}'\] do not support .*tensor_degree=2"):
-            check_tensor_parallel_job(2, llm, [callback], {}, False, error)
+    with pytest.raises(error, match=r"\['ElasticRestart'\] do not support .*tensor_degree=2.*restart"):
+        check_tensor_parallel_job(2, llm, [ElasticRestart()], {}, False, error)
     with pytest.raises(error, match=r"plain fp32 optimizer.*bf16"):
         check_tensor_parallel_job(2, llm, [], {"bf16": {"enabled": True}}, False, error)
     with pytest.raises(error, match=r"`tensor_degree`; allowed: a divisor of the world size 4"):

@@ -11,6 +11,7 @@ Importing this module imports Lightning (~9 s); ``resihp_lightning.models`` load
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -206,6 +207,15 @@ class CausalLMPipelineModule(ResiHPModule):
         from resihp_lightning.models.tensor_parallel import split_pipeline_layers
 
         return split_pipeline_layers([layer], group)[0]
+
+    def pipeline_tensor_parallel_degrees(self) -> list[int]:
+        """The degrees that split every layer evenly: divisors of the query heads, the key-value heads, the
+        MLP's intermediate size and the vocabulary (``split_pipeline_layers`` needs whole heads and equal parts)."""
+        config = self.hf_config
+        sizes = [config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+                 config.intermediate_size, config.vocab_size]
+        common = math.gcd(*sizes)
+        return [d for d in range(1, common + 1) if common % d == 0]
 
     def pipeline_tensor_parallel_loss(self, outputs: Tensor, labels: Tensor, group: Any) -> Tensor:
         """:meth:`pipeline_loss` on vocabulary-split logits."""

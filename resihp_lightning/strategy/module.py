@@ -55,6 +55,12 @@ class ResiHPModuleMixin:
         :class:`ResiHPModule`); default: none (such a job is refused)."""
         raise NotImplementedError
 
+    def pipeline_tensor_parallel_degrees(self) -> Sequence[int] | None:
+        """The tensor-parallel degrees every layer splits over (e.g. the divisors of the heads, key-value heads
+        and vocabulary); a re-split to another degree is refused at request time. Default: ``None``, unknown
+        (the split itself decides, at the step boundary)."""
+        return None
+
     def pipeline_tensor_parallel_outputs(self, outputs: Any, group: Any) -> Any:
         """The last layer's whole outputs from its split ones, for ``trainer.predict`` (``tensor_degree`` > 1;
         see :class:`ResiHPModule`); default: none (prediction is refused)."""

@@ -42,7 +42,7 @@ from typing_extensions import override
 from resihp_lightning import _registration
 from resihp_lightning._logging import quiet_agreed_errors, user_info, user_warn
 from resihp_lightning.contract import DeviceConditions, MigrationRecord
-from resihp_lightning.errors import PlanError
+from resihp_lightning.errors import ConfigError, PlanError
 from resihp_lightning.failstop.fail_stop_config import FailStopConfig
 from resihp_lightning.failstop.recovery_record import RecoveryRecord
 from resihp_lightning.failstop.surviving_membership import SurvivingMembership
@@ -283,13 +283,15 @@ class ResiHPStrategyMixin:
         Raises:
             PlanError: the plan does not fit this job (bounds, P x D vs world size, micro-batch sum,
                 per-replica bounds); nothing changes and training goes on under the current plan.
-            ConfigError: ``tensor_groups`` without tensor parallelism, or groups that do not partition the
-                job's processes into groups of one degree.
+            ConfigError: ``tensor_groups`` without tensor parallelism, groups that do not hold every process
+                exactly once, or a degree the module's layers do not split over
+                (``pipeline_tensor_parallel_degrees``).
         """
         groups = None
         if tensor_groups is not None:
             groups = tensor_groups if isinstance(tensor_groups, TensorGroups) else TensorGroups(tuple(map(tuple, tensor_groups)))
-            check_tensor_groups(groups, self.options.tensor_degree, self.world_size)
+            degrees = getattr(self.lightning_module, "pipeline_tensor_parallel_degrees", lambda: None)()
+            check_tensor_groups(groups, self.options.tensor_degree, self.world_size, degrees)
             check_plan(plan, range(groups.groups), self.num_layers, self._state.micro_batches, self.deepspeed_config,
                        None, idle_allowed=False)
         else:
@@ -660,7 +662,10 @@ class ResiHPStrategyMixin:
         plan, self._state.pending = self._state.pending, None
         groups, self._state.pending_groups = self._state.pending_groups, None
         if groups is not None:
-            self._reshape(groups, plan)
+            try:
+                self._reshape(groups, plan)
+            except ConfigError as err:  # every process refused it before anything changed
+                user_warn(f"ResiHPStrategy: dropping the requested re-split: {err}")
             return None
         try:
             self.check_plan(plan)

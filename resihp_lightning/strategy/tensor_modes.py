@@ -20,7 +20,12 @@ from resihp_lightning.placement import relabel
 from resihp_lightning.plan import Plan
 from resihp_lightning.runtime.pipeline_runtime import PipelineRuntime
 from resihp_lightning.state.module_weights import LayerKeys, restore_full_precision, write_trained
-from resihp_lightning.tensor.tensor_groups import TensorGroups, TensorParallelism, tensor_parallelism
+from resihp_lightning.tensor.tensor_groups import (
+    TensorGroups,
+    TensorParallelism,
+    destroy_process_groups,
+    tensor_parallelism,
+)
 
 
 class TensorMode(Protocol):
@@ -122,7 +127,11 @@ class SplitLayers:
         if parallelism is None:
             raise ConfigError(f"rank {rank} is in none of the tensor-parallel groups {groups.members}")
         parallelism = dataclasses.replace(parallelism, groups=groups)
-        record = runtime.reshape(parallelism, plan, ranks)
+        try:
+            record = runtime.reshape(parallelism, plan, ranks)
+        except ConfigError:  # refused before anything changed: the groups in force go on
+            destroy_process_groups(parallelism)
+            raise
         self.parallelism = parallelism
         return record
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from resihp_lightning.errors import ConfigError
@@ -84,11 +84,20 @@ def create_tensor_groups(degree: int, rank: int, world_size: int, module: Any, e
     return parallelism
 
 
-def check_tensor_groups(groups: TensorGroups, tensor_degree: int, world_size: int) -> None:
+def check_tensor_groups(
+    groups: TensorGroups, tensor_degree: int, world_size: int, allowed: Sequence[int] | None = None
+) -> None:
     """Checks requested tensor-parallel groups against the job (a re-split: ``request_plan(tensor_groups=...)``).
 
+    Args:
+        groups: the requested groups.
+        tensor_degree: the job's ``tensor_degree`` option.
+        world_size: the job's processes.
+        allowed: the degrees the module's layers split over (``None``: unknown).
+
     Raises:
-        ConfigError: the job has no tensor parallelism, or the groups do not hold every process exactly once.
+        ConfigError: the job has no tensor parallelism, the groups do not hold every process exactly once,
+            or a group's degree is not in ``allowed``.
     """
     if tensor_degree <= 1:
         raise ConfigError(
@@ -99,4 +108,10 @@ def check_tensor_groups(groups: TensorGroups, tensor_degree: int, world_size: in
         raise ConfigError(
             f"tensor_groups {[list(g) for g in groups.members]} must hold every rank 0..{world_size - 1} exactly once "
             "(spares under tensor parallelism are not supported yet)"
+        )
+    refused = sorted(set(groups.degrees) - set(allowed)) if allowed is not None else []
+    if refused:
+        raise ConfigError(
+            f"tensor_groups of degree {refused}: the module's layers split over degrees {sorted(allowed)} only "
+            "(pipeline_tensor_parallel_degrees: whole heads and key-value heads, equal MLP and vocabulary parts)"
         )

@@ -121,7 +121,7 @@ def test_groups_may_differ_in_degree_but_not_share_a_rank():
 
 
 # ---------------------------------------------------------------------------------------- the job
-STEPS = 6
+STEPS = 7
 LR = 1e-2
 WEIGHT_ATOL = 1e-4  # as in test_tensor_parallel_strategy: split sums round differently
 CLIP = 0.5  # global-norm clipping binds at every step: the norm must count every shard once
@@ -139,6 +139,10 @@ RESPLITS = {
                             {"devices": [1], "bounds": [0, 4], "micro_batches": 1},
                             {"devices": [2], "bounds": [0, 4], "micro_batches": 1}]}),
     5: ([[2, 0, 3, 1]], {"replicas": [{"devices": [0], "bounds": [0, 4], "micro_batches": 4}]}),
+    # A module that does not say which degrees it splits over: the 3-way split fails at the step boundary,
+    # on every process before anything changes, and the job goes on under its groups.
+    6: ([[0, 1, 2], [3]], {"replicas": [{"devices": [0], "bounds": [0, 4], "micro_batches": 2},
+                                        {"devices": [1], "bounds": [0, 4], "micro_batches": 2}]}),
 }
 
 
@@ -232,12 +236,21 @@ def _job(rank: int, world: int) -> dict:
             self.losses: list[float] = []
             self.devices: list[int] = []
             self.plans: list[dict] = []
+            self.refused = ""
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self.losses.append(float(outputs["loss"]))
             self.devices.append(trainer.strategy.device_id)
             if trainer.global_step in RESPLITS:
                 groups, plan = RESPLITS[trainer.global_step]
+                if trainer.global_step == 6:
+                    pl_module.pipeline_tensor_parallel_degrees = lambda: None
+                if trainer.global_step == 1:
+                    # 4 heads do not split 3 ways: refused by name at the request, nothing changes.
+                    try:
+                        trainer.strategy.request_plan(Plan.from_dict(plan), tensor_groups=[[0, 1, 2], [3]])
+                    except ConfigError as err:
+                        self.refused = str(err)
                 trainer.strategy.request_plan(Plan.from_dict(plan), tensor_groups=groups)
                 self.plans.append(trainer.strategy.pending_plan.to_dict())
 
@@ -249,7 +262,7 @@ def _job(rank: int, world: int) -> dict:
                          enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                          use_distributed_sampler=False, callbacks=[recorder], gradient_clip_val=CLIP)
     trainer.fit(module, DataLoader(_batches(), batch_size=None))
-    return {"losses": recorder.losses, "devices": recorder.devices, "moves": moves,
+    return {"losses": recorder.losses, "devices": recorder.devices, "moves": moves, "refused": recorder.refused,
             "state": {k: v.detach().clone() for k, v in module.state_dict().items()},
             "degree": strategy.tensor_degree}
 
@@ -263,8 +276,9 @@ def test_a_job_re_splits_live_over_any_degrees_and_back_exactly(distributed):
         assert got["losses"] == pytest.approx(ref_losses, abs=2e-5, rel=0), rank
         assert got["degree"] == 4  # back to one group of four at the end
         # The device id is the group index under the groups in force at each step's end.
+        assert "tensor_groups of degree [3]" in got["refused"] and "[1, 2, 4]" in got["refused"], got["refused"]
         mixed = [0, 0, 1, 2][rank]
-        assert got["devices"] == [0, rank // 2, [2, 1, 3, 0][rank], mixed, mixed, 0], rank
+        assert got["devices"] == [0, rank // 2, [2, 1, 3, 0][rank], mixed, mixed, 0, 0], rank
         assert len(got["moves"]) == 4  # the plan-only switch between mixed groups is a runtime re-split
         for move in got["moves"]:
             assert move["same"] and move["same_state"] and move["state_entries"] > 0, (rank, move)

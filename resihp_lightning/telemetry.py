@@ -38,6 +38,8 @@ class StepStats:
         layers: (first, last + 1) global layer indices held by the rank.
         micro_batches: per micro-batch statistics, in execution order.
         step_ms: wall time of the whole step on this rank (the same on every rank in a synchronous job).
+        tensor_wait_ms: time inside its tensor-parallel group's all-reduces during the step (0 without
+            tensor parallelism): the micro-batches' compute minus it is the process's own compute.
     """
 
     step: int
@@ -47,6 +49,7 @@ class StepStats:
     layers: tuple[int, int]
     micro_batches: tuple[MicroBatchStats, ...] = field(default=())
     step_ms: float = 0.0
+    tensor_wait_ms: float = 0.0
 
 
 @dataclass(frozen=True)

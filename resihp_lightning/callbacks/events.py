@@ -3,28 +3,30 @@
 Every record has ``time`` (Unix seconds), ``step`` (the trainer's global step, or ``null``) and
 ``event`` (one of :data:`EVENT_NAMES`), plus the event's own fields:
 
-======================= =======================================================================================================
-event                   fields
-======================= =======================================================================================================
-fault_injected          kind, rank and the fault's parameters (factor, start/end step, ...)
-fail_slow_detected      rank, speed (1.0 healthy, 0.5 half speed)
-fail_slow_recovered     rank, speed
-slow_link_detected      rank, link_speed (its links' round trips vs the median device's; 1.0 healthy)
-slow_link_recovered     rank, link_speed
-fault_struck            kind, rank, at (a kill / hang fault fired inside the step; monotonic time)
-fail_stop_detected      rank, how (exited, silent = heartbeat, hung = progress, left out), at (FailStopReporter);
-                        or rank, reason, how, reporter (HeartbeatMonitor)
-recovery_started        generation, members (the survivors), failed
-recovery_finished       generation, members, spares (idle), abort_s, regroup_s, plan_s, restore_s, redo_s, total_s, bytes_moved
-fail_stop_unrecoverable reason, exit_code
-healthy_reference       plan (the planner's best for the devices all healthy), predicted_ms, current_plan, current_ms
-plan_computed           plan (Plan JSON), predicted_ms, solve_seconds, status, speeds, link_speeds, p2p_ms, allreduce_ms
-plan_applied            plan, migration_seconds, bytes_moved (after a recovery also world, spares)
-plan_rejected           reason
-worker_failed           rank, error, at (a process's ``fit`` raised: a lost peer, the launcher's SIGTERM; every rank writes)
-job_restarted           restart_count, checkpoint, checkpoint_step, world_before, world_after, lost, new, process_started_at,
-                        setup_at, read_s, plan_s, loaded_at, resumed_at (Unix seconds / seconds; at the resume's train start)
-======================= =======================================================================================================
+========================== =======================================================================================================
+event                      fields
+========================== =======================================================================================================
+fault_injected             kind, rank and the fault's parameters (factor, start/end step, ...)
+fail_slow_detected         rank, speed (1.0 healthy, 0.5 half speed)
+fail_slow_recovered        rank, speed
+fail_slow_member_detected  rank (a process), group (its tensor-parallel group), speed (its own compute vs its group's)
+fail_slow_member_recovered rank, group
+slow_link_detected         rank, link_speed (its links' round trips vs the median device's; 1.0 healthy)
+slow_link_recovered        rank, link_speed
+fault_struck               kind, rank, at (a kill / hang fault fired inside the step; monotonic time)
+fail_stop_detected         rank, how (exited, silent = heartbeat, hung = progress, left out), at (FailStopReporter);
+                           or rank, reason, how, reporter (HeartbeatMonitor)
+recovery_started           generation, members (the survivors), failed
+recovery_finished          generation, members, spares (idle), abort_s, regroup_s, plan_s, restore_s, redo_s, total_s, bytes_moved
+fail_stop_unrecoverable    reason, exit_code
+healthy_reference          plan (the planner's best for the devices all healthy), predicted_ms, current_plan, current_ms
+plan_computed              plan (Plan JSON), predicted_ms, solve_seconds, status, speeds, link_speeds, p2p_ms, allreduce_ms
+plan_applied               plan, migration_seconds, bytes_moved (after a recovery also world, spares)
+plan_rejected              reason
+worker_failed              rank, error, at (a process's ``fit`` raised: a lost peer, the launcher's SIGTERM; every rank writes)
+job_restarted              restart_count, checkpoint, checkpoint_step, world_before, world_after, lost, new, process_started_at,
+                           setup_at, read_s, plan_s, loaded_at, resumed_at (Unix seconds / seconds; at the resume's train start)
+========================== =======================================================================================================
 
 Only writer ranks write (rank 0 by default) so that a multi-rank job produces one log; a rank
 that must report while rank 0 may be gone (a heartbeat that lost rank 0) passes ``force=True``.
@@ -49,6 +51,8 @@ EVENT_NAMES = (
     "fault_injected",
     "fail_slow_detected",
     "fail_slow_recovered",
+    "fail_slow_member_detected",
+    "fail_slow_member_recovered",
     "slow_link_detected",
     "slow_link_recovered",
     "fail_stop_detected",

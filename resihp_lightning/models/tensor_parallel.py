@@ -41,6 +41,7 @@ from torch import nn
 from resihp_lightning.errors import ConfigError
 from resihp_lightning.models.layers import IGNORE_INDEX, DecoderPipe, EmbeddingPipe, HeadPipe
 from resihp_lightning.torch_utils.shards import group_shape, sharded_parameter
+from resihp_lightning.torch_utils.wait_clock import timed_all_reduce
 
 
 class _SumGradOverGroup(torch.autograd.Function):
@@ -54,7 +55,7 @@ class _SumGradOverGroup(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: D102
         grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
+        timed_all_reduce(grad, ctx.group)
         return grad, None
 
 
@@ -64,7 +65,7 @@ class _SumOverGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:  # noqa: D102
         out = x.contiguous().clone()
-        dist.all_reduce(out, group=group)
+        timed_all_reduce(out, group)
         return out
 
     @staticmethod
@@ -234,7 +235,7 @@ def vocab_parallel_causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, gr
     width = local.shape[-1]
     labels = labels.to(local.device)
     top = local.detach().amax(dim=-1)
-    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    timed_all_reduce(top, group, op=dist.ReduceOp.MAX)
     shifted = local - top.unsqueeze(-1)
     start = index * width
     valid = labels != IGNORE_INDEX

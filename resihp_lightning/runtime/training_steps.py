@@ -37,12 +37,14 @@ class ReplicaShare:
             measured fewer).
         items: the replica's micro-batches.
         position: this process's replica, stage and layers under the plan it ran.
+        tensor_wait_ms: its time in tensor-parallel all-reduces during the step.
     """
 
     loss: Tensor
     busy: Sequence[float]
     items: Sequence[MicroBatch]
     position: Position
+    tensor_wait_ms: float = 0.0
 
     def stats(self, step: int, device: int, step_ms: float) -> StepStats:
         """The step's statistics as this process reports them (``device``: its id in plans)."""
@@ -57,6 +59,7 @@ class ReplicaShare:
                 MicroBatchStats(busy[i] if i < len(busy) else 0.0, mb.tokens, mb.sum_len_sq) for i, mb in enumerate(self.items)
             ),
             step_ms=step_ms,
+            tensor_wait_ms=self.tensor_wait_ms,
         )
 
 

@@ -70,6 +70,7 @@ from resihp_lightning.strategy.plan_rules import check_plan, initial_plan, settl
 from resihp_lightning.strategy.tensor_modes import SplitLayers, TensorMode, WholeLayers
 from resihp_lightning.strategy.tensor_setup import check_tensor_groups, check_tensor_parallel_job, create_tensor_groups
 from resihp_lightning.tensor.tensor_groups import TensorGroups, TensorParallelism
+from resihp_lightning.torch_utils.wait_clock import TENSOR_PARALLEL_WAIT
 from resihp_lightning.strategy.trainer_options import effective_deepspeed_config, refuse_unsupported
 from resihp_lightning.telemetry import LayerCost, LinkSample, StepStats
 
@@ -182,6 +183,12 @@ class ResiHPStrategyMixin:
         """This process's device id in plans: its global rank when the job started (stable across regroups);
         with ``tensor_degree`` t, its tensor-parallel group's (global rank // t)."""
         return self._membership.device_id
+
+    @property
+    def process_id(self) -> int:
+        """This process's id for the job's lifetime: its global rank when the job started (``device_id`` is
+        its tensor-parallel group's under tensor parallelism)."""
+        return self._membership.process_id
 
     @property
     def tensor_degree(self) -> int:
@@ -703,11 +710,13 @@ class ResiHPStrategyMixin:
         replica = plan.replicas[pos.replica]
         offset = row_offset(plan, pos.replica, self.micro_batch_size)
         items = batching.micro_batches(split, offset, replica.micro_batches, self.micro_batch_size)
+        waited = TENSOR_PARALLEL_WAIT.reading()
         with self._loss_log.recording(self.lightning_module):
             loss, busy = runtime.train_batch(
                 items, loss_scale=replica.micro_batches * plan.data_degree / self._state.micro_batches
             )
-        return ReplicaShare(loss=loss, busy=busy, items=items, position=pos)
+        return ReplicaShare(loss=loss, busy=busy, items=items, position=pos,
+                            tensor_wait_ms=(TENSOR_PARALLEL_WAIT.reading() - waited) * 1000.0)
 
     def _pipeline_loss(self, outputs: Any, labels: Any) -> Tensor:
         return self._tensor.pipeline_loss(self.lightning_module, outputs, labels)

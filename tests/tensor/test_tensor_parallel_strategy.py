@@ -340,7 +340,8 @@ def _slow_job(rank: int, world: int, log_dir: str) -> dict:
 @pytest.mark.timeout(300)
 def test_a_slow_member_slows_its_group_which_is_detected_and_planned_around(distributed, tmp_path):
     """The detector sees one device per group (its first member reports; the slow member 1 makes member 0
-    wait inside every layer), and the controller gives that group fewer micro-batches."""
+    wait inside every layer) and names the slow member, and the controller gives that group fewer
+    micro-batches."""
     from resihp_lightning.callbacks import read_events
 
     results = distributed(_slow_job, 4, timeout=280, log_dir=str(tmp_path))
@@ -351,6 +352,10 @@ def test_a_slow_member_slows_its_group_which_is_detected_and_planned_around(dist
     detected = of.get("fail_slow_detected", [])
     assert detected and {e["rank"] for e in detected} == {0}, events  # group 0, the slow member's
     assert detected[0]["step"] >= FAULT_STEP
+    # Each member's own compute (its busy time minus its wait in the group's all-reduces) names the member.
+    named = of.get("fail_slow_member_detected", [])
+    assert named and {(e["rank"], e["group"]) for e in named} == {(SLOW_RANK, 0)}, events
+    assert named[0]["step"] >= FAULT_STEP and named[0]["speed"] < 0.6
     applied = of.get("plan_applied", [])
     assert applied, events
     for event in applied:

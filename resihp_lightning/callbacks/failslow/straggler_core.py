@@ -115,6 +115,10 @@ class StragglerConfig:
         link_window: probes pooled (median) into a link's speed estimate.
         link_min_extra_ms: a probe reads a link slow only when its round trip exceeds the median
             device's by at least this many ms (sub-millisecond round trips are noisy; >= 0).
+        member_threshold: under tensor parallelism, a group member is named slow when its own compute
+            (busy time minus its wait in the group's all-reduces) is at least this many times its group's
+            other members' median (> 1; :mod:`.member_core`).
+        member_patience: consecutive steps before a member's flag changes (>= 1).
     """
 
     report_time_interval: float | None = None
@@ -141,6 +145,8 @@ class StragglerConfig:
     link_patience: int = 2
     link_window: int = 3
     link_min_extra_ms: float = 0.5
+    member_threshold: float = 1.5
+    member_patience: int = 3
 
     def __post_init__(self) -> None:
         if self.report_time_interval is not None and not (
@@ -149,7 +155,7 @@ class StragglerConfig:
             raise invalid_option("detector.report_time_interval", self.report_time_interval, "null or seconds > 0")
         for name, low in (("report_interval_steps", 1), ("warmup_steps", 0), ("fit_steps", 1), ("patience", 1), ("window", 1),
                           ("num_gpu_perf_scores_to_print", 0), ("min_cohort", 2), ("link_probe_interval_steps", 0),
-                          ("link_probe_rounds", 1), ("link_patience", 1), ("link_window", 1)):
+                          ("link_probe_rounds", 1), ("link_patience", 1), ("link_window", 1), ("member_patience", 1)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise invalid_option(f"detector.{name}", value, f"an integer >= {low}")
@@ -168,6 +174,8 @@ class StragglerConfig:
                 "detector.link_recovery_threshold", self.link_recovery_threshold,
                 f"a number >= link_slow_threshold ({self.link_slow_threshold}) so flags do not flap",
             )
+        if not _is_number(self.member_threshold) or not self.member_threshold > 1:
+            raise invalid_option("detector.member_threshold", self.member_threshold, "a number > 1")
         for name in ("significance", "speed_change_threshold", "link_min_extra_ms"):
             value = getattr(self, name)
             if not _is_number(value) or value < 0:

@@ -39,6 +39,7 @@ from typing_extensions import override
 from resihp_lightning._logging import get_logger, user_info
 from resihp_lightning.callbacks.events import EventLog
 from resihp_lightning.callbacks.failslow.link_core import LinkCore
+from resihp_lightning.callbacks.failslow.member_core import MemberCore, MemberSample
 from resihp_lightning.callbacks.failslow.straggler_core import (
     StragglerConfig,
     LocalTracker,
@@ -81,6 +82,8 @@ class StragglerDetector(Callback):
         self.links = LinkCore(cfg.link_slow_threshold, cfg.link_recovery_threshold, cfg.link_patience, cfg.link_window,
                               cfg.link_min_extra_ms)
         self._probe_links = False
+        self.members = MemberCore(cfg.member_threshold, cfg.member_patience)
+        self._pending_members: list[MemberSample] = []
         self.detections: list[dict[str, Any]] = []
         self.rank = 0
         self._pending: list[RankSummary] = []
@@ -93,6 +96,12 @@ class StragglerDetector(Callback):
     def speeds(self) -> dict[int, float]:
         """Speed per rank (flagged ranks: their estimate; others 1.0); the same on every rank."""
         return self.core.speeds
+
+    @property
+    def member_speeds(self) -> dict[int, float]:
+        """Under tensor parallelism: the speed of each process named as its group's slow member, by process
+        id (its global rank at the start); the same on every rank."""
+        return dict(self.members.flagged)
 
     @property
     def flagged(self) -> list[int]:
@@ -150,6 +159,10 @@ class StragglerDetector(Callback):
         summary = self.tracker.summarize(stats)
         if reports_device(strategy):  # one summary per device: a tensor-parallel group's first member
             self._pending.append(summary)
+        if tensor_degree_of(strategy) > 1:  # every member: its own compute, to name a slow one
+            own = sum(mb.compute_ms for mb in stats.micro_batches) - stats.tensor_wait_ms
+            process = getattr(strategy, "process_id", trainer.global_rank)
+            self._pending_members.append(MemberSample(stats.step, process, stats.rank, own))
         if self._next_report is None:
             self._next_report = stats.step
         if stats.step >= self._next_report:
@@ -177,14 +190,20 @@ class StragglerDetector(Callback):
     def report(self, trainer: Any, step: int) -> None:
         """Gathers every rank's pending summaries and folds them into the core (collective)."""
         strategy: StepStatsSource = trainer.strategy
-        done, gathered = strategy.collective(lambda: all_gather_objects(self._pending))
+        done, gathered = strategy.collective(lambda: all_gather_objects((self._pending, self._pending_members)))
         if not done:
             return  # a peer was lost: the survivors regrouped and _resync made their state agree
-        self._pending = []
+        self._pending, self._pending_members = [], []
         by_step: dict[int, list[RankSummary]] = {}
-        for part in gathered:
-            for summary in part or []:
+        members_by_step: dict[int, list[MemberSample]] = {}
+        for summaries, members in gathered:
+            for summary in summaries or []:
                 by_step.setdefault(summary.step, []).append(summary)
+            for sample in members or []:
+                members_by_step.setdefault(sample.step, []).append(sample)
+        for at in sorted(members_by_step):
+            for event in self.members.update(members_by_step[at]):
+                self._note_member(event)
         step_ms = []
         for at in sorted(by_step):
             for event in self.core.update(by_step[at]):
@@ -200,6 +219,16 @@ class StragglerDetector(Callback):
             step_ms.extend(s.step_ms for s in by_step[at] if s.step_ms > 0)
         self._schedule(step, step_ms)
         self._log_scores(trainer, step)
+
+    def _note_member(self, event: dict[str, Any]) -> None:
+        self.detections.append(event)
+        self.events.log(event["event"], event["step"], **{k: v for k, v in event.items() if k not in ("event", "step")})
+        if event["event"] == "fail_slow_member_detected":
+            user_info(f"straggler: rank {event['rank']}, a member of tensor-parallel group {event['group']}, computes at "
+                      f"speed {event['speed']:.2f} (step {event['step']})")
+        else:
+            user_info(f"straggler: rank {event['rank']} of tensor-parallel group {event['group']} recovered "
+                      f"(step {event['step']})")
 
     def _schedule(self, step: int, step_ms: list[float]) -> None:
         interval = self.config.report_interval_steps
@@ -218,6 +247,7 @@ class StragglerDetector(Callback):
         return {
             "core": self.core.state_dict(),
             "links": self.links.state_dict(),
+            "members": self.members.state_dict(),
             "ranks": ranks,
             "last_step": self._last_step,
             "next_report": self._next_report,
@@ -230,6 +260,8 @@ class StragglerDetector(Callback):
         self.core.load_state_dict(state_dict["core"])
         if "links" in state_dict:  # absent in checkpoints written before link probing
             self.links.load_state_dict(state_dict["links"])
+        if "members" in state_dict:  # absent in checkpoints written before members were named
+            self.members.load_state_dict(state_dict["members"])
         mine: Mapping[str, Any] | None = state_dict["ranks"].get(self.rank)
         if mine is not None:  # a rank new to the job starts its own warm-up
             self.tracker.load_state_dict(mine["tracker"])
@@ -247,13 +279,14 @@ class StragglerDetector(Callback):
         """
         import torch.distributed as dist
 
-        mine = {"core": self.core.state_dict(), "links": self.links.state_dict(), "last_step": self._last_step,
-                "next_report": self._next_report, "interval": self._interval}
+        mine = {"core": self.core.state_dict(), "links": self.links.state_dict(), "members": self.members.state_dict(),
+                "last_step": self._last_step, "next_report": self._next_report, "interval": self._interval}
         state = broadcast_from_zero(mine if dist.get_rank() == 0 else None)
         self.core.load_state_dict(state["core"])
         self.links.load_state_dict(state["links"])
+        self.members.load_state_dict(state["members"])
         self._last_step, self._next_report, self._interval = state["last_step"], state["next_report"], state["interval"]
-        self._pending = []
+        self._pending, self._pending_members = [], []
 
     def _log_scores(self, trainer: Any, step: int) -> None:
         if self.rank != 0:

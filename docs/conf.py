@@ -60,7 +60,7 @@ nitpick_ignore_regex = [
                r"|lightning_fabric|safetensors|ortools|pulp|highspy|matplotlib|jsonargparse|yaml)(\..*)?"),
     # The standard library (no intersphinx inventory either).
     (r"py:.*", r"(pathlib|collections|concurrent|datetime|enum|logging|multiprocessing|os|socket|subprocess"
-               r"|threading|types|typing|typing_extensions|dataclasses|io|json|queue|random|signal|abc)(\..*)?"),
+               r"|threading|types|typing|typing_extensions|dataclasses|io|json|queue|random|signal|abc|fractions)(\..*)?"),
     # Type variables and private names (a private base class in "Bases:") are not documented.
     (r"py:class", r"resihp_lightning\..*\.T"),
     (r"py:class", r"resihp_lightning\..*\._[A-Za-z]\w*"),

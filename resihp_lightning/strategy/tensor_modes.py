@@ -113,7 +113,7 @@ class SplitLayers:
 
     def reshape(self, runtime: PipelineRuntime, groups: TensorGroups, plan: Plan, rank: int, ranks: dict[int, int] | None) -> MigrationRecord:
         """Puts ``plan`` over new ``groups`` in force: creates their process groups and re-cuts every layer
-        (collective over the default group; :meth:`PipelineRuntime.reshape`).
+        (collective over the default group; :meth:`~resihp_lightning.runtime.pipeline_runtime.PipelineRuntime.reshape`).
 
         Args:
             runtime: the runtime in force.

@@ -19,6 +19,13 @@ from resihp_lightning.errors import ConfigError, PlanError
 from resihp_lightning.plan import Plan, Replica
 from resihp_lightning.tensor.resplit import plan_pieces, shard_range
 from resihp_lightning.tensor.tensor_groups import TensorGroups
+from resihp_lightning.testing.tensor_jobs import (
+    LOSS_ATOL,
+    WEIGHT_ATOL,
+    packed_batches,
+    tensor_parallel_llama,
+    unsplit_reference,
+)
 
 
 def _check_pieces(old_groups, old_plan, new_groups, new_plan, alive=None):
@@ -122,8 +129,6 @@ def test_groups_may_differ_in_degree_but_not_share_a_rank():
 
 # ---------------------------------------------------------------------------------------- the job
 STEPS = 7
-LR = 1e-2
-WEIGHT_ATOL = 1e-4  # as in test_tensor_parallel_strategy: split sums round differently
 CLIP = 0.5  # global-norm clipping binds at every step: the norm must count every shard once
 
 #: After step k (1-based), the groups and the plan (over them) for the next steps: 4 -> 2 -> 1 -> degrees
@@ -144,48 +149,6 @@ RESPLITS = {
     6: ([[0, 1, 2], [3]], {"replicas": [{"devices": [0], "bounds": [0, 4], "micro_batches": 2},
                                         {"devices": [1], "bounds": [0, 4], "micro_batches": 2}]}),
 }
-
-
-def _module():
-    from resihp_lightning.config import ScratchModelConfig
-    from resihp_lightning.models import CausalLMPipelineModule
-
-    shape = ScratchModelConfig(model_type="llama", hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                               num_key_value_heads=4, intermediate_size=64)
-    return CausalLMPipelineModule(scratch=shape, seed=11, learning_rate=LR, weight_decay=0.1)
-
-
-def _batches(steps: int = STEPS) -> list[dict]:
-    from resihp_lightning.data import ByteTokenizer, PackedDataset, collate_packed, tokenize_documents
-
-    out = []
-    for step in range(steps):
-        rng = torch.Generator().manual_seed(300 + step)
-        texts = ["".join(chr(97 + int(c)) for c in torch.randint(0, 26, (n,), generator=rng)) for n in (7, 19, 33, 4, 50)]
-        ds = PackedDataset(tokenize_documents(texts, ByteTokenizer()), seq_len=20, pad_token_id=256)
-        out.append(collate_packed([ds[i] for i in range(4)]))
-    return out
-
-
-def _reference() -> tuple[list[float], dict[str, torch.Tensor]]:
-    module = _module()
-    layers = module.pipeline_layers()
-    optimizer = module.configure_optimizers()
-    losses = []
-    for batch in _batches():
-        rows = batch["input_ids"].shape[0]
-        loss = torch.zeros(())
-        for row in range(rows):
-            outputs, labels, _ = module.pipeline_batch({k: v[row:row + 1] for k, v in batch.items()})
-            for layer in layers:
-                outputs = layer(outputs)
-            loss = loss + module.pipeline_loss(outputs, labels) / rows
-        optimizer.zero_grad()
-        loss.backward()
-        assert torch.nn.utils.clip_grad_norm_(module.parameters(), CLIP) > CLIP
-        optimizer.step()
-        losses.append(float(loss.detach()))
-    return losses, {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
 def _job(rank: int, world: int) -> dict:
@@ -254,14 +217,14 @@ def _job(rank: int, world: int) -> dict:
                 trainer.strategy.request_plan(Plan.from_dict(plan), tensor_groups=groups)
                 self.plans.append(trainer.strategy.pending_plan.to_dict())
 
-    module = _module()
+    module = tensor_parallel_llama()
     recorder = Resplit()
     strategy = ResiHPStrategy(tensor_degree=4, pipeline_degree=1, micro_batch_size=1, micro_batches=4,
                               gather_weights="all")
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                          use_distributed_sampler=False, callbacks=[recorder], gradient_clip_val=CLIP)
-    trainer.fit(module, DataLoader(_batches(), batch_size=None))
+    trainer.fit(module, DataLoader(packed_batches(STEPS), batch_size=None))
     return {"losses": recorder.losses, "devices": recorder.devices, "moves": moves, "refused": recorder.refused,
             "state": {k: v.detach().clone() for k, v in module.state_dict().items()},
             "degree": strategy.tensor_degree}
@@ -271,9 +234,9 @@ def _job(rank: int, world: int) -> dict:
 @pytest.mark.timeout(240)
 def test_a_job_re_splits_live_over_any_degrees_and_back_exactly(distributed):
     results = distributed(_job, 4, timeout=220)
-    ref_losses, ref_state = _reference()
+    ref_losses, ref_state = unsplit_reference(STEPS, CLIP)
     for rank, got in enumerate(results):
-        assert got["losses"] == pytest.approx(ref_losses, abs=2e-5, rel=0), rank
+        assert got["losses"] == pytest.approx(ref_losses, abs=LOSS_ATOL, rel=0), rank
         assert got["degree"] == 4  # back to one group of four at the end
         # The device id is the group index under the groups in force at each step's end.
         assert "tensor_groups of degree [3]" in got["refused"] and "[1, 2, 4]" in got["refused"], got["refused"]

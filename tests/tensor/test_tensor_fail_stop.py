@@ -17,30 +17,16 @@ import time
 import pytest
 import torch
 
-from tests.tensor.test_resplit import WEIGHT_ATOL, _batches, _module
+from resihp_lightning.testing.tensor_jobs import (
+    LOSS_ATOL,
+    WEIGHT_ATOL,
+    packed_batches,
+    tensor_parallel_llama,
+    unsplit_reference,
+)
 
 STEPS = 4
 VICTIM, AT_STEP = 1, 2
-
-
-def _reference(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    module = _module()
-    layers = module.pipeline_layers()
-    optimizer = module.configure_optimizers()
-    losses = []
-    for batch in _batches(steps):
-        rows = batch["input_ids"].shape[0]
-        loss = torch.zeros(())
-        for row in range(rows):
-            outputs, labels, _ = module.pipeline_batch({k: v[row:row + 1] for k, v in batch.items()})
-            for layer in layers:
-                outputs = layer(outputs)
-            loss = loss + module.pipeline_loss(outputs, labels) / rows
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(float(loss.detach()))
-    return losses, {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
 def _job(rank: int, world: int, run_dir: str, data_degree: int) -> dict:
@@ -78,14 +64,14 @@ def _job(rank: int, world: int, run_dir: str, data_degree: int) -> dict:
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self.losses.append(float(outputs["loss"]))
 
-    module = _module()
+    module = tensor_parallel_llama()
     recorder = KillInsideStep()
     strategy = ResiHPStrategy(tensor_degree=2, pipeline_degree=1, micro_batch_size=1, micro_batches=4,
                               gather_weights="all", fail_stop=FailStopConfig(min_data_degree=data_degree))
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                          use_distributed_sampler=False, callbacks=[recorder], default_root_dir=run_dir)
-    trainer.fit(module, DataLoader(_batches(STEPS), batch_size=None))
+    trainer.fit(module, DataLoader(packed_batches(STEPS), batch_size=None))
     return {
         "losses": recorder.losses,
         "state": {k: v.detach().clone() for k, v in module.state_dict().items()},
@@ -104,7 +90,7 @@ def test_a_lost_member_s_group_goes_on_at_a_smaller_degree_exactly():
     outcome = run_job(_job, 4, timeout=180, wait_for=[0, 2, 3], data_degree=2)
     values = outcome.values()
     assert sorted(values) == [0, 2, 3], outcome.describe()
-    ref_losses, ref_state = _reference(STEPS)
+    ref_losses, ref_state = unsplit_reference(STEPS)
     for rank, got in values.items():
         # Group 0 is rank 0 alone now, group 1 keeps both members.
         assert got["groups"] == ((0,), (2, 3)), rank
@@ -112,7 +98,7 @@ def test_a_lost_member_s_group_goes_on_at_a_smaller_degree_exactly():
         record = got["recovery"]
         assert record.step == AT_STEP and VICTIM in record.failed and record.bytes_moved > 0
         assert sorted(got["plan"]["replicas"][r]["devices"][0] for r in range(2)) == [0, 1]  # both groups hold all
-        assert got["losses"] == pytest.approx(ref_losses, abs=2e-5, rel=0), rank
+        assert got["losses"] == pytest.approx(ref_losses, abs=LOSS_ATOL, rel=0), rank
         for key, want in ref_state.items():
             torch.testing.assert_close(got["state"][key], want, atol=WEIGHT_ATOL, rtol=0, msg=f"rank {rank} {key}")
 

@@ -40,6 +40,8 @@ class StepStats:
         step_ms: wall time of the whole step on this rank (the same on every rank in a synchronous job).
         tensor_wait_ms: time inside its tensor-parallel group's all-reduces during the step (0 without
             tensor parallelism): the micro-batches' compute minus it is the process's own compute.
+        tensor_degree: its tensor-parallel group's degree (1 without tensor parallelism): the same layers
+            cost another time at another degree.
     """
 
     step: int
@@ -50,6 +52,7 @@ class StepStats:
     micro_batches: tuple[MicroBatchStats, ...] = field(default=())
     step_ms: float = 0.0
     tensor_wait_ms: float = 0.0
+    tensor_degree: int = 1
 
 
 @dataclass(frozen=True)

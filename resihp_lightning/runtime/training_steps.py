@@ -38,6 +38,7 @@ class ReplicaShare:
         items: the replica's micro-batches.
         position: this process's replica, stage and layers under the plan it ran.
         tensor_wait_ms: its time in tensor-parallel all-reduces during the step.
+        tensor_degree: its tensor-parallel group's degree (1: none).
     """
 
     loss: Tensor
@@ -45,6 +46,7 @@ class ReplicaShare:
     items: Sequence[MicroBatch]
     position: Position
     tensor_wait_ms: float = 0.0
+    tensor_degree: int = 1
 
     def stats(self, step: int, device: int, step_ms: float) -> StepStats:
         """The step's statistics as this process reports them (``device``: its id in plans)."""
@@ -60,6 +62,7 @@ class ReplicaShare:
             ),
             step_ms=step_ms,
             tensor_wait_ms=self.tensor_wait_ms,
+            tensor_degree=self.tensor_degree,
         )
 
 

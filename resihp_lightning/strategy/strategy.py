@@ -715,8 +715,10 @@ class ResiHPStrategyMixin:
             loss, busy = runtime.train_batch(
                 items, loss_scale=replica.micro_batches * plan.data_degree / self._state.micro_batches
             )
+        tensor = runtime.config.tensor
         return ReplicaShare(loss=loss, busy=busy, items=items, position=pos,
-                            tensor_wait_ms=(TENSOR_PARALLEL_WAIT.reading() - waited) * 1000.0)
+                            tensor_wait_ms=(TENSOR_PARALLEL_WAIT.reading() - waited) * 1000.0,
+                            tensor_degree=1 if tensor is None else len(tensor.groups.members[runtime.device]))
 
     def _pipeline_loss(self, outputs: Any, labels: Any) -> Tensor:
         return self._tensor.pipeline_loss(self.lightning_module, outputs, labels)

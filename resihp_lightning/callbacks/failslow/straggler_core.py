@@ -244,7 +244,9 @@ class LocalTracker:
         """Feeds one step and returns its summary."""
         mbs = stats.micro_batches
         samples = [(float(mb.tokens), float(mb.sum_len_sq), float(mb.compute_ms)) for mb in mbs]
-        self.fit.add_step(tuple(stats.layers), samples)
+        # A tensor-parallel group of another degree runs the same layers at another speed: a new model.
+        key = tuple(stats.layers) if stats.tensor_degree == 1 else (*stats.layers, stats.tensor_degree)
+        self.fit.add_step(key, samples)
         model = self.fit.model
         ratio = None
         count = 0

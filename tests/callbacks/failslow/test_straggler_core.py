@@ -261,3 +261,24 @@ def test_the_reported_speed_is_refined_over_the_slow_episode():
         reported += [(e["step"], e["speed"]) for e in core.update(summaries) if e["event"] == "fail_slow_detected"]
     assert reported and reported[-1][1] == pytest.approx(0.35, rel=0.10), reported
     assert len(reported) <= 3, reported
+
+
+def test_a_tensor_parallel_degree_change_refits_the_workload_model():
+    """The same layers at degree 1 cost about twice their time at degree 2: a new model, not a slowdown."""
+    from resihp_lightning.callbacks.failslow.straggler_core import LocalTracker
+    from resihp_lightning.telemetry import MicroBatchStats, StepStats
+
+    tracker = LocalTracker(warmup_steps=1, fit_steps=2)
+
+    def step(at: int, degree: int, ms: float) -> StepStats:
+        mbs = tuple(MicroBatchStats(ms * (1 + 0.1 * i), 100 * (1 + i), 1000 * (1 + i)) for i in range(4))
+        return StepStats(at, 0, 0, 0, (0, 4), mbs, tensor_degree=degree)
+
+    for at in range(4):
+        summary = tracker.summarize(step(at, 2, 10.0))
+    assert summary.ratio == pytest.approx(1.0, rel=0.05)
+    after = tracker.summarize(step(4, 1, 20.0))
+    assert after.ratio is None and after.fit_id == 1  # warming up again: no verdict on a degree change
+    for at in range(5, 8):
+        after = tracker.summarize(step(at, 1, 20.0))
+    assert after.fit_id == 2 and after.ratio == pytest.approx(1.0, rel=0.05)

@@ -282,15 +282,17 @@ class ResiHPStrategyMixin:
         Args:
             plan: the plan (over the devices, or with tensor parallelism over the groups).
             tensor_groups: with ``tensor_degree`` > 1, new tensor-parallel groups for ``plan``: each the
-                global ranks of its members, member 0 first, all groups of one degree, every rank in one
-                (e.g. ``[[0, 1], [2, 3]]`` after ``tensor_degree=4`` on 4 processes). Every layer is re-cut over
-                its new group, its shards and optimizer state moving member to member
-                (``docs/tensor_parallel.md``); ``plan`` names the new groups by their index.
+                global ranks of its members (numbered in ascending rank order), of any degree the module's
+                layers split over, every rank in one (e.g. ``[[0, 1], [2], [3]]`` after ``tensor_degree=4`` on 4
+                processes). At the next step boundary every layer is re-cut over its new group, its shards and
+                optimizer state moving member to member (``docs/tensor_parallel.md``); ``plan`` names the new
+                groups by their index. A re-split that the split itself refuses there (a module that does not
+                name its degrees) is dropped with a warning on every process, and training goes on.
 
         Raises:
             PlanError: the plan does not fit this job (bounds, P x D vs world size, micro-batch sum,
                 per-replica bounds); nothing changes and training goes on under the current plan.
-            ConfigError: ``tensor_groups`` without tensor parallelism, groups that do not hold every process
+            ConfigError: (nothing changes either) ``tensor_groups`` without tensor parallelism, groups that do not hold every process
                 exactly once, or a degree the module's layers do not split over
                 (``pipeline_tensor_parallel_degrees``).
         """
@@ -695,7 +697,7 @@ class ResiHPStrategyMixin:
         self._state.last_migration = record
         user_info(
             f"ResiHPStrategy: re-split over tensor-parallel groups {[list(g) for g in groups.members]}: "
-            f"{record.bytes_moved / 2**20:.1f} MB moved in {record.seconds:.2f} s"
+            f"{record.bytes_moved / 2**20:.1f} MiB moved in {record.seconds:.2f} s"
         )
 
     def _tensor_recovered(self, parallelism: TensorParallelism) -> None:

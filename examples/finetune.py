@@ -172,8 +172,9 @@ class StrategyArgs:
             plan for healthy devices, from the layers timed on one micro-batch before training; see
             examples/healthy_plan.py). A job resumed from a checkpoint starts as the checkpoint says.
         tensor_degree: processes that split every layer (tensor parallelism; ``pipeline_degree`` then counts
-            groups of them). Above 1 the detector and the controller work per group, but nothing recovers a
-            lost process yet: it needs ``strategy.fail_stop: null``, ``checkpoint: null`` and
+            groups of them). Above 1 the detector and the controller work per group, and with ``fail_stop`` a
+            group that loses a member goes on at a smaller degree; the restart from a checkpoint onto a new
+            world and the planned start are not built for it yet: it needs ``checkpoint: null`` and
             ``strategy.start: uniform``.
     """
 
@@ -285,21 +286,20 @@ def check_inputs(cfg: Namespace) -> None:
 
 
 def _check_tensor_parallel(cfg: Namespace) -> None:
-    """A tensor-parallel job cannot recover lost processes (in place or by an elastic restart) yet, nor
+    """A tensor-parallel job cannot restart onto a new world from a checkpoint (ElasticRestart) yet, nor
     start from a planned layout: the options for them must be off."""
     degree = cfg.strategy.tensor_degree
     if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
         raise invalid_option("strategy.tensor_degree", degree, "an integer >= 1")
     if degree == 1:
         return
-    on = [name for name, value in (("strategy.fail_stop", cfg.strategy.fail_stop), ("checkpoint", cfg.checkpoint))
-          if value is not None]
+    on = ["checkpoint"] if cfg.checkpoint is not None else []
     if cfg.strategy.start != "uniform":
         on.append("strategy.start")
     if on:
         raise ConfigError(
-            f"strategy.tensor_degree {degree} cannot recover lost processes or start from a planned layout yet; "
-            "turn off " + ", ".join(on) + " (--strategy.fail_stop null --checkpoint null --strategy.start uniform)"
+            f"strategy.tensor_degree {degree} cannot restart from a checkpoint onto a new world or start from a "
+            "planned layout yet; turn off " + ", ".join(on) + " (--checkpoint null --strategy.start uniform)"
         )
 
 

@@ -167,9 +167,10 @@ def test_every_option_of_the_script_has_help_text() -> None:
 
 
 def test_a_tensor_parallel_run_names_the_options_it_needs_off(tmp_path: Path, capsys, monkeypatch) -> None:
-    line = _in_process_error(["--strategy.tensor_degree", "2", "--run_dir", str(tmp_path / "r")], capsys, monkeypatch)
-    assert "strategy.tensor_degree 2 cannot recover lost processes" in line
-    assert "turn off strategy.fail_stop" in line and "--strategy.fail_stop null" in line
+    line = _in_process_error(["--strategy.tensor_degree", "2", "--run_dir", str(tmp_path / "r"), "--checkpoint.every_n_steps",
+                              "2"], capsys, monkeypatch)
+    assert "strategy.tensor_degree 2 cannot restart from a checkpoint onto a new world" in line
+    assert "turn off checkpoint" in line and "--checkpoint null" in line
     line = _in_process_error(["--strategy.tensor_degree", "0"], capsys, monkeypatch)
     assert "strategy.tensor_degree" in line and "an integer >= 1" in line
 
@@ -179,7 +180,7 @@ def test_a_tensor_parallel_run_names_the_options_it_needs_off(tmp_path: Path, ca
 def test_the_readme_tensor_parallel_command_trains(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     result = _run("--run_dir", str(run_dir), "--strategy.tensor_degree", "2", "--model.scratch.num_key_value_heads", "2",
-                  "--strategy.fail_stop", "null", timeout=230)
+                  timeout=230)
     assert result.returncode == 0, result.stderr[-3000:]
     steps = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == list(range(6)) and all(math.isfinite(s["loss"]) for s in steps)

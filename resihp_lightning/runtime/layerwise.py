@@ -40,6 +40,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from resihp_lightning.errors import ConfigError, PlanError, invalid_option
 from resihp_lightning.placement import holder_sets, layer_holders, position
 from resihp_lightning.plan import Plan
+from resihp_lightning.torch_utils.collectives import release_process_groups
 from resihp_lightning.torch_utils.shards import split_dim
 
 
@@ -373,11 +374,7 @@ class LayerwiseReducer:
 
     def destroy(self) -> None:
         """Destroys the process groups this reducer created (this rank's memberships)."""
-        for group in self._memberships:
-            try:
-                dist.destroy_process_group(group)
-            except (ValueError, RuntimeError):  # already gone with the world group
-                pass
+        release_process_groups(self._memberships)
         self._groups.clear()
         self._memberships = []
         self._ties = []

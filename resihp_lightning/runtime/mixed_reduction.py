@@ -29,6 +29,7 @@ from resihp_lightning.errors import ConfigError
 from resihp_lightning.placement import holder_sets, layer_holders, position
 from resihp_lightning.plan import Plan
 from resihp_lightning.runtime.layerwise import averaged_allreduce
+from resihp_lightning.torch_utils.collectives import release_process_groups
 from resihp_lightning.torch_utils.shards import gather_along, split_dim
 
 
@@ -147,12 +148,7 @@ class MixedDegreeReducer:
 
     def destroy(self) -> None:
         """Releases the process groups it created (local)."""
-        for group in self._made:
-            if isinstance(group, dist.ProcessGroup):
-                try:
-                    dist.destroy_process_group(group)
-                except (ValueError, RuntimeError):
-                    pass
+        release_process_groups(self._made)
         self._made, self._leads, self._order = [], {}, []
 
     def _member(self) -> int:

@@ -308,14 +308,7 @@ class PipelineRuntime:
                 read without the broken groups).
         """
         start = time.perf_counter()
-        if not self._carrier.per_replica_bounds:
-            raise ConfigError(
-                "in-process recovery needs the plain fp32 optimizer: ZeRO-1 / bf16 keep optimizer state in "
-                "partitions spread over the lost group; restart from a checkpoint instead"
-            )
-        self._abandon_engine()
-        for param in self.local_parameters().values():
-            param.grad = None
+        self._drop_broken_engine()
         captured = self._carrier.capture(None, self.local_parameters())
         self._ranks = dict(ranks)
         return self._move(plan, captured, start, 0.0, between)
@@ -358,6 +351,17 @@ class PipelineRuntime:
             ConfigError: a DeepSpeed wrapper owns the optimizer state, or a layer does not split over its
                 new group.
         """
+        self._drop_broken_engine()
+        return self._resplit_to(tensor, plan, ranks, alive=set(ranks))
+
+    def _drop_broken_engine(self) -> None:
+        """After processes died: lets go of the engine (no collective) and of the interrupted step's partial
+        gradients (the step left no update: see :mod:`~resihp_lightning.failstop.step_commit`).
+
+        Raises:
+            ConfigError: a DeepSpeed wrapper owns the optimizer state (its flat partitions cannot be read
+                without the broken groups).
+        """
         if not self._carrier.per_replica_bounds:
             raise ConfigError(
                 "in-process recovery needs the plain fp32 optimizer: ZeRO-1 / bf16 keep optimizer state in "
@@ -366,7 +370,6 @@ class PipelineRuntime:
         self._abandon_engine()
         for param in self.local_parameters().values():
             param.grad = None
-        return self._resplit_to(tensor, plan, ranks, alive=set(ranks))
 
     def _resplit_to(
         self, tensor: TensorParallelism, plan: Plan, ranks: Mapping[int, int] | None, alive: set[int] | None

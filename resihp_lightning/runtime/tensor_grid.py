@@ -29,6 +29,7 @@ from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
 from resihp_lightning.placement import position
 from resihp_lightning.plan import Plan
+from resihp_lightning.torch_utils.collectives import release_process_groups
 
 
 class TensorGrid:
@@ -97,12 +98,7 @@ class TensorGrid:
 
     def destroy(self) -> None:
         """Releases the replicas' process groups (local)."""
-        for group in self._replica_groups:
-            if isinstance(group, dist.ProcessGroup):
-                try:
-                    dist.destroy_process_group(group)
-                except (ValueError, RuntimeError):
-                    pass
+        release_process_groups(self._replica_groups)
         self._replica_groups = []
 
     # ----------------------------------------------------- DeepSpeed's grid interface

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from resihp_lightning.errors import ConfigError
 from resihp_lightning.placement import relabel
 from resihp_lightning.plan import Plan
+from resihp_lightning.torch_utils.collectives import release_process_groups
 
 
 @dataclass(frozen=True)
@@ -171,11 +172,5 @@ def tensor_parallelism(groups: TensorGroups, rank: int, split_layer: Any) -> Ten
 
 def destroy_process_groups(parallelism: TensorParallelism | None) -> None:
     """Destroys the process groups ``parallelism`` created (each rank its own handles; local)."""
-    if parallelism is None or parallelism.process_groups is None:
-        return
-    for group in parallelism.process_groups:
-        if isinstance(group, dist.ProcessGroup):
-            try:
-                dist.destroy_process_group(group)
-            except (ValueError, RuntimeError):  # already gone with a regroup
-                pass
+    if parallelism is not None and parallelism.process_groups is not None:
+        release_process_groups(parallelism.process_groups)

@@ -34,7 +34,10 @@ def test_tiny_config_trains_on_four_processes_with_a_fault(tmp_path: Path) -> No
     assert [s["step"] for s in steps] == list(range(6))
     assert all(math.isfinite(s["loss"]) for s in steps)
     assert steps[0]["loss"] < math.log(260) + 1.0  # a sane start for a 260-token vocabulary
-    assert all(s["P"] * s["D"] == 4 and s["tokens"] > 0 and s["wall_ms"] > 0 for s in steps)
+    assert all(s["tokens"] > 0 and s["wall_ms"] > 0 for s in steps)
+    # Every device works until the fault; fail_stop is on, so a re-plan may then leave the slowed rank idle
+    # as a hot spare (on a busy machine its measured speed can make that the best plan).
+    assert all(s["P"] * s["D"] == 4 for s in steps[:3]) and all(s["P"] * s["D"] in (3, 4) for s in steps)
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     faults = [e for e in events if e["event"] == "fault_injected"]
     assert faults and faults[0]["rank"] == 1 and faults[0]["step"] == 3 and faults[0]["factor"] == 2.0

@@ -50,7 +50,15 @@ from dataclasses import dataclass, field
 from resihp_lightning.solver.bounds import shape_lower_bound
 from resihp_lightning.solver.enumeration import count_bounds
 from resihp_lightning.solver.exact_model import Best, Model
-from resihp_lightning.solver.replica_search import BudgetExceeded, max_micro_batches, min_bottleneck
+from resihp_lightning.solver.replica_search import (
+    MAX_COMPOSITION_STATES,
+    BudgetExceeded,
+    WitnessRejected,
+    composition_states,
+    max_micro_batches,
+    max_micro_batches_mixed,
+    min_bottleneck,
+)
 from resihp_lightning.solver.knapsack import Mix, ReplicaKnapsack, TooLarge, free_upper
 from resihp_lightning.solver.microbatch_split import count, split
 
@@ -299,8 +307,26 @@ class _Shape:
 
     # ------------------------------------------------------------------------- per replica
     def _exact_per_replica(self, k: tuple[int, ...], limit: float, ceiling: int):
+        """The most micro-batches a replica of composition ``k`` runs within ``limit`` (best arrangement).
 
-        got, arg = 0, None
+        Only values that could matter are sought: the other D - 1 replicas run at most ``most``
+        each, so a value below ``M - (D - 1) most`` can never complete a mix that reaches M (with
+        D = 1 the replica must run all M). Below it, ``need - 1`` is returned without bounds: a
+        valid upper bound that keeps the composition out of every mix that reaches M.
+        """
+        need = max(1, self.model.M - (self.d - 1) * self.most)
+        if composition_states(k) <= MAX_COMPOSITION_STATES:
+            ticks = [self.work.used]
+            try:
+                got, arg = max_micro_batches_mixed(self.model, k, limit, self.most, ticks, self.work.budget,
+                                                   need, ceiling)
+                self.work.used = ticks[0]
+                return got, arg
+            except BudgetExceeded:
+                raise _Open("work budget") from None
+            except WitnessRejected:
+                self.work.used = ticks[0]  # rounding at the limit: every arrangement on its own below
+        got, arg = need - 1, None
         for t in self.arrangements(k):
             ticks = [self.work.used]
             try:
@@ -463,7 +489,7 @@ def decomposition_search(model: Model, best: Best, budget: int) -> Outcome:
                 continue
             try:
                 shape = _Shape(model, best, work, p, d, level, pure_cache)
-                if problem.shared_partition:
+                if problem.shared_partition and d > 1:
                     shape.close_shared()
                 else:
                     shape.close_per_replica()

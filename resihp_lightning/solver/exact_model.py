@@ -39,7 +39,7 @@ class Model:
         self.cheapest = [math.inf] * (self.L + 1)
         for a in range(self.L - 1, -1, -1):
             self.cheapest[a] = min(self.cheapest[a + 1], problem.layers[a].compute_ms)
-        self._layer_bound_memo: dict[tuple[tuple[float, ...], int], float] = {}
+        self._layer_bound_memo: dict[tuple, float] = {}
         # Per class, the transfer time of a stage by its position (plan.STAGE_POSITIONS: only, first,
         # last, middle), from plan.stage_p2p_ms so that it rounds alike.
         self.link = [c.link_slowdown for c in self.classes]
@@ -88,25 +88,27 @@ class Model:
             return 0.0
         return self.allreduce({c for types in grid for c in types}, d)
 
-    def layer_bound(self, speeds: tuple[float, ...], a: int) -> float:
+    def layer_bound(self, speeds: tuple[float, ...], a: int, transfers: tuple[float, ...] | None = None) -> float:
         """A lower bound on the slowest of stages at ``speeds`` holding layers a..L-1, from whole layers.
 
-        Stage j holds n_j layers of at least ``c = cheapest[a]`` ms each, so ``t_j >= n_j c / s_j``;
-        with all ``t_j <= X`` every ``n_j <= floor(X s_j / c)``, and the n_j must add up to L - a.
-        Returns (just below) the least X where they can.
+        Stage j holds n_j layers of at least ``c = cheapest[a]`` ms each, so ``t_j >= n_j c / s_j``
+        (plus its transfer time ``transfers[j]`` when given, e.g. by a replica whose order is
+        fixed); with all ``t_j <= X`` every ``n_j <= floor((X - transfers[j]) s_j / c)``, and the
+        n_j must add up to L - a. Returns (just below) the least X where they can.
         """
-        key = (speeds, a)
+        key = (speeds, a, transfers)
         found = self._layer_bound_memo.get(key)
         if found is not None:
             return found
         n, c = self.L - a, self.cheapest[a]
+        extra = transfers if transfers is not None else (0.0,) * len(speeds)
         if n <= 0 or not c > 0:
             value = 0.0
         else:
-            lo, hi = 0.0, n * c / max(speeds)
+            lo, hi = 0.0, n * c / max(speeds) + max(extra)
             for _ in range(50):
                 mid = (lo + hi) / 2
-                if sum(math.floor(mid * s / c) for s in speeds) >= n:
+                if sum(math.floor(max(0.0, mid - e) * s / c) for s, e in zip(speeds, extra)) >= n:
                     hi = mid
                 else:
                     lo = mid

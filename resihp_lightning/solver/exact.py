@@ -293,7 +293,23 @@ def infeasible_reason(problem: Problem) -> str:
     )
 
 
-def solve_exact(problem: Problem, *, budget: int = DEFAULT_BUDGET, decomposition_budget: int = DECOMPOSITION_BUDGET) -> Plan:
+class NoBetterPlan(Exception):
+    """No plan faster than the caller's ``cutoff`` was found (:func:`solve_exact`, :func:`resihp_lightning.solver.solve`).
+
+    Attributes:
+        proven: the search was complete: no plan of the problem is faster than the cutoff (an
+            infeasible problem included).
+        bound_ms: a proven lower bound on the problem's optimum (the cutoff itself when ``proven``).
+    """
+
+    def __init__(self, message: str, *, proven: bool, bound_ms: float) -> None:
+        super().__init__(message)
+        self.proven = proven
+        self.bound_ms = bound_ms
+
+
+def solve_exact(problem: Problem, *, budget: int = DEFAULT_BUDGET, decomposition_budget: int = DECOMPOSITION_BUDGET,
+                cutoff: float | None = None) -> Plan:
     """Plans ``problem`` with the exact combinatorial search (heuristic beyond ``budget``).
 
     The heuristic phase finds the incumbent, the decomposition by shape
@@ -301,20 +317,33 @@ def solve_exact(problem: Problem, *, budget: int = DEFAULT_BUDGET, decomposition
     it optimal or improves it, and the layout enumeration of this module (``budget`` units) runs
     only when the decomposition left a shape open.
 
+    Args:
+        problem: the planning problem.
+        budget: work units of the layout enumeration.
+        decomposition_budget: work units of the decomposition by shape.
+        cutoff: an incumbent value from outside (e.g. another problem's plan that the caller may
+            take instead): the search starts from it as if it had a plan of that value, so shapes
+            that cannot beat it close at once, and only strictly faster plans are kept.
+
     Returns:
         The plan with ``iteration_ms`` (from :func:`~resihp_lightning.plan.evaluate`), ``status`` ``"optimal"`` when a
         complete search finished and ``"feasible"`` otherwise, ``gap`` (the proven relative gap,
-        0.0 when optimal), ``solver="exact"`` and ``solve_seconds``.
+        0.0 when optimal), ``solver="exact"`` and ``solve_seconds``. With a ``cutoff`` it is
+        faster than the cutoff and, when ``"optimal"``, the problem's optimum.
 
     Raises:
         InfeasibleError: no plan satisfies the memory and shape constraints. Its attribute ``proven``
             is True when the exact phase finished (certain), False when only the heuristic phase ran
-            (then :func:`resihp_lightning.solver.solve` still asks the MILP backends).
+            (then :func:`resihp_lightning.solver.solve` still asks the MILP backends). Not raised
+            with a ``cutoff``: an infeasible problem has no plan faster than it.
+        NoBetterPlan: with a ``cutoff``, no plan faster than it was found (``proven`` when none exists).
     """
     start = time.perf_counter()
     model = Model(problem)
     status = "optimal"
     best = Best()
+    if cutoff is not None:
+        best.value = cutoff  # an incumbent without a layout: only strictly faster plans replace it
     heuristic_search(model, best)  # a good incumbent makes the exact phase prune early
     outcome = decomposition_search(model, best, decomposition_budget)
     bound = outcome.bound_ms
@@ -324,6 +353,11 @@ def solve_exact(problem: Problem, *, budget: int = DEFAULT_BUDGET, decomposition
             bound = best.value
         except (BudgetExceeded, RecursionError):  # too many replicas to enumerate their layouts
             status = "feasible"
+    if cutoff is not None and not best.grid:
+        raise NoBetterPlan(
+            f"no plan faster than the cutoff {cutoff:g} ms" + (" exists" if status == "optimal" else " was found"),
+            proven=status == "optimal", bound_ms=min(cutoff, bound),
+        )
     if math.isinf(best.value):
         error = InfeasibleError(infeasible_reason(problem))
         error.proven = status == "optimal"  # False: only the heuristic phase ran and found nothing

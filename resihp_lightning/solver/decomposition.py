@@ -59,7 +59,7 @@ from resihp_lightning.solver.replica_search import (
     max_micro_batches_mixed,
     min_bottleneck,
 )
-from resihp_lightning.solver.knapsack import Mix, ReplicaKnapsack, TooLarge, free_upper
+from resihp_lightning.solver.knapsack import Mix, TooLarge, free_upper, replica_knapsack
 from resihp_lightning.solver.microbatch_split import count, split
 
 #: A composition with more distinct stage arrangements than this leaves its shape open.
@@ -140,7 +140,7 @@ class _Shape:
             self.allreduce, self.counts = level[0], list(level[1])
         self.most = model.M - d + 1
         try:
-            self.knapsack = ReplicaKnapsack(p, d, self.counts, self.problem.allow_exclude)
+            self.knapsack = replica_knapsack(p, d, self.counts, self.problem.allow_exclude)
         except TooLarge as error:
             raise _Open(str(error)) from None
         self.free = self.knapsack.free
@@ -152,7 +152,6 @@ class _Shape:
         self._pure: dict[tuple[int, int], tuple[float, tuple[int, ...] | None]] = {} if pure_cache is None else pure_cache
         self._arr: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
         self._start: tuple[float | None, dict] = (None, {})
-        self._runs: dict[float, float] = {}
 
     # ------------------------------------------------------------------------------ values
     def limit(self) -> float:
@@ -173,17 +172,27 @@ class _Shape:
         arrangement, :meth:`Model.min_p2p_sum`) and ``X >= max(C / sum s (+ p2p share), whole
         layers)``; then, for a candidate m, a replica running m needs ``X <= (limit - S) / (m - 1)``,
         so each stage holds at most the largest run of layers within ``X s_j``, and filling the
-        fastest devices first gives the least S that allows; m is lowered until that fits.
+        fastest devices first gives the least S that allows. A candidate that fails is a proof that
+        no replica runs that many (nor, running fewer being easier, more), so the most candidate that
+        passes is found by bisection.
         """
-        model, p2p = self.model, self.problem.p2p_ms
+        model = self.model
         speeds = sorted((model.classes[c].speed for c, n in enumerate(composition) for _ in range(n)), reverse=True)
+        p2p_sum = model.min_p2p_sum([c for c, n in enumerate(composition) for _ in range(n)], self.p)
+        shared_key = ("upper", tuple(speeds), p2p_sum, self.p, self.most, limit)
+        found = model.shared.get(shared_key)
+        if found is None:
+            found = model.shared[shared_key] = self._upper(speeds, p2p_sum, limit)
+        return found
+
+    def _upper(self, speeds: list[float], p2p_sum: float, limit: float) -> int:
+        model, p2p = self.model, self.problem.p2p_ms
         total = model.pc[-1]
         s_sum, s_max = sum(speeds), speeds[0]
-        p2p_sum = model.min_p2p_sum([c for c, n in enumerate(composition) for _ in range(n)], self.p)
         base_sum = total / s_max + p2p_sum
         worst = max((total + p2p * (s_sum - s_max)) / s_sum, model.layer_bound(tuple(speeds), 0))
-        m = count(limit, base_sum, worst, self.most)
-        while m > 1:
+
+        def passes(m: int) -> bool:
             stages_sum = base_sum
             for _ in range(3):  # a lower S cap allows less per stage, which raises S: iterate
                 cap = (limit - stages_sum) / (m - 1)
@@ -191,17 +200,31 @@ class _Shape:
                 if least <= stages_sum:
                     break
                 stages_sum = least
-            if count(limit, stages_sum, worst, m) >= m:
-                return m
-            m -= 1
-        return m
+            return count(limit, stages_sum, worst, m) >= m
+
+        lo, hi = 1, count(limit, base_sum, worst, self.most)  # the answer lies in [lo, hi]
+        if hi <= 1:
+            return hi
+        if passes(hi):
+            return hi
+        hi -= 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if passes(mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def _least_sum(self, speeds: list[float], cap: float, p2p_sum: float) -> float:
         """The least ``sum_j c_j / s_j + p2p_sum`` when stage j holds at most ``cap`` ms at its speed."""
         left = self.model.pc[-1]
         out = p2p_sum
+        run, run_speed = 0.0, None
         for s in speeds:  # fastest first: the cheapest place for compute
-            take = min(left, self._longest_run(cap * s))
+            if s != run_speed:  # equal speeds (sorted, so adjacent) hold equal runs
+                run, run_speed = self._longest_run(cap * s), s
+            take = min(left, run)
             out += take / s
             left -= take
             if left <= 0:
@@ -209,21 +232,8 @@ class _Shape:
         return math.inf
 
     def _longest_run(self, budget: float) -> float:
-        """The most compute of contiguous layers that is at most ``budget`` (two pointers)."""
-        pc = self.model.pc
-        if not budget >= 0:
-            return 0.0
-        found = self._runs.get(budget)
-        if found is not None:
-            return found
-        best, a = 0.0, 0
-        tol = 1e-12 * max(1.0, budget)
-        for b in range(1, len(pc)):
-            while a < b and pc[b] - pc[a] > budget + tol:
-                a += 1
-            best = max(best, pc[b] - pc[a])
-        self._runs[budget] = best
-        return best
+        """The most compute of contiguous layers that is at most ``budget`` (:meth:`Model.longest_run`)."""
+        return self.model.longest_run(budget)
 
     def pure(self, cls: int, limit: float) -> tuple[int, tuple[int, ...] | None]:
         """Exact: the most micro-batches of a pure replica of ``cls`` within ``limit``, its bounds."""
@@ -234,7 +244,11 @@ class _Shape:
             key = (cls, m)
             if key not in self._pure:
                 self.work.spend(1 + p * model.L * model.L // 200)
-                self._pure[key] = min_bottleneck(model, cls, p, m)
+                c = model.classes[cls]
+                shared_key = ("bottleneck", c.speed, c.memory_mb, c.link_slowdown, p, m)
+                if shared_key not in model.shared:
+                    model.shared[shared_key] = min_bottleneck(model, cls, p, m)
+                self._pure[key] = model.shared[shared_key]
             worst, bounds = self._pure[key]
             if bounds is None:
                 continue

@@ -8,6 +8,7 @@ class-level layout either phase has found, and :func:`build_plan` turns it into 
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,6 +23,10 @@ from resihp_lightning.plan import (
     stage_p2p_by_position,
     stage_position,
 )
+
+
+#: Memos shared by models of equal layers and transfer costs (:meth:`Model.shared`), the last few.
+_SHARED: list[tuple[tuple, dict]] = []
 
 
 class Model:
@@ -40,12 +45,37 @@ class Model:
         for a in range(self.L - 1, -1, -1):
             self.cheapest[a] = min(self.cheapest[a + 1], problem.layers[a].compute_ms)
         self._layer_bound_memo: dict[tuple, float] = {}
+        self._spans: list[float] | None = None
+        self._shared: dict | None = None
         # Per class, the transfer time of a stage by its position (plan.STAGE_POSITIONS: only, first,
         # last, middle), from plan.stage_p2p_ms so that it rounds alike.
         self.link = [c.link_slowdown for c in self.classes]
         self._p2p = [stage_p2p_by_position(problem.p2p_ms, u) for u in self.link]
         #: Some class has a slow link (u > 1); False means the model is the one without link speeds.
         self.slow_links = any(u > 1.0 for u in self.link)
+
+    @property
+    def shared(self) -> dict:
+        """A memo shared by every model of equal layers, p2p cost, minimum stage size and M.
+
+        Values that depend only on these and on device kinds (a pure replica's bottleneck, a
+        composition's micro-batch bound) are the same for every problem over the same model, such
+        as the groupings of a tensor-parallel search. The searches count their work units as if
+        they computed them, so results never depend on what was solved before.
+        """
+        if self._shared is None:
+            key = (self.pc, self.ps, self.pa, self.problem.p2p_ms, self.min_layers, self.M)
+            for known, memo in _SHARED:
+                if known == key:
+                    break
+            else:
+                memo = {}
+                _SHARED.insert(0, (key, memo))
+                del _SHARED[4:]
+            if len(memo) > 200_000:  # a long replay of many problems: start afresh
+                memo.clear()
+            self._shared = memo
+        return self._shared
 
     def stage_p2p(self, cls: int, j: int, p: int) -> float:
         """Transfer time of stage j of P on class ``cls`` (:func:`~resihp_lightning.plan.stage_p2p_ms`)."""
@@ -115,6 +145,20 @@ class Model:
             value = lo * (1 - 1e-9)
         self._layer_bound_memo[key] = value
         return value
+
+    def longest_run(self, budget: float) -> float:
+        """The most compute of contiguous layers that is at most ``budget`` (within 1e-12 relative); 0 below any layer.
+
+        Every run of contiguous layers is a span ``pc[b] - pc[a]``, so this is the largest span
+        value not above the budget: a bisection into the sorted spans (computed once per model).
+        """
+        if not budget >= 0:
+            return 0.0
+        if self._spans is None:
+            pc = self.pc
+            self._spans = sorted({pc[b] - pc[a] for b in range(self.L + 1) for a in range(b + 1)})
+        index = bisect.bisect_right(self._spans, budget + 1e-12 * max(1.0, budget)) - 1
+        return max(0.0, self._spans[index]) if index >= 0 else 0.0
 
     def stage_time(self, a: int, b: int, cls: int, j: int, p: int) -> float:
         """t of stage j of P holding layers a..b-1 on class ``cls`` (as :func:`~resihp_lightning.plan.evaluate`)."""

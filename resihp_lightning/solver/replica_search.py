@@ -43,17 +43,60 @@ def _fitting_stages(model: Model, cls: int, p: int, j: int, m: int) -> np.ndarra
 
     Only ends ``b`` that leave room for the later stages are marked (only ``b = L`` for the last
     stage), and starts ``a >= j * min_layers``: no partition of all L layers ends a stage elsewhere.
+    For each end, starts are taken from the shortest stage down to the first that does not fit
+    (longer stages need more memory). :func:`stage_caps` computes ``Model.stage_cap`` for every
+    span at once, with the same floating-point operations.
     """
     big_l, min_l = model.L, model.min_layers
-    fits = np.zeros((big_l + 1, big_l + 1), dtype=bool)
+    fits = stage_caps(model, cls, p - j) >= m
+    index = np.arange(big_l + 1)
+    span = index[None, :] - index[:, None]  # b - a
+    # Starts closer to b than min_layers are not stages; let them pass so the run below starts at b - min_layers.
+    passing = np.where(span < min_l, True, fits)
+    # Going down from a = b - min_layers, a start is kept while every shorter stage fitted too.
+    kept = np.logical_and.accumulate(passing[::-1, :], axis=0)[::-1, :]
     lo_b = big_l if j == p - 1 else (j + 1) * min_l
     hi_b = big_l - (p - 1 - j) * min_l
-    for b in range(lo_b, hi_b + 1):
-        for a in range(b - min_l, j * min_l - 1, -1):
-            if model.stage_cap(a, b, cls, p - j) < m:
-                break  # longer stages (smaller a) need more memory still
-            fits[a, b] = True
-    return fits
+    allowed = kept & (span >= min_l) & (index[:, None] >= j * min_l)
+    allowed &= (index[None, :] >= lo_b) & (index[None, :] <= hi_b)
+    return allowed
+
+
+#: Stage caps of recent models: (pc, ps, pa, min_layers, M, class memory) -> in flight -> table.
+_CAPS: list[tuple[tuple, dict[int, np.ndarray]]] = []
+
+
+def stage_caps(model: Model, cls: int, in_flight_max: int) -> np.ndarray:
+    """``Model.stage_cap(a, b, cls, in_flight_max)`` for every ``0 <= a, b <= L`` (an int array).
+
+    Elementwise the same operations as :meth:`Model.stage_cap <.exact_model.Model.stage_cap>`
+    (IEEE arithmetic, so the same values; ``a >= b`` entries are meaningless). Tables are kept for
+    the last few layer lists and memory sizes, so that problems over the same layers and device
+    kinds (the groupings of a tensor-parallel search) share them.
+    """
+    memory = model.classes[cls].memory_mb
+    key = (model.pc, model.ps, model.pa, model.M, memory)
+    for known, tables in _CAPS:
+        if known == key:
+            break
+    else:
+        tables = {}
+        _CAPS.insert(0, (key, tables))
+        del _CAPS[16:]
+    if in_flight_max not in tables:
+        ps = np.asarray(model.ps, dtype=float)
+        pa = np.asarray(model.pa, dtype=float)
+        static = ps[None, :] - ps[:, None]
+        act = pa[None, :] - pa[:, None]
+        capacity = memory * (1 + EPS) + EPS
+        whole = static + in_flight_max * act <= capacity
+        with np.errstate(divide="ignore", invalid="ignore"):
+            quotient = np.floor((capacity - static) / act)
+        fits = np.maximum(0.0, np.minimum(float(in_flight_max - 1), quotient))
+        fits = np.where((fits > 0) & (static + fits * act > capacity), fits - 1, fits)
+        fits = np.where(act > 0, fits, 0.0)
+        tables[in_flight_max] = np.where(whole, model.M, fits).astype(np.int64)
+    return tables[in_flight_max]
 
 
 def max_micro_batches_pure(model: Model, cls: int, p: int, limit: float, most: int, ticks: list[int], budget: int, cache: dict):
@@ -248,6 +291,8 @@ class _MixedReplica:
         first[0] = 0.0
         layer: dict[tuple[int, ...], np.ndarray] = {start: first}
         history: list[dict[tuple[int, ...], tuple[np.ndarray, np.ndarray, list]]] = []
+        columns = np.arange(big_l + 1)
+        costs: dict[tuple[int, float, int], np.ndarray] = {}  # (class, transfer, in flight) -> stage times, inf where not allowed
         for j in range(p):
             merged: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray, np.ndarray, list]] = {}
             in_flight = min(p - j, m)
@@ -258,11 +303,13 @@ class _MixedReplica:
                 for cls in self.classes:
                     if used[cls] >= comp[cls]:
                         continue
-                    times = self._stage_times(cls)[rows] + model.stage_p2p(cls, j, p)
-                    allowed = self._fitting(cls, in_flight)[rows] & (times <= threshold)
-                    cand = np.where(allowed, values[rows][:, None] + times, np.inf)
+                    key = (cls, model.stage_p2p(cls, j, p), in_flight)
+                    if key not in costs:
+                        times = self._stage_times(cls) + key[1]
+                        costs[key] = np.where(self._fitting(cls, in_flight) & (times <= threshold), times, np.inf)
+                    cand = values[rows][:, None] + costs[key][rows]
                     arg = cand.argmin(axis=0)
-                    best = cand[arg, np.arange(big_l + 1)]
+                    best = cand[arg, columns]
                     nxt = used[:cls] + (used[cls] + 1,) + used[cls + 1:]
                     source = len(merged[nxt][3]) if nxt in merged else 0
                     if nxt not in merged:

@@ -94,3 +94,37 @@ def test_mixed_replica_matches_every_arrangement_and_bounds_vector():
                     assert got == at_least - 1
                 checked += 1
     assert checked > 300 and found > 100
+
+
+def test_stage_caps_equal_model_stage_cap_everywhere():
+    """The vectorised caps (replica_search.stage_caps) against Model.stage_cap on every span, class and in-flight count."""
+    import random
+
+    from resihp_lightning.solver.replica_search import stage_caps
+
+    rng = random.Random(8)
+    problems = [random_problem(seed) for seed in range(0, 90, 3)] + [_binding_problem(rng) for _ in range(20)]
+    checked = 0
+    for problem in problems:
+        model = Model(problem)
+        for cls in range(len(model.classes)):
+            for in_flight in range(1, model.L + 2):
+                table = stage_caps(model, cls, in_flight)
+                for a in range(model.L):
+                    for b in range(a + 1, model.L + 1):
+                        assert table[a, b] == model.stage_cap(a, b, cls, in_flight)
+                        checked += 1
+    assert checked > 5_000
+
+
+def test_longest_run_is_the_largest_span_within_the_budget():
+    """Model.longest_run (bisection into the sorted spans) against every span."""
+    import random
+
+    rng = random.Random(9)
+    for seed in range(40):
+        model = Model(random_problem(seed))
+        spans = [model.pc[b] - model.pc[a] for b in range(model.L + 1) for a in range(b + 1)]
+        for budget in [rng.uniform(0, model.pc[-1] * 1.2) for _ in range(20)] + spans[:10] + [-1.0]:
+            expected = max((s for s in spans if s <= budget + 1e-12 * max(1.0, budget)), default=0.0)
+            assert model.longest_run(budget) == (expected if budget >= 0 else 0.0)

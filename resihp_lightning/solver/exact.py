@@ -308,8 +308,21 @@ class NoBetterPlan(Exception):
         self.bound_ms = bound_ms
 
 
+class _FirstBelow(Best):
+    """An incumbent that stops the search at the first layout offered below it (:func:`solve_exact`'s ``first``)."""
+
+    def offer(self, value: float, grid, bounds, counts) -> None:
+        super().offer(value, grid, bounds, counts)
+        if self.grid:
+            raise _Found
+
+
+class _Found(Exception):
+    """A layout below the cutoff was found and the caller asked for no more."""
+
+
 def solve_exact(problem: Problem, *, budget: int = DEFAULT_BUDGET, decomposition_budget: int = DECOMPOSITION_BUDGET,
-                cutoff: float | None = None) -> Plan:
+                cutoff: float | None = None, first: bool = False) -> Plan:
     """Plans ``problem`` with the exact combinatorial search (heuristic beyond ``budget``).
 
     The heuristic phase finds the incumbent, the decomposition by shape
@@ -322,8 +335,12 @@ def solve_exact(problem: Problem, *, budget: int = DEFAULT_BUDGET, decomposition
         budget: work units of the layout enumeration.
         decomposition_budget: work units of the decomposition by shape.
         cutoff: an incumbent value from outside (e.g. another problem's plan that the caller may
-            take instead): the search starts from it as if it had a plan of that value, so shapes
-            that cannot beat it close at once, and only strictly faster plans are kept.
+            take instead): the search starts from it as if it had a plan of that value (the
+            heuristic phase is skipped), so shapes that cannot beat it close at once, and only
+            strictly faster plans are kept.
+        first: with a ``cutoff``, return the first plan found faster than it (status
+            ``"feasible"``, not improved further): the answer to "can this problem beat the
+            cutoff?" without the cost of its optimum.
 
     Returns:
         The plan with ``iteration_ms`` (from :func:`~resihp_lightning.plan.evaluate`), ``status`` ``"optimal"`` when a
@@ -341,18 +358,27 @@ def solve_exact(problem: Problem, *, budget: int = DEFAULT_BUDGET, decomposition
     start = time.perf_counter()
     model = Model(problem)
     status = "optimal"
-    best = Best()
-    if cutoff is not None:
-        best.value = cutoff  # an incumbent without a layout: only strictly faster plans replace it
-    heuristic_search(model, best)  # a good incumbent makes the exact phase prune early
-    outcome = decomposition_search(model, best, decomposition_budget)
-    bound = outcome.bound_ms
-    if not outcome.proven:
-        try:
-            exact_search(model, budget, best)
-            bound = best.value
-        except (BudgetExceeded, RecursionError):  # too many replicas to enumerate their layouts
-            status = "feasible"
+    best = _FirstBelow() if first and cutoff is not None else Best()
+    if cutoff is None:
+        heuristic_search(model, best)  # a good incumbent makes the exact phase prune early
+    else:
+        # The cutoff is the incumbent (a value without a layout): shapes that cannot beat it close
+        # at once, and a shape that can yields its plan to the decomposition itself.
+        best.value = cutoff
+    try:
+        outcome = decomposition_search(model, best, decomposition_budget)
+        bound = outcome.bound_ms
+        if not outcome.proven:
+            try:
+                exact_search(model, budget, best)
+                bound = best.value
+            except (BudgetExceeded, RecursionError):  # too many replicas to enumerate their layouts
+                status = "feasible"
+    except _Found:  # first=True: one plan below the cutoff is the answer
+        plan = build_plan(model, best.grid, best.bounds, best.counts)
+        value = evaluate(problem, plan).iteration_ms
+        return plan.with_result(iteration_ms=value, status="feasible", gap=relative_gap(value, -math.inf),
+                                solver="exact", solve_seconds=time.perf_counter() - start)
     if cutoff is not None and not best.grid:
         raise NoBetterPlan(
             f"no plan faster than the cutoff {cutoff:g} ms" + (" exists" if status == "optimal" else " was found"),

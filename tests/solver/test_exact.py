@@ -525,3 +525,26 @@ def test_cutoff_left_open_by_the_exact_search_goes_to_the_milp(monkeypatch):
         assert caught.value.proven and caught.value.bound_ms == optimum
         checked += 1
     assert checked >= 10
+
+
+def test_first_below_the_cutoff_stops_at_a_faster_plan():
+    """solve_exact(cutoff=T, first=True): a valid plan faster than T when one exists (not claimed optimal),
+    NoBetterPlan when none does."""
+    from resihp_lightning.solver import NoBetterPlan
+
+    checked = 0
+    for seed in range(0, 90, 3):
+        problem = random_problem(seed)
+        if count_candidates(problem) > 20_000:
+            continue
+        optimum = _optimum(solve_brute, problem)
+        if optimum is None:
+            continue
+        plan = solve_exact(problem, cutoff=optimum * 1.3 + 1.0, first=True)
+        validate(problem, plan)
+        assert optimum * (1 - REL) <= plan.iteration_ms < optimum * 1.3 + 1.0
+        assert plan.status in ("optimal", "feasible")
+        with pytest.raises(NoBetterPlan):
+            solve_exact(problem, cutoff=optimum, first=True)
+        checked += 1
+    assert checked >= 15

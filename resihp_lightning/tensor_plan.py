@@ -351,7 +351,8 @@ class SearchStats:
     """How :func:`~resihp_lightning.solver.tensor_search.solve_tensor` covered its space.
 
     Attributes:
-        combinations: distinct groupings (by the multiset of group devices) in the space.
+        combinations: groupings searched: one per multiset of group devices, a domain's dominated
+            groupings left out (:func:`~resihp_lightning.solver.tensor_search.combinations`).
         solved: groupings handed to the planner.
         pruned: groupings never solved: closed by a lower bound or by a relaxation's solve.
         unproven: groupings whose solve stopped without a proof.

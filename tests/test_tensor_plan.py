@@ -240,7 +240,8 @@ def test_json_round_trips():
         TensorProblem.from_dict({**problem.to_dict(), "tensor": {"degrees": [1, 4], "comm_fraction": {"4": -1}}})
 
 
-def test_the_model_does_not_import_torch():
-    code = "import sys; import resihp_lightning.tensor_plan; print('torch' in sys.modules)"
+def test_the_model_and_the_search_do_not_import_torch():
+    code = ("import sys; import resihp_lightning.tensor_plan, resihp_lightning.solver.tensor_search; "
+            "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "False"

@@ -70,6 +70,20 @@ MAX_ARRANGEMENTS = 2_000
 UNGUIDED_BOUNDS = 5_000
 
 
+#: Work units per composition when every composition of a shape gets its upper bound: a few when
+#: another problem over the same layers computed it already (Model.shared), up to about 50 when not;
+#: counted alike, so that budgets never depend on what was solved before.
+ITEM_UNITS = 10
+
+
+def count_compositions(p: int, counts: list[int]) -> int:
+    """How many per-class count vectors sum to ``p`` with each at most its class's count."""
+    ways = [1] + [0] * p
+    for cap in counts:
+        ways = [sum(ways[s - k] for k in range(0, min(cap, s) + 1)) for s in range(p + 1)]
+    return ways[p]
+
+
 class _Open(Exception):
     """This shape cannot be closed within the work budget or the size limits."""
 
@@ -139,6 +153,10 @@ class _Shape:
             # One link level (:func:`link_levels`): only these classes, the all-reduce priced at it.
             self.allreduce, self.counts = level[0], list(level[1])
         self.most = model.M - d + 1
+        # Building the knapsack lists every composition, and each gets a bound (start_values):
+        # their number is the work, counted before it is done.
+        self.items = count_compositions(p, self.counts)
+        self.work.spend(1 + self.items // 10)
         try:
             self.knapsack = replica_knapsack(p, d, self.counts, self.problem.allow_exclude)
         except TooLarge as error:
@@ -236,29 +254,44 @@ class _Shape:
         return self.model.longest_run(budget)
 
     def pure(self, cls: int, limit: float) -> tuple[int, tuple[int, ...] | None]:
-        """Exact: the most micro-batches of a pure replica of ``cls`` within ``limit``, its bounds."""
+        """Exact: the most micro-batches of a pure replica of ``cls`` within ``limit``, its bounds.
 
+        With memory for P in flight (every stage's most) any count the time allows fits. Below P,
+        m fits when the bottleneck partition with memory for m in flight runs m within ``limit``;
+        fewer micro-batches need less memory and time, so the most such m is found by bisection.
+        """
         model, p = self.model, self.p
         total = model.pc[-1] / model.classes[cls].speed + model.pure_p2p_sum(cls, p)
-        for m in [p] + list(range(min(p - 1, self.most), 0, -1)):
+
+        def partition(m: int) -> tuple[float, tuple[int, ...] | None]:
             key = (cls, m)
             if key not in self._pure:
-                self.work.spend(1 + p * model.L * model.L // 200)
+                self.work.spend(20 + p * model.L * model.L // 500)  # measured: a numpy pass per stage
                 c = model.classes[cls]
                 shared_key = ("bottleneck", c.speed, c.memory_mb, c.link_slowdown, p, m)
                 if shared_key not in model.shared:
                     model.shared[shared_key] = min_bottleneck(model, cls, p, m)
                 self._pure[key] = model.shared[shared_key]
-            worst, bounds = self._pure[key]
-            if bounds is None:
-                continue
-            if m == p:
-                got = count(limit, total, worst, self.most)
-                if got >= p:
-                    return got, bounds
-            elif count(limit, total, worst, m) >= m:
-                return m, bounds
-        return 0, None
+            return self._pure[key]
+
+        worst, bounds = partition(p)
+        if bounds is not None:
+            got = count(limit, total, worst, self.most)
+            if got >= p:
+                return got, bounds
+
+        def fits(m: int) -> bool:
+            worst, bounds = partition(m)
+            return bounds is not None and count(limit, total, worst, m) >= m
+
+        lo, hi = 0, min(p - 1, self.most)  # fits(lo) holds (vacuously at 0); the answer lies in [lo, hi]
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        return (lo, partition(lo)[1]) if lo > 0 else (0, None)
 
     def arrangements(self, composition: tuple[int, ...]) -> list[tuple[int, ...]]:
         if composition not in self._arr:
@@ -269,6 +302,7 @@ class _Shape:
         """Upper bounds for every item composition; pure ones exact (per-replica partitions)."""
         if self._start[0] == limit:
             return dict(self._start[1])
+        self.work.spend(ITEM_UNITS * len(self.knapsack.items))
         values = {}
         for k in self.knapsack.items:
             if max(k) == self.p:
@@ -479,13 +513,16 @@ class _Shape:
         return self._offer(rows)
 
 
-def decomposition_search(model: Model, best: Best, budget: int) -> Outcome:
+def decomposition_search(model: Model, best: Best, budget: int, *, bounds: bool = True) -> Outcome:
     """Closes every shape it can within ``budget`` work units; improves ``best`` in place.
 
     Args:
         model: the class-level model of the problem.
         best: the incumbent (normally the heuristic's); needed: without one nothing is closed.
         budget: work units (deterministic; see the module docstring).
+        bounds: give a shape left open its bisected lower bound (else only
+            :func:`~resihp_lightning.solver.bounds.shape_lower_bound`): for callers that only ask
+            whether every shape closes.
 
     Returns:
         Whether the incumbent is proven optimal, and a proven lower bound on the optimum.
@@ -521,7 +558,8 @@ def decomposition_search(model: Model, best: Best, budget: int) -> Outcome:
             open_shapes.append((p, d))
         try:
             # The bound of an open shape gets a budget of its own: it is cheap and keeps the gap honest.
-            lb = max(lb, _Shape(model, best, _Work(0, max(budget // 4, 2_000)), p, d, level).lower_bound())
+            if bounds:
+                lb = max(lb, _Shape(model, best, _Work(0, max(budget // 4, 2_000)), p, d, level).lower_bound())
         except _Open:
             pass
         bound = min(bound, lb)

@@ -250,6 +250,12 @@ def exact_search(model: Model, budget: int, best: Best) -> None:
     counts = [len(c.ids) for c in model.classes]
     shapes = sorted(problem.candidate_shapes(), key=lambda s: shape_lower_bound(problem, *s))
     incumbent = not math.isinf(best.value)
+
+    def spend() -> None:  # a node of the layout enumeration
+        ticks[0] += 1
+        if ticks[0] > budget:
+            raise BudgetExceeded
+
     if not problem.shared_partition and not incumbent:
         if sum(count_bounds(model.L, p, model.min_layers) for p, _ in shapes) > budget:
             raise BudgetExceeded  # per-replica enumeration cannot finish: do not spend the time
@@ -258,7 +264,7 @@ def exact_search(model: Model, budget: int, best: Best) -> None:
             continue
         cache: dict = {}
         for used in used_vectors(counts, p * d, problem.allow_exclude):
-            for grid in layouts(p, d, used):
+            for grid in layouts(p, d, used, spend):
                 ticks[0] += 1
                 if ticks[0] > budget:
                     raise BudgetExceeded
@@ -322,7 +328,7 @@ class _Found(Exception):
 
 
 def solve_exact(problem: Problem, *, budget: int = DEFAULT_BUDGET, decomposition_budget: int = DECOMPOSITION_BUDGET,
-                cutoff: float | None = None, first: bool = False) -> Plan:
+                cutoff: float | None = None, first: bool = False, bounds: bool = True) -> Plan:
     """Plans ``problem`` with the exact combinatorial search (heuristic beyond ``budget``).
 
     The heuristic phase finds the incumbent, the decomposition by shape
@@ -340,7 +346,12 @@ def solve_exact(problem: Problem, *, budget: int = DEFAULT_BUDGET, decomposition
             strictly faster plans are kept.
         first: with a ``cutoff``, return the first plan found faster than it (status
             ``"feasible"``, not improved further): the answer to "can this problem beat the
-            cutoff?" without the cost of its optimum.
+            cutoff?" without the cost of its optimum. Only the decomposition asks (no layout
+            enumeration, no bounds for shapes it leaves open), so a "no" is proven only when it
+            closes every shape.
+        bounds: bisect a lower bound for every shape the decomposition leaves open (the gap of an
+            unproven plan, or ``NoBetterPlan.bound_ms``); ``False`` reports the shapes' cheap
+            bounds instead, for callers that only ask whether the search closes.
 
     Returns:
         The plan with ``iteration_ms`` (from :func:`~resihp_lightning.plan.evaluate`), ``status`` ``"optimal"`` when a
@@ -358,7 +369,8 @@ def solve_exact(problem: Problem, *, budget: int = DEFAULT_BUDGET, decomposition
     start = time.perf_counter()
     model = Model(problem)
     status = "optimal"
-    best = _FirstBelow() if first and cutoff is not None else Best()
+    probe = first and cutoff is not None  # only "is anything faster than the cutoff?"
+    best = _FirstBelow() if probe else Best()
     if cutoff is None:
         heuristic_search(model, best)  # a good incumbent makes the exact phase prune early
     else:
@@ -366,9 +378,11 @@ def solve_exact(problem: Problem, *, budget: int = DEFAULT_BUDGET, decomposition
         # at once, and a shape that can yields its plan to the decomposition itself.
         best.value = cutoff
     try:
-        outcome = decomposition_search(model, best, decomposition_budget)
+        outcome = decomposition_search(model, best, decomposition_budget, bounds=bounds and not probe)
         bound = outcome.bound_ms
-        if not outcome.proven:
+        if probe and not outcome.proven:
+            status = "feasible"
+        elif not outcome.proven:
             try:
                 exact_search(model, budget, best)
                 bound = best.value

@@ -17,7 +17,8 @@ proven, in these steps:
 2. **Bounds** (:class:`GroupingBound`). Each grouping gets a proven lower bound on its optimum: the
    least :func:`~resihp_lightning.solver.bounds.shape_lower_bound` over the shapes it allows, a
    shape needing at least as many stages as the model takes on the largest device's memory.
-3. **Incumbent.** The grouping of least bound is solved.
+3. **Incumbent.** ResiHP's rule and the fixed degree at the largest healthy degree are solved
+   first (:func:`_seeds`: few large groups, quick to plan and usually close to the best).
 4. **Relaxations** (with ``allow_exclude``). For each t', a fleet that every grouping of that t'
    fits into device by device (the healthy groups and, per affected domain, the :func:`envelope`
    of its groupings) is asked once whether any plan on it beats the incumbent
@@ -46,7 +47,8 @@ from dataclasses import dataclass, replace
 
 from resihp_lightning.config import PlannerConfig
 from resihp_lightning.errors import InfeasibleError, PlanError
-from resihp_lightning.plan import Device, Problem
+from resihp_lightning.plan import Device, Problem, link_slowdown
+from resihp_lightning.solver.bounds import Fleet, fleet_bound
 from resihp_lightning.solver.exact import NoBetterPlan, relative_gap, solve_exact
 from resihp_lightning.tensor_plan import (
     SearchStats,
@@ -59,6 +61,10 @@ from resihp_lightning.tensor_plan import (
     healthy_groups,
     resihp_rule_groups,
 )
+
+#: Work units (about 5 us each) of a relaxation's probe (:meth:`_Search.closes`): a probe that cannot close
+#: its groupings this fast leaves them to be solved one by one.
+PROBE_BUDGET = 20_000
 
 #: The search refuses spaces with more distinct combinations than this (many affected domains with
 #: many kinds of GPU); the error names the count.
@@ -171,20 +177,32 @@ def undominated(options: Sequence[tuple[tuple, tuple[TensorGroup, ...]]], *, sam
 class GroupingBound:
     """Proven lower bounds on the optimum of a problem over any set of devices, for one problem's layers.
 
-    For a fleet of devices (speed, memory, link speed) the bound is the least
-    :func:`~resihp_lightning.solver.bounds.shape_lower_bound` over the shapes
-    :meth:`Problem.candidate_shapes <resihp_lightning.plan.Problem.candidate_shapes>` allows, skipping
-    shapes with fewer stages than the model needs on the largest memory (each stage holds at least one
-    micro-batch's activations besides its state, so greedy packing of the layers gives the fewest
-    stages any plan has). With healthy links, ``shape_lower_bound`` falls as D grows for a fixed P (the
-    fastest P*D speeds add up), so only D = 1 and the largest D are priced per P. Computed from the
-    sorted speeds without building a problem: the search asks for thousands of them.
+    For a fleet of devices (speed, memory, link speed), :meth:`bound` takes the least, over the
+    shapes (P, D) that :meth:`Problem.candidate_shapes <resihp_lightning.plan.Problem.candidate_shapes>`
+    allows, of
+
+    * :func:`~resihp_lightning.solver.bounds.shape_lower_bound` (work, fill-and-drain and whole layers
+      over the fastest P * D speeds), skipping shapes with fewer stages than the model needs on the largest
+      memory (each stage holds one micro-batch's activations besides its state, so greedy packing
+      gives the fewest stages any plan has);
+    * with ``replicas=True`` also the *replica bound*: some replica runs at least ceil(M / D)
+      micro-batches, so ``T >= S + (ceil(M / D) - 1) X + (P - 1) p2p`` for its stage-time sum S and
+      slowest stage X. A device holds at most the most compute of a run of layers that fits its
+      memory (with one micro-batch in flight), so S is at least the compute spread over the fastest
+      devices up to what each holds, and X at least the least x with ``sum_j min(x s_j, held_j) >= C``
+      over the P best devices (pairing the i-th fastest with the i-th largest holder, which only
+      helps). This is what makes groupings of many small-memory devices (deep pipelines) lose.
+
+    With healthy links the bounds fall as D grows for a fixed P, so only D = 1 and the largest D
+    are priced per P. Computed from sorted speeds without building a problem.
     """
 
     def __init__(self, problem: Problem) -> None:
         self.problem = problem
-        self.compute = sum(layer.compute_ms for layer in problem.layers)
+        self._layers = Fleet.of(problem, [1.0], [1.0])  # the layers' part, shared by every fleet
+        self.compute = self._layers.compute
         self._stages: dict[float, float] = {}
+        self._held: dict[float, float] = {}
 
     def fewest_stages(self, memory_mb: float) -> float:
         """The fewest stages of contiguous layers that each fit ``memory_mb`` (state and one micro-batch); inf: none."""
@@ -202,24 +220,45 @@ class GroupingBound:
             self._stages[memory_mb] = stages
         return self._stages[memory_mb]
 
-    def bound(self, devices: Sequence[tuple[float, float, float]]) -> float:
+    def held(self, memory_mb: float) -> float:
+        """The most compute of contiguous layers whose state and one micro-batch fit ``memory_mb`` (two pointers)."""
+        if memory_mb not in self._held:
+            capacity = memory_mb * (1 + 1e-9) + 1e-9
+            layers = self.problem.layers
+            best = used = run = 0.0
+            a = 0
+            for layer in layers:
+                used += layer.static_mb + layer.activation_mb
+                run += layer.compute_ms
+                while used > capacity and a < len(layers):
+                    used -= layers[a].static_mb + layers[a].activation_mb
+                    run -= layers[a].compute_ms
+                    a += 1
+                best = max(best, run)
+            self._held[memory_mb] = best
+        return self._held[memory_mb]
+
+    def bound(self, devices: Sequence[tuple[float, float, float]], *, replicas: bool = False) -> float:
         """The bound for devices given as (speed, memory_mb, link_speed) (inf: no shape can fit)."""
         problem = self.problem
         n, m, layers = len(devices), problem.micro_batches, problem.num_layers
         if n == 0:
             return math.inf
         speeds = sorted((d[0] for d in devices), reverse=True)
-        prefix = [0.0]
-        for s in speeds:
-            prefix.append(prefix[-1] + s)
-        slowdowns = sorted(1.0 / link if link < 1.0 else 1.0 for _, _, link in devices)
+        slowdowns = sorted(link_slowdown(link) for _, _, link in devices)
+        fleet = Fleet(self.compute, speeds, slowdowns, self._layers.layers, self._layers.cheap_sums)
         slow_links = slowdowns[-1] > 1.0
         least_p = self.fewest_stages(max(d[1] for d in devices))
+        spread = _Spread(speeds, sorted((self.held(d[1]) for d in devices), reverse=True), self.compute) if replicas else None
+        if spread is not None and spread.least_sum is None:
+            return math.inf  # all devices together hold less than the model
         allowed = problem.pipeline_degrees if problem.pipeline_degrees is not None else range(1, n + 1)
         best = math.inf
         for p in sorted(set(allowed)):
             if p > n or p > layers // problem.min_layers_per_stage or p < least_p:
                 continue
+            if spread is not None and p < spread.devices_needed:
+                continue  # P devices cannot hold the model
             if problem.allow_exclude:
                 lowest, top = problem.min_data_degree, min(n // p, m)
                 if top < lowest:
@@ -232,16 +271,134 @@ class GroupingBound:
                 if n % p or not problem.min_data_degree <= n // p <= m:
                     continue
                 candidates = (n // p,)
+            slowest_stage = spread.least_worst(p) if spread is not None else 0.0
             for d in candidates:
-                top_speed = prefix[p * d]
-                work = m * self.compute / top_speed
-                bubble = self.compute / speeds[0] + (p - 1) * problem.p2p_ms + (m - d) * self.compute / top_speed
-                value = max(work, bubble)
+                value = fleet_bound(problem, fleet, p, d, with_allreduce=False)
+                if spread is not None:
+                    value = max(value, spread.least_sum + (p - 1) * problem.p2p_ms + (-(-m // d) - 1) * slowest_stage)
                 if d > 1:
                     least = slowdowns[min(p * d, n) - 1] if problem.allow_exclude else slowdowns[-1]
                     value += problem.allreduce_ms * least
                 best = min(best, value)
         return best
+
+    def can_beat(self, devices: Sequence[tuple[float, float, float]], cutoff: float) -> bool:
+        """False when no plan on these devices is faster than ``cutoff`` (a proof); True: maybe.
+
+        Per shape (P, D) the replicas' micro-batches are bounded below ``cutoff`` (minus the
+        all-reduce): a replica with S and X runs at most ``1 + (limit - S) / X``. A replica made
+        only of the most numerous kind of device has S and X of its own (all compute at its speed,
+        X at least what P of its memory-limited stages allow); at most k replicas hold one of the k
+        other devices, each at most what the replica bound of :meth:`bound` allows. When no shape
+        reaches M micro-batches, nothing beats the cutoff.
+        """
+        from resihp_lightning.solver.microbatch_split import count
+
+        problem = self.problem
+        n, m, layers = len(devices), problem.micro_batches, problem.num_layers
+        kinds: dict[tuple[float, float], int] = {}
+        for speed, memory, _ in devices:
+            kinds[(speed, memory)] = kinds.get((speed, memory), 0) + 1
+        (speed_f, memory_f), n_free = max(kinds.items(), key=lambda item: (item[1], item[0]))
+        others = n - n_free
+        spread = _Spread(sorted((d[0] for d in devices), reverse=True),
+                         sorted((self.held(d[1]) for d in devices), reverse=True), self.compute)
+        if spread.least_sum is None:
+            return False
+        held_f = self.held(memory_f)
+        least_p = self.fewest_stages(max(d[1] for d in devices))
+        slowdowns = sorted(link_slowdown(link) for _, _, link in devices)
+        allowed = problem.pipeline_degrees if problem.pipeline_degrees is not None else range(1, n + 1)
+        for p in sorted(set(allowed)):
+            if p > n or p > layers // problem.min_layers_per_stage or p < least_p or p < spread.devices_needed:
+                continue
+            d_low = problem.min_data_degree
+            d_high = min(n // p, m) if problem.allow_exclude else (n // p if n % p == 0 else 0)
+            if not problem.allow_exclude and not d_low <= d_high <= m:
+                continue
+            worst_any = spread.least_worst(p)
+            sum_any = spread.least_sum + (p - 1) * problem.p2p_ms
+            sum_f = self.compute / speed_f + (p - 1) * problem.p2p_ms
+            # A pure replica of the free kind: P stages of at most held_f compute each.
+            worst_f = self.compute / (p * speed_f) if p * held_f >= self.compute * (1 - 1e-12) else math.inf
+            for d in range(max(1, d_low), d_high + 1):
+                if not problem.allow_exclude and d != d_high:
+                    continue
+                limit = cutoff * (1 - 1e-12)
+                if d > 1:
+                    least = slowdowns[min(p * d, n) - 1] if problem.allow_exclude else slowdowns[-1]
+                    limit -= problem.allreduce_ms * least
+                most = m - d + 1
+                mixed = min(d, others)
+                reach = mixed * count(limit, sum_any, worst_any, most)
+                if d - mixed > 0:
+                    pure = count(limit, sum_f, worst_f, most) if math.isfinite(worst_f) else 0
+                    if min(n_free // p, d - mixed) < d - mixed:
+                        continue  # not enough free devices for the rest of the replicas
+                    reach += (d - mixed) * pure
+                if reach >= m:
+                    return True
+        return False
+
+
+class _Spread:
+    """Compute spread over devices of speeds ``s_i`` (descending) that hold at most ``h_i`` each (descending).
+
+    ``least_sum``: the least ``sum c_i / s_i`` holding all the compute C (fastest first), ``None``
+    when they cannot; ``devices_needed``: how many of the first devices that takes;
+    :meth:`least_worst`: over the first P, the least x with ``sum min(x s_i, h_i) >= C``.
+    """
+
+    def __init__(self, speeds: list[float], held: list[float], compute: float) -> None:
+        self.compute = compute
+        # Runs of equal (speed, held) pairs, in order: few, since devices come in few kinds.
+        self.runs: list[tuple[float, float, int]] = []
+        for pair in zip(speeds, held):
+            if self.runs and self.runs[-1][:2] == pair:
+                self.runs[-1] = (*pair, self.runs[-1][2] + 1)
+            else:
+                self.runs.append((*pair, 1))
+        left, total, used = compute, 0.0, 0
+        self.least_sum: float | None = None
+        for speed, hold, count in self.runs:
+            if hold <= 0:
+                used += count
+                continue
+            full = min(count, math.floor(left / hold))
+            total += full * hold / speed
+            left -= full * hold
+            used += full
+            if left <= 1e-12 * max(1.0, compute):
+                self.least_sum, self.devices_needed = total, used
+                break
+            if full < count:  # one more device of this run takes the rest
+                self.least_sum, self.devices_needed = total + left / speed, used + 1
+                break
+        self._worst: dict[int, float] = {}
+
+    def least_worst(self, p: int) -> float:
+        if p not in self._worst:
+            items, taken = [], 0
+            for speed, hold, count in self.runs:
+                k = min(count, p - taken)
+                if k <= 0:
+                    break
+                items.append((hold / speed, speed * k, hold * k))
+                taken += k
+            items.sort()
+            rate = sum(item[1] for item in items)  # sum of s_i over devices not yet full at x
+            full = 0.0  # sum of h_i over devices full at x
+            x = math.inf
+            for breakpoint, speed_sum, held_sum in items:
+                if rate > 0 and (self.compute - full) / rate <= breakpoint:
+                    x = (self.compute - full) / rate
+                    break
+                full += held_sum
+                rate -= speed_sum
+            else:
+                x = items[-1][0] if items and full >= self.compute else math.inf
+            self._worst[p] = max(0.0, x) * (1 - 1e-12)
+        return self._worst[p]
 
 
 def envelope(options: Sequence[tuple]) -> tuple:
@@ -273,27 +430,33 @@ class _Search:
     relaxations: int = 0
     unproven: int = 0
 
-    def solve_leaf(self, groups: tuple[TensorGroup, ...], bound: float, config: PlannerConfig) -> None:
-        """Solves one grouping below the incumbent; keeps a better plan, notes a missing proof."""
+    def solve_leaf(self, groups: tuple[TensorGroup, ...], bound: float, config: PlannerConfig | None) -> float | None:
+        """Solves one grouping below the incumbent and keeps a better plan (``config`` None: the exact
+        search alone, a warm start's budgets, no bisected bounds).
+
+        Returns:
+            ``None`` when the grouping is settled (its optimum found, or proven not to beat the
+            incumbent, or nothing fits), else a proven lower bound on its optimum.
+        """
         from resihp_lightning.solver import solve
 
         self.solved += 1
+        cutoff = None if self.best_plan is None else self.best_value
+        problem = self.problem.group_problem(groups)
         try:
-            plan = solve(self.problem.group_problem(groups), config,
-                         cutoff=None if self.best_plan is None else self.best_value)
+            if config is None:
+                plan = solve_exact(problem, cutoff=cutoff, bounds=False)
+            else:
+                plan = solve(problem, config, cutoff=cutoff)
         except NoBetterPlan as nothing:
-            if not nothing.proven:
-                self.unproven += 1
-                self.open_bound = min(self.open_bound, max(bound, nothing.bound_ms))
-            return
+            return None if nothing.proven else max(bound, nothing.bound_ms)
         except InfeasibleError:
-            return
-        if plan.status != "optimal":
-            self.unproven += 1
-            found = plan.iteration_ms * (1 - plan.gap) if plan.gap is not None else bound
-            self.open_bound = min(self.open_bound, max(bound, found))
+            return None
         if plan.iteration_ms < self.best_value:
             self.best_plan, self.best_groups, self.best_value = plan, groups, plan.iteration_ms
+        if plan.status == "optimal":
+            return None
+        return max(bound, plan.iteration_ms * (1 - plan.gap) if plan.gap is not None else bound)
 
     def closes(self, key: tuple) -> bool:
         """Whether no plan on these devices (a relaxation: a fleet every grouping it stands for fits
@@ -302,7 +465,8 @@ class _Search:
         self.relaxations += 1
         fleet = tuple(Device(i, speed, memory, link) for i, (speed, memory, link) in enumerate(key))
         try:
-            solve_exact(replace(self.problem.problem, devices=fleet), cutoff=self.best_value, first=True)
+            solve_exact(replace(self.problem.problem, devices=fleet), cutoff=self.best_value, first=True,
+                        decomposition_budget=PROBE_BUDGET)
         except NoBetterPlan as nothing:
             return nothing.proven
         return False  # a plan faster than the incumbent: the relaxation proves nothing
@@ -311,8 +475,8 @@ class _Search:
 def solve_tensor(problem: TensorProblem, config: PlannerConfig | None = None) -> TensorPlan:
     """The best plan over every grouping of the space, proven (module docstring).
 
-    1. Every grouping (:func:`combinations`) gets its :class:`GroupingBound`; the least is solved
-       first, without a cutoff: the incumbent.
+    1. Every grouping (:func:`combinations`) gets its :class:`GroupingBound`; the seeds
+       (:func:`_seeds`) are solved first: the incumbent.
     2. With ``allow_exclude`` and affected domains, each healthy degree's groupings are first
        tried all at once through a *relaxation*: the healthy groups plus, per affected domain, the
        :func:`envelope` of its groupings, a fleet every grouping of that degree fits into device by
@@ -345,25 +509,49 @@ def solve_tensor(problem: TensorProblem, config: PlannerConfig | None = None) ->
     problem = _with_config(problem, config)
     search = _Search(problem, GroupingBound(problem.problem))
     distinct = combinations(problem)
-    ranked = sorted(((search.bounder.bound(c.key), c.key, c) for c in distinct), key=lambda row: row[:2])
+    ranked = sorted(((search.bounder.bound(c.key, replicas=True), c.key, c) for c in distinct), key=lambda row: row[:2])
     closed_degrees: set[int | None] | None = None
     deadline = start + config.time_limit_s
-    for bound, _, combination in ranked:
+
+    # A MILP backend's limit is wall time for the whole search; the groupings are first solved by the
+    # exact search alone (work budgets of a warm start: quick, deterministic), and only those it
+    # leaves open get the MILP, best bound first, with the time that is left.
+    milp = config.solver != "exact"
+    first_config = None if milp else config
+    solved: set[tuple] = set()
+    pending: list[tuple[float, tuple, tuple[TensorGroup, ...]]] = []
+
+    def settle(groups: tuple[TensorGroup, ...], key: tuple, bound: float) -> None:
+        solved.add(key)
+        left_open = search.solve_leaf(groups, bound, first_config)
+        if left_open is not None:
+            pending.append((left_open, key, groups))
+
+    for groups in _seeds(problem, ranked):
+        key = device_key(problem.group_device(g) for g in groups)
+        if key not in solved:
+            settle(groups, key, search.bounder.bound(key, replicas=True))
+    closed_degrees = _closed_degrees(problem, search) if search.best_plan is not None else None
+    for bound, key, combination in ranked:
         if bound >= search.best_value * (1 - 1e-12) or math.isinf(bound):
             break  # sorted: every later bound is at least as high
-        if closed_degrees is not None and combination.healthy_degree in closed_degrees:
+        if key in solved or (closed_degrees is not None and combination.healthy_degree in closed_degrees):
             continue
-        leaf_config = config
-        if config.solver != "exact":  # the MILP's limit is wall time: the whole search shares it
-            left = deadline - time.perf_counter()
-            if left <= 0:
-                search.unproven += 1  # not solved: only its bound is known
-                search.open_bound = min(search.open_bound, bound)
-                continue
-            leaf_config = dataclasses.replace(config, time_limit_s=left)
-        search.solve_leaf(combination.groups, bound, leaf_config)
+        if not search.bounder.can_beat(key, search.best_value):
+            continue  # proven: no plan on these devices beats the incumbent
+        settle(combination.groups, key, bound)
         if closed_degrees is None and search.best_plan is not None:
             closed_degrees = _closed_degrees(problem, search)
+    for bound, key, groups in sorted(pending, key=lambda row: row[:2]):
+        if bound >= search.best_value * (1 - 1e-12) or not search.bounder.can_beat(key, search.best_value):
+            continue  # the incumbent found since settles it
+        left = deadline - time.perf_counter()
+        if milp and left > 0:
+            bound = search.solve_leaf(groups, bound, dataclasses.replace(config, time_limit_s=left))
+            if bound is None:
+                continue
+        search.unproven += 1
+        search.open_bound = min(search.open_bound, bound)
     if search.best_plan is None:
         raise InfeasibleError(
             "no grouping of the GPUs into TP groups has a plan that fits"
@@ -371,11 +559,31 @@ def solve_tensor(problem: TensorProblem, config: PlannerConfig | None = None) ->
     proven = search.unproven == 0
     value = search.best_value
     gap = 0.0 if proven else relative_gap(value, min(search.open_bound, value))
-    stats = SearchStats(combinations=len(distinct), solved=search.solved, pruned=len(distinct) - search.solved,
+    searched = {c.key for c in distinct}
+    stats = SearchStats(combinations=len(distinct), solved=search.solved, pruned=len(searched - solved),
                         unproven=search.unproven, relaxations=search.relaxations)
     plan = search.best_plan.with_result(status="optimal" if proven else "feasible", gap=gap,
                                         solve_seconds=time.perf_counter() - start)
     return TensorPlan(search.best_groups, plan, stats)
+
+
+def _seeds(problem: TensorProblem, ranked: list) -> list[tuple[TensorGroup, ...]]:
+    """The groupings solved first, for the first incumbent: ResiHP's rule and the fixed degree at the
+    largest healthy degree (the job's own, usually; points of the space with ``allow_exclude``), else
+    the grouping of that degree with the fewest devices. Few large groups are quick to plan and
+    rarely far from the best, while the least bound often belongs to many small groups whose deep
+    pipelines are slow to solve; and the search is never worse than its seeds."""
+    degrees = problem.healthy_degrees()
+    if not degrees:
+        return []
+    top = max(degrees)
+    if problem.problem.allow_exclude:
+        seeds = [resihp_rule_groups(problem, top), fixed_degree_groups(problem, top)]
+        return [groups for groups in seeds if groups]
+    own = [row for row in ranked if (row[2].healthy_degree or top) == top and not math.isinf(row[0])]
+    if not own:
+        return []
+    return [min(own, key=lambda row: (len(row[1]), row[0]))[2].groups]
 
 
 def _closed_degrees(problem: TensorProblem, search: _Search) -> set[int | None]:
@@ -395,7 +603,7 @@ def _closed_degrees(problem: TensorProblem, search: _Search) -> set[int | None]:
     for degree in (list(problem.healthy_degrees()) if healthy else [None]):
         base = tuple(g for d in healthy for g in healthy_groups(problem, d, degree)) if degree else ()
         fleet = tuple(sorted(device_key(problem.group_device(g) for g in base) + relaxed_domains))
-        bound = search.bounder.bound(fleet)
+        bound = search.bounder.bound(fleet, replicas=True)
         if bound >= search.best_value * (1 - 1e-12) or search.closes(fleet):
             closed.add(degree)
     return closed

@@ -158,7 +158,7 @@ def test_the_search_is_the_optimum_of_its_space_and_never_worse_than_the_baselin
         assert everything <= found.iteration_ms * (1 + REL)  # mixing degrees in healthy domains is outside the space
         validate_tensor_plan(tp, found)
         assert evaluate_tensor_plan(tp, found).iteration_ms == pytest.approx(found.iteration_ms, rel=REL)
-        assert found.search.combinations == found.search.solved + found.search.pruned
+        assert found.search.solved + found.search.pruned >= found.search.combinations >= found.search.pruned
         if tp.problem.allow_exclude:  # the baselines leave GPUs idle: points of the space only with exclusion
             healthy_degrees = tp.healthy_degrees()
             try:
@@ -194,20 +194,21 @@ def test_combinations_are_valid_distinct_and_cover_every_healthy_degree():
                 assert degrees == {combination.healthy_degree}
 
 
-def test_grouping_bound_is_a_lower_bound_and_the_shape_bound_without_memory():
+def test_grouping_bounds_are_lower_bounds_and_the_shape_bound_without_memory():
     rng = random.Random(11)
     checked = 0
-    while checked < 40:
+    while checked < 120:
         tp = _random_tp(rng)
         bounder = GroupingBound(tp.problem)
         for combination in combinations(tp)[:6]:
             problem = tp.group_problem(combination.groups)
             bound = bounder.bound(combination.key)
+            strong = bounder.bound(combination.key, replicas=True)
             try:
                 optimum = solve(problem, EXACT).iteration_ms
             except InfeasibleError:
                 optimum = math.inf
-            assert bound <= optimum * (1 + REL)
+            assert bound <= strong * (1 + REL) and strong <= optimum * (1 + REL)
             if all(math.isinf(d.memory_mb) or d.memory_mb >= 1e6 for d in problem.devices):
                 shapes = problem.candidate_shapes()
                 least = min((shape_lower_bound(problem, p, d) for p, d in shapes), default=math.inf)

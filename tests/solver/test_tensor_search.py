@@ -293,3 +293,22 @@ def test_without_exclusion_every_gpu_is_in_a_used_group():
             continue
         assert found.idle_gpus(tp) == ()
         checked += 1
+
+
+def test_can_beat_never_refuses_a_fleet_that_beats_the_cutoff():
+    """GroupingBound.can_beat is a proof: for a cutoff just above a grouping's optimum it must say True,
+    and the replica bound must stay below the optimum."""
+    rng = random.Random(13)
+    checked = refused = 0
+    while checked < 60:
+        tp = _random_tp(rng)
+        bounder = GroupingBound(tp.problem)
+        for combination in combinations(tp)[:5]:
+            try:
+                optimum = solve(tp.group_problem(combination.groups), EXACT).iteration_ms
+            except InfeasibleError:
+                continue
+            assert bounder.can_beat(combination.key, optimum * (1 + 1e-6)), tp.to_json()
+            refused += not bounder.can_beat(combination.key, optimum * 0.9)
+            checked += 1
+    assert refused > 0  # it proves something

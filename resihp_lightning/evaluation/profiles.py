@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from resihp_lightning.errors import ConfigError, invalid_option
 from resihp_lightning.plan import Layer
+from resihp_lightning.tensor_plan import TensorCost, even_split_degrees
 
 MB = 1e6
 GB = 1e9
@@ -210,6 +211,39 @@ def layer_forward_flops(model: ModelSpec, workload: WorkloadSpec) -> tuple[float
     return linear, attention
 
 
+def layer_compute_ms(model: ModelSpec, workload: WorkloadSpec, hardware: HardwareSpec) -> float:
+    """One decoder layer's forward + backward (and recomputed forward) on ONE GPU, ms."""
+    passes = 4.0 if workload.recompute else 3.0  # forward + backward (2x) [+ recomputed forward]
+    linear, attention = layer_forward_flops(model, workload)
+    return (linear + attention) * passes / (hardware.peak_tflops * 1e12 * hardware.utilisation) * 1000.0
+
+
+def tp_allreduce_ms(model: ModelSpec, workload: WorkloadSpec, hardware: HardwareSpec, degree: int) -> float:
+    """A decoder layer's TP all-reduces in a group of ``degree`` GPUs, per micro-batch, ms: four ring
+    all-reduces of the ``2 s h`` byte activation over NVLink (two forward, two backward)."""
+    if degree <= 1:
+        return 0.0
+    nvlink = hardware.nvlink_gbps * GB * hardware.link_efficiency
+    return 4 * 2 * (degree - 1) / degree * (2.0 * workload.seq_len * model.hidden) / nvlink * 1000.0
+
+
+def tensor_cost(model: ModelSpec | str, workload: WorkloadSpec | None = None, hardware: HardwareSpec | None = None,
+                max_degree: int = 8) -> TensorCost:
+    """The TP degrees a model splits into evenly and their all-reduce fractions, for the per-GPU planning model.
+
+    Degrees divide the heads, the key/value heads and the vocabulary (:func:`~resihp_lightning.tensor_plan.even_split_degrees`).
+    f_k is the decoder layer's TP all-reduce time in a group of k (:func:`tp_allreduce_ms`) over its
+    compute on one GPU (:func:`layer_compute_ms`): the ratio is the same for every decoder layer,
+    and the embedding and head (no recomputation, vocabulary-split loss) are priced at it too.
+    """
+    model = MODELS[model] if isinstance(model, str) else model
+    workload = workload or WorkloadSpec()
+    hardware = hardware or HardwareSpec()
+    degrees = even_split_degrees(model.heads, model.kv_heads, model.vocab, max_degree=max_degree)
+    compute = layer_compute_ms(model, workload, hardware)
+    return TensorCost(degrees, {k: tp_allreduce_ms(model, workload, hardware, k) / compute for k in degrees if k > 1})
+
+
 def build_profile(
     model: ModelSpec | str,
     workload: WorkloadSpec | None = None,
@@ -236,14 +270,9 @@ def build_profile(
     hardware = hardware or HardwareSpec()
     tp, s, h = workload.tp, workload.seq_len, model.hidden
     rate = hardware.peak_tflops * 1e12 * hardware.utilisation * tp  # FLOP/s of one TP group
-    passes = 4.0 if workload.recompute else 3.0  # forward + backward (2x) [+ recomputed forward]
-    nvlink = hardware.nvlink_gbps * GB * hardware.link_efficiency
     network = hardware.network_gbps * GB * hardware.link_efficiency * tp
     act_bytes = 2.0 * s * h  # one bf16 activation tensor of the micro-batch
-    tp_comm_s = 0.0 if tp == 1 else 4 * 2 * (tp - 1) / tp * act_bytes / nvlink
-
-    linear, attention = layer_forward_flops(model, workload)
-    layer_ms = ((linear + attention) * passes / rate + tp_comm_s) * 1000.0
+    layer_ms = layer_compute_ms(model, workload, hardware) / tp + tp_allreduce_ms(model, workload, hardware, tp)
     layer_static = model.layer_params() * workload.bytes_per_param / MB
     layer_act = (act_bytes if workload.recompute else 34.0 * s * h / tp) / MB
     embed_static = model.vocab * h * workload.bytes_per_param / MB

@@ -50,8 +50,16 @@ from dataclasses import dataclass, field
 from resihp_lightning.solver.bounds import shape_lower_bound
 from resihp_lightning.solver.enumeration import count_bounds
 from resihp_lightning.solver.exact_model import Best, Model
-from resihp_lightning.solver.replica_search import BudgetExceeded, max_micro_batches, min_bottleneck
-from resihp_lightning.solver.knapsack import Mix, ReplicaKnapsack, TooLarge, free_upper
+from resihp_lightning.solver.replica_search import (
+    MAX_COMPOSITION_STATES,
+    BudgetExceeded,
+    WitnessRejected,
+    composition_states,
+    max_micro_batches,
+    max_micro_batches_mixed,
+    min_bottleneck,
+)
+from resihp_lightning.solver.knapsack import Mix, TooLarge, free_upper, replica_knapsack
 from resihp_lightning.solver.microbatch_split import count, split
 
 #: A composition with more distinct stage arrangements than this leaves its shape open.
@@ -60,6 +68,20 @@ MAX_ARRANGEMENTS = 2_000
 #: over the common bounds has nothing to cut with; beyond this many bounds vectors the shape is
 #: left open at once (to the layout enumeration and the MILP) instead of spending the budget.
 UNGUIDED_BOUNDS = 5_000
+
+
+#: Work units per composition when every composition of a shape gets its upper bound: a few when
+#: another problem over the same layers computed it already (Model.shared), up to about 50 when not;
+#: counted alike, so that budgets never depend on what was solved before.
+ITEM_UNITS = 10
+
+
+def count_compositions(p: int, counts: list[int]) -> int:
+    """How many per-class count vectors sum to ``p`` with each at most its class's count."""
+    ways = [1] + [0] * p
+    for cap in counts:
+        ways = [sum(ways[s - k] for k in range(0, min(cap, s) + 1)) for s in range(p + 1)]
+    return ways[p]
 
 
 class _Open(Exception):
@@ -131,8 +153,12 @@ class _Shape:
             # One link level (:func:`link_levels`): only these classes, the all-reduce priced at it.
             self.allreduce, self.counts = level[0], list(level[1])
         self.most = model.M - d + 1
+        # Building the knapsack lists every composition, and each gets a bound (start_values):
+        # their number is the work, counted before it is done.
+        self.items = count_compositions(p, self.counts)
+        self.work.spend(1 + self.items // 10)
         try:
-            self.knapsack = ReplicaKnapsack(p, d, self.counts, self.problem.allow_exclude)
+            self.knapsack = replica_knapsack(p, d, self.counts, self.problem.allow_exclude)
         except TooLarge as error:
             raise _Open(str(error)) from None
         self.free = self.knapsack.free
@@ -144,7 +170,6 @@ class _Shape:
         self._pure: dict[tuple[int, int], tuple[float, tuple[int, ...] | None]] = {} if pure_cache is None else pure_cache
         self._arr: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
         self._start: tuple[float | None, dict] = (None, {})
-        self._runs: dict[float, float] = {}
 
     # ------------------------------------------------------------------------------ values
     def limit(self) -> float:
@@ -165,17 +190,27 @@ class _Shape:
         arrangement, :meth:`Model.min_p2p_sum`) and ``X >= max(C / sum s (+ p2p share), whole
         layers)``; then, for a candidate m, a replica running m needs ``X <= (limit - S) / (m - 1)``,
         so each stage holds at most the largest run of layers within ``X s_j``, and filling the
-        fastest devices first gives the least S that allows; m is lowered until that fits.
+        fastest devices first gives the least S that allows. A candidate that fails is a proof that
+        no replica runs that many (nor, running fewer being easier, more), so the most candidate that
+        passes is found by bisection.
         """
-        model, p2p = self.model, self.problem.p2p_ms
+        model = self.model
         speeds = sorted((model.classes[c].speed for c, n in enumerate(composition) for _ in range(n)), reverse=True)
+        p2p_sum = model.min_p2p_sum([c for c, n in enumerate(composition) for _ in range(n)], self.p)
+        shared_key = ("upper", tuple(speeds), p2p_sum, self.p, self.most, limit)
+        found = model.shared.get(shared_key)
+        if found is None:
+            found = model.shared[shared_key] = self._upper(speeds, p2p_sum, limit)
+        return found
+
+    def _upper(self, speeds: list[float], p2p_sum: float, limit: float) -> int:
+        model, p2p = self.model, self.problem.p2p_ms
         total = model.pc[-1]
         s_sum, s_max = sum(speeds), speeds[0]
-        p2p_sum = model.min_p2p_sum([c for c, n in enumerate(composition) for _ in range(n)], self.p)
         base_sum = total / s_max + p2p_sum
         worst = max((total + p2p * (s_sum - s_max)) / s_sum, model.layer_bound(tuple(speeds), 0))
-        m = count(limit, base_sum, worst, self.most)
-        while m > 1:
+
+        def passes(m: int) -> bool:
             stages_sum = base_sum
             for _ in range(3):  # a lower S cap allows less per stage, which raises S: iterate
                 cap = (limit - stages_sum) / (m - 1)
@@ -183,17 +218,31 @@ class _Shape:
                 if least <= stages_sum:
                     break
                 stages_sum = least
-            if count(limit, stages_sum, worst, m) >= m:
-                return m
-            m -= 1
-        return m
+            return count(limit, stages_sum, worst, m) >= m
+
+        lo, hi = 1, count(limit, base_sum, worst, self.most)  # the answer lies in [lo, hi]
+        if hi <= 1:
+            return hi
+        if passes(hi):
+            return hi
+        hi -= 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if passes(mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def _least_sum(self, speeds: list[float], cap: float, p2p_sum: float) -> float:
         """The least ``sum_j c_j / s_j + p2p_sum`` when stage j holds at most ``cap`` ms at its speed."""
         left = self.model.pc[-1]
         out = p2p_sum
+        run, run_speed = 0.0, None
         for s in speeds:  # fastest first: the cheapest place for compute
-            take = min(left, self._longest_run(cap * s))
+            if s != run_speed:  # equal speeds (sorted, so adjacent) hold equal runs
+                run, run_speed = self._longest_run(cap * s), s
+            take = min(left, run)
             out += take / s
             left -= take
             if left <= 0:
@@ -201,42 +250,48 @@ class _Shape:
         return math.inf
 
     def _longest_run(self, budget: float) -> float:
-        """The most compute of contiguous layers that is at most ``budget`` (two pointers)."""
-        pc = self.model.pc
-        if not budget >= 0:
-            return 0.0
-        found = self._runs.get(budget)
-        if found is not None:
-            return found
-        best, a = 0.0, 0
-        tol = 1e-12 * max(1.0, budget)
-        for b in range(1, len(pc)):
-            while a < b and pc[b] - pc[a] > budget + tol:
-                a += 1
-            best = max(best, pc[b] - pc[a])
-        self._runs[budget] = best
-        return best
+        """The most compute of contiguous layers that is at most ``budget`` (:meth:`Model.longest_run`)."""
+        return self.model.longest_run(budget)
 
     def pure(self, cls: int, limit: float) -> tuple[int, tuple[int, ...] | None]:
-        """Exact: the most micro-batches of a pure replica of ``cls`` within ``limit``, its bounds."""
+        """Exact: the most micro-batches of a pure replica of ``cls`` within ``limit``, its bounds.
 
+        With memory for P in flight (every stage's most) any count the time allows fits. Below P,
+        m fits when the bottleneck partition with memory for m in flight runs m within ``limit``;
+        fewer micro-batches need less memory and time, so the most such m is found by bisection.
+        """
         model, p = self.model, self.p
         total = model.pc[-1] / model.classes[cls].speed + model.pure_p2p_sum(cls, p)
-        for m in [p] + list(range(min(p - 1, self.most), 0, -1)):
+
+        def partition(m: int) -> tuple[float, tuple[int, ...] | None]:
             key = (cls, m)
             if key not in self._pure:
-                self.work.spend(1 + p * model.L * model.L // 200)
-                self._pure[key] = min_bottleneck(model, cls, p, m)
-            worst, bounds = self._pure[key]
-            if bounds is None:
-                continue
-            if m == p:
-                got = count(limit, total, worst, self.most)
-                if got >= p:
-                    return got, bounds
-            elif count(limit, total, worst, m) >= m:
-                return m, bounds
-        return 0, None
+                self.work.spend(20 + p * model.L * model.L // 500)  # measured: a numpy pass per stage
+                c = model.classes[cls]
+                shared_key = ("bottleneck", c.speed, c.memory_mb, c.link_slowdown, p, m)
+                if shared_key not in model.shared:
+                    model.shared[shared_key] = min_bottleneck(model, cls, p, m)
+                self._pure[key] = model.shared[shared_key]
+            return self._pure[key]
+
+        worst, bounds = partition(p)
+        if bounds is not None:
+            got = count(limit, total, worst, self.most)
+            if got >= p:
+                return got, bounds
+
+        def fits(m: int) -> bool:
+            worst, bounds = partition(m)
+            return bounds is not None and count(limit, total, worst, m) >= m
+
+        lo, hi = 0, min(p - 1, self.most)  # fits(lo) holds (vacuously at 0); the answer lies in [lo, hi]
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        return (lo, partition(lo)[1]) if lo > 0 else (0, None)
 
     def arrangements(self, composition: tuple[int, ...]) -> list[tuple[int, ...]]:
         if composition not in self._arr:
@@ -247,6 +302,7 @@ class _Shape:
         """Upper bounds for every item composition; pure ones exact (per-replica partitions)."""
         if self._start[0] == limit:
             return dict(self._start[1])
+        self.work.spend(ITEM_UNITS * len(self.knapsack.items))
         values = {}
         for k in self.knapsack.items:
             if max(k) == self.p:
@@ -299,8 +355,26 @@ class _Shape:
 
     # ------------------------------------------------------------------------- per replica
     def _exact_per_replica(self, k: tuple[int, ...], limit: float, ceiling: int):
+        """The most micro-batches a replica of composition ``k`` runs within ``limit`` (best arrangement).
 
-        got, arg = 0, None
+        Only values that could matter are sought: the other D - 1 replicas run at most ``most``
+        each, so a value below ``M - (D - 1) most`` can never complete a mix that reaches M (with
+        D = 1 the replica must run all M). Below it, ``need - 1`` is returned without bounds: a
+        valid upper bound that keeps the composition out of every mix that reaches M.
+        """
+        need = max(1, self.model.M - (self.d - 1) * self.most)
+        if composition_states(k) <= MAX_COMPOSITION_STATES:
+            ticks = [self.work.used]
+            try:
+                got, arg = max_micro_batches_mixed(self.model, k, limit, self.most, ticks, self.work.budget,
+                                                   need, ceiling)
+                self.work.used = ticks[0]
+                return got, arg
+            except BudgetExceeded:
+                raise _Open("work budget") from None
+            except WitnessRejected:
+                self.work.used = ticks[0]  # rounding at the limit: every arrangement on its own below
+        got, arg = need - 1, None
         for t in self.arrangements(k):
             ticks = [self.work.used]
             try:
@@ -439,13 +513,16 @@ class _Shape:
         return self._offer(rows)
 
 
-def decomposition_search(model: Model, best: Best, budget: int) -> Outcome:
+def decomposition_search(model: Model, best: Best, budget: int, *, bounds: bool = True) -> Outcome:
     """Closes every shape it can within ``budget`` work units; improves ``best`` in place.
 
     Args:
         model: the class-level model of the problem.
         best: the incumbent (normally the heuristic's); needed: without one nothing is closed.
         budget: work units (deterministic; see the module docstring).
+        bounds: give a shape left open its bisected lower bound (else only
+            :func:`~resihp_lightning.solver.bounds.shape_lower_bound`): for callers that only ask
+            whether every shape closes.
 
     Returns:
         Whether the incumbent is proven optimal, and a proven lower bound on the optimum.
@@ -463,7 +540,7 @@ def decomposition_search(model: Model, best: Best, budget: int) -> Outcome:
                 continue
             try:
                 shape = _Shape(model, best, work, p, d, level, pure_cache)
-                if problem.shared_partition:
+                if problem.shared_partition and d > 1:
                     shape.close_shared()
                 else:
                     shape.close_per_replica()
@@ -481,7 +558,8 @@ def decomposition_search(model: Model, best: Best, budget: int) -> Outcome:
             open_shapes.append((p, d))
         try:
             # The bound of an open shape gets a budget of its own: it is cheap and keeps the gap honest.
-            lb = max(lb, _Shape(model, best, _Work(0, max(budget // 4, 2_000)), p, d, level).lower_bound())
+            if bounds:
+                lb = max(lb, _Shape(model, best, _Work(0, max(budget // 4, 2_000)), p, d, level).lower_bound())
         except _Open:
             pass
         bound = min(bound, lb)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 
 def all_bounds(num_layers: int, stages: int, min_layers: int) -> Iterator[tuple[int, ...]]:
@@ -70,11 +70,19 @@ def replica_types(p: int, avail: Sequence[int]) -> list[tuple[int, ...]]:
     return sorted(out, reverse=True)
 
 
-def layouts(p: int, d: int, used: Sequence[int]) -> Iterator[tuple[tuple[int, ...], ...]]:
-    """Assignments of classes to the P x D grid up to replica order (replicas in decreasing order)."""
+def layouts(p: int, d: int, used: Sequence[int], spend: Callable[[], None] | None = None
+            ) -> Iterator[tuple[tuple[int, ...], ...]]:
+    """Assignments of classes to the P x D grid up to replica order (replicas in decreasing order).
+
+    ``spend`` is called once per node of the recursion (a caller's work budget: it may raise to
+    stop); with many replicas and classes most nodes lead nowhere, so the layouts alone do not
+    measure the work.
+    """
     types = replica_types(p, used)
 
     def rec(start: int, left: list[int], chosen: list[tuple[int, ...]]) -> Iterator[tuple[tuple[int, ...], ...]]:
+        if spend is not None:
+            spend()
         if len(chosen) == d:
             if not any(left):
                 yield tuple(chosen)

@@ -250,6 +250,12 @@ def exact_search(model: Model, budget: int, best: Best) -> None:
     counts = [len(c.ids) for c in model.classes]
     shapes = sorted(problem.candidate_shapes(), key=lambda s: shape_lower_bound(problem, *s))
     incumbent = not math.isinf(best.value)
+
+    def spend() -> None:  # a node of the layout enumeration
+        ticks[0] += 1
+        if ticks[0] > budget:
+            raise BudgetExceeded
+
     if not problem.shared_partition and not incumbent:
         if sum(count_bounds(model.L, p, model.min_layers) for p, _ in shapes) > budget:
             raise BudgetExceeded  # per-replica enumeration cannot finish: do not spend the time
@@ -258,7 +264,7 @@ def exact_search(model: Model, budget: int, best: Best) -> None:
             continue
         cache: dict = {}
         for used in used_vectors(counts, p * d, problem.allow_exclude):
-            for grid in layouts(p, d, used):
+            for grid in layouts(p, d, used, spend):
                 ticks[0] += 1
                 if ticks[0] > budget:
                     raise BudgetExceeded
@@ -293,7 +299,36 @@ def infeasible_reason(problem: Problem) -> str:
     )
 
 
-def solve_exact(problem: Problem, *, budget: int = DEFAULT_BUDGET, decomposition_budget: int = DECOMPOSITION_BUDGET) -> Plan:
+class NoBetterPlan(Exception):
+    """No plan faster than the caller's ``cutoff`` was found (:func:`solve_exact`, :func:`resihp_lightning.solver.solve`).
+
+    Attributes:
+        proven: the search was complete: no plan of the problem is faster than the cutoff (an
+            infeasible problem included).
+        bound_ms: a proven lower bound on the problem's optimum (the cutoff itself when ``proven``).
+    """
+
+    def __init__(self, message: str, *, proven: bool, bound_ms: float) -> None:
+        super().__init__(message)
+        self.proven = proven
+        self.bound_ms = bound_ms
+
+
+class _FirstBelow(Best):
+    """An incumbent that stops the search at the first layout offered below it (:func:`solve_exact`'s ``first``)."""
+
+    def offer(self, value: float, grid, bounds, counts) -> None:
+        super().offer(value, grid, bounds, counts)
+        if self.grid:
+            raise _Found
+
+
+class _Found(Exception):
+    """A layout below the cutoff was found and the caller asked for no more."""
+
+
+def solve_exact(problem: Problem, *, budget: int = DEFAULT_BUDGET, decomposition_budget: int = DECOMPOSITION_BUDGET,
+                cutoff: float | None = None, first: bool = False, bounds: bool = True) -> Plan:
     """Plans ``problem`` with the exact combinatorial search (heuristic beyond ``budget``).
 
     The heuristic phase finds the incumbent, the decomposition by shape
@@ -301,29 +336,68 @@ def solve_exact(problem: Problem, *, budget: int = DEFAULT_BUDGET, decomposition
     it optimal or improves it, and the layout enumeration of this module (``budget`` units) runs
     only when the decomposition left a shape open.
 
+    Args:
+        problem: the planning problem.
+        budget: work units of the layout enumeration.
+        decomposition_budget: work units of the decomposition by shape.
+        cutoff: an incumbent value from outside (e.g. another problem's plan that the caller may
+            take instead): the search starts from it as if it had a plan of that value (the
+            heuristic phase is skipped), so shapes that cannot beat it close at once, and only
+            strictly faster plans are kept.
+        first: with a ``cutoff``, return the first plan found faster than it (status
+            ``"feasible"``, not improved further): the answer to "can this problem beat the
+            cutoff?" without the cost of its optimum. Only the decomposition asks (no layout
+            enumeration, no bounds for shapes it leaves open), so a "no" is proven only when it
+            closes every shape.
+        bounds: bisect a lower bound for every shape the decomposition leaves open (the gap of an
+            unproven plan, or ``NoBetterPlan.bound_ms``); ``False`` reports the shapes' cheap
+            bounds instead, for callers that only ask whether the search closes.
+
     Returns:
         The plan with ``iteration_ms`` (from :func:`~resihp_lightning.plan.evaluate`), ``status`` ``"optimal"`` when a
         complete search finished and ``"feasible"`` otherwise, ``gap`` (the proven relative gap,
-        0.0 when optimal), ``solver="exact"`` and ``solve_seconds``.
+        0.0 when optimal), ``solver="exact"`` and ``solve_seconds``. With a ``cutoff`` it is
+        faster than the cutoff and, when ``"optimal"``, the problem's optimum.
 
     Raises:
         InfeasibleError: no plan satisfies the memory and shape constraints. Its attribute ``proven``
             is True when the exact phase finished (certain), False when only the heuristic phase ran
-            (then :func:`resihp_lightning.solver.solve` still asks the MILP backends).
+            (then :func:`resihp_lightning.solver.solve` still asks the MILP backends). Not raised
+            with a ``cutoff``: an infeasible problem has no plan faster than it.
+        NoBetterPlan: with a ``cutoff``, no plan faster than it was found (``proven`` when none exists).
     """
     start = time.perf_counter()
     model = Model(problem)
     status = "optimal"
-    best = Best()
-    heuristic_search(model, best)  # a good incumbent makes the exact phase prune early
-    outcome = decomposition_search(model, best, decomposition_budget)
-    bound = outcome.bound_ms
-    if not outcome.proven:
-        try:
-            exact_search(model, budget, best)
-            bound = best.value
-        except (BudgetExceeded, RecursionError):  # too many replicas to enumerate their layouts
+    probe = first and cutoff is not None  # only "is anything faster than the cutoff?"
+    best = _FirstBelow() if probe else Best()
+    if cutoff is None:
+        heuristic_search(model, best)  # a good incumbent makes the exact phase prune early
+    else:
+        # The cutoff is the incumbent (a value without a layout): shapes that cannot beat it close
+        # at once, and a shape that can yields its plan to the decomposition itself.
+        best.value = cutoff
+    try:
+        outcome = decomposition_search(model, best, decomposition_budget, bounds=bounds and not probe)
+        bound = outcome.bound_ms
+        if probe and not outcome.proven:
             status = "feasible"
+        elif not outcome.proven:
+            try:
+                exact_search(model, budget, best)
+                bound = best.value
+            except (BudgetExceeded, RecursionError):  # too many replicas to enumerate their layouts
+                status = "feasible"
+    except _Found:  # first=True: one plan below the cutoff is the answer
+        plan = build_plan(model, best.grid, best.bounds, best.counts)
+        value = evaluate(problem, plan).iteration_ms
+        return plan.with_result(iteration_ms=value, status="feasible", gap=relative_gap(value, -math.inf),
+                                solver="exact", solve_seconds=time.perf_counter() - start)
+    if cutoff is not None and not best.grid:
+        raise NoBetterPlan(
+            f"no plan faster than the cutoff {cutoff:g} ms" + (" exists" if status == "optimal" else " was found"),
+            proven=status == "optimal", bound_ms=min(cutoff, bound),
+        )
     if math.isinf(best.value):
         error = InfeasibleError(infeasible_reason(problem))
         error.proven = status == "optimal"  # False: only the heuristic phase ran and found nothing

@@ -8,6 +8,7 @@ class-level layout either phase has found, and :func:`build_plan` turns it into 
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,6 +23,10 @@ from resihp_lightning.plan import (
     stage_p2p_by_position,
     stage_position,
 )
+
+
+#: Memos shared by models of equal layers and transfer costs (:meth:`Model.shared`), the last few.
+_SHARED: list[tuple[tuple, dict]] = []
 
 
 class Model:
@@ -39,13 +44,38 @@ class Model:
         self.cheapest = [math.inf] * (self.L + 1)
         for a in range(self.L - 1, -1, -1):
             self.cheapest[a] = min(self.cheapest[a + 1], problem.layers[a].compute_ms)
-        self._layer_bound_memo: dict[tuple[tuple[float, ...], int], float] = {}
+        self._layer_bound_memo: dict[tuple, float] = {}
+        self._spans: list[float] | None = None
+        self._shared: dict | None = None
         # Per class, the transfer time of a stage by its position (plan.STAGE_POSITIONS: only, first,
         # last, middle), from plan.stage_p2p_ms so that it rounds alike.
         self.link = [c.link_slowdown for c in self.classes]
         self._p2p = [stage_p2p_by_position(problem.p2p_ms, u) for u in self.link]
         #: Some class has a slow link (u > 1); False means the model is the one without link speeds.
         self.slow_links = any(u > 1.0 for u in self.link)
+
+    @property
+    def shared(self) -> dict:
+        """A memo shared by every model of equal layers, p2p cost, minimum stage size and M.
+
+        Values that depend only on these and on device kinds (a pure replica's bottleneck, a
+        composition's micro-batch bound) are the same for every problem over the same model, such
+        as the groupings of a tensor-parallel search. The searches count their work units as if
+        they computed them, so results never depend on what was solved before.
+        """
+        if self._shared is None:
+            key = (self.pc, self.ps, self.pa, self.problem.p2p_ms, self.min_layers, self.M)
+            for known, memo in _SHARED:
+                if known == key:
+                    break
+            else:
+                memo = {}
+                _SHARED.insert(0, (key, memo))
+                del _SHARED[4:]
+            if len(memo) > 200_000:  # a long replay of many problems: start afresh
+                memo.clear()
+            self._shared = memo
+        return self._shared
 
     def stage_p2p(self, cls: int, j: int, p: int) -> float:
         """Transfer time of stage j of P on class ``cls`` (:func:`~resihp_lightning.plan.stage_p2p_ms`)."""
@@ -88,31 +118,47 @@ class Model:
             return 0.0
         return self.allreduce({c for types in grid for c in types}, d)
 
-    def layer_bound(self, speeds: tuple[float, ...], a: int) -> float:
+    def layer_bound(self, speeds: tuple[float, ...], a: int, transfers: tuple[float, ...] | None = None) -> float:
         """A lower bound on the slowest of stages at ``speeds`` holding layers a..L-1, from whole layers.
 
-        Stage j holds n_j layers of at least ``c = cheapest[a]`` ms each, so ``t_j >= n_j c / s_j``;
-        with all ``t_j <= X`` every ``n_j <= floor(X s_j / c)``, and the n_j must add up to L - a.
-        Returns (just below) the least X where they can.
+        Stage j holds n_j layers of at least ``c = cheapest[a]`` ms each, so ``t_j >= n_j c / s_j``
+        (plus its transfer time ``transfers[j]`` when given, e.g. by a replica whose order is
+        fixed); with all ``t_j <= X`` every ``n_j <= floor((X - transfers[j]) s_j / c)``, and the
+        n_j must add up to L - a. Returns (just below) the least X where they can.
         """
-        key = (speeds, a)
+        key = (speeds, a, transfers)
         found = self._layer_bound_memo.get(key)
         if found is not None:
             return found
         n, c = self.L - a, self.cheapest[a]
+        extra = transfers if transfers is not None else (0.0,) * len(speeds)
         if n <= 0 or not c > 0:
             value = 0.0
         else:
-            lo, hi = 0.0, n * c / max(speeds)
+            lo, hi = 0.0, n * c / max(speeds) + max(extra)
             for _ in range(50):
                 mid = (lo + hi) / 2
-                if sum(math.floor(mid * s / c) for s in speeds) >= n:
+                if sum(math.floor(max(0.0, mid - e) * s / c) for s, e in zip(speeds, extra)) >= n:
                     hi = mid
                 else:
                     lo = mid
             value = lo * (1 - 1e-9)
         self._layer_bound_memo[key] = value
         return value
+
+    def longest_run(self, budget: float) -> float:
+        """The most compute of contiguous layers that is at most ``budget`` (within 1e-12 relative); 0 below any layer.
+
+        Every run of contiguous layers is a span ``pc[b] - pc[a]``, so this is the largest span
+        value not above the budget: a bisection into the sorted spans (computed once per model).
+        """
+        if not budget >= 0:
+            return 0.0
+        if self._spans is None:
+            pc = self.pc
+            self._spans = sorted({pc[b] - pc[a] for b in range(self.L + 1) for a in range(b + 1)})
+        index = bisect.bisect_right(self._spans, budget + 1e-12 * max(1.0, budget)) - 1
+        return max(0.0, self._spans[index]) if index >= 0 else 0.0
 
     def stage_time(self, a: int, b: int, cls: int, j: int, p: int) -> float:
         """t of stage j of P holding layers a..b-1 on class ``cls`` (as :func:`~resihp_lightning.plan.evaluate`)."""

@@ -193,6 +193,28 @@ class ReplicaKnapsack:
         return Mix(top, items, self.d - where[0])
 
 
+#: Knapsacks built lately, by (P, D, counts, exclude): a table depends on nothing else, and a search
+#: over many problems of the same device kinds (a tensor-parallel search) asks for the same ones.
+_BUILT: dict[tuple, ReplicaKnapsack] = {}
+
+
+def replica_knapsack(p: int, d: int, counts: Sequence[int], exclude: bool) -> ReplicaKnapsack:
+    """:class:`ReplicaKnapsack` ``(p, d, counts, exclude)``, reused when built lately (it is never changed
+    after it is built).
+
+    Raises:
+        TooLarge: as the constructor.
+    """
+    key = (p, d, tuple(counts), exclude)
+    found = _BUILT.get(key)
+    if found is None:
+        found = ReplicaKnapsack(p, d, counts, exclude)
+        if len(_BUILT) >= 2_000:
+            _BUILT.clear()
+        _BUILT[key] = found
+    return found
+
+
 def free_upper(g: Sequence[int | None], d: int, free_value: int) -> int:
     """The most micro-batches of any mix when the free class's pure replicas run ``free_value``."""
     top = -1

@@ -65,3 +65,23 @@ def test_bad_options_are_named():
         WorkloadSpec(seq_len=10, doc_lengths=(3, 3))
     with pytest.raises(ConfigError, match="hardware.utilisation"):
         HardwareSpec(utilisation=1.5)
+
+
+def test_tensor_cost_matches_the_tp_group_profile():
+    """A healthy TP-k group of the per-GPU model (speed 1 / (1/k + f_k) on one-GPU layers) runs a decoder
+    layer exactly as the TP-k profile prices it; the degrees split heads, key/value heads and vocabulary."""
+    from resihp_lightning.evaluation.profiles import tensor_cost
+    from resihp_lightning.plan import Device
+    from resihp_lightning.tensor_plan import group_device
+
+    workload = WorkloadSpec(seq_len=8192)
+    cost = tensor_cost("llama2-70b", workload)
+    assert cost.degrees == (1, 2, 4, 8)  # 64 heads, 8 key/value heads, 32000 tokens
+    one_gpu = build_profile("llama2-70b", workload).layers[1].compute_ms
+    nvlink = 300e9 * 0.8
+    assert cost.comm_fraction[4] == pytest.approx(4 * 2 * 3 / 4 * 2 * 8192 * 8192 / nvlink * 1000 / one_gpu)
+    for k in (2, 4, 8):
+        group = group_device([Device(i, 1.0, 72_000.0) for i in range(k)], cost)
+        tp_k = build_profile("llama2-70b", WorkloadSpec(seq_len=8192, tp=k)).layers[1].compute_ms
+        assert one_gpu / group.speed == pytest.approx(tp_k, rel=1e-12)
+    assert tensor_cost("qwen2.5-7b").degrees == (1, 2, 4)  # 28 heads, 4 key/value heads

@@ -134,6 +134,31 @@ def test_binding_memory_at_256_devices_is_proven_fast(shared):
     assert plan.solve_seconds < 5.0  # about 0.2 s on an idle core
 
 
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_deep_pipeline_under_binding_memory_is_proven_by_the_decomposition(shared):
+    """32 devices, 80 layers of 700 MB + 50 MB per micro-batch on 6 GB devices, one at half speed, M = 128.
+
+    Stage j of a 32-stage pipeline holds 32 - j micro-batches in flight, so the first six stages fit
+    two layers and the others three: every plan is one replica of all 32 devices, whose slow device
+    holds a single layer (20 ms) and whose healthy stages take at most three (30 ms + 0.05 ms of
+    transfer). The decomposition closes every shape on its own: the one replica's orders and bounds
+    go through one programme (replica_search.max_micro_batches_mixed), and with D = 1 a shared
+    partition is a per-replica one. Before, this took 1-8 s and CP-SAT.
+    """
+    speeds = [1.0] * 32
+    speeds[3] = 0.5
+    problem = Problem([Layer(10.0, 700.0, 50.0)] * 80, [Device(i, speeds[i], 6_000.0) for i in range(32)], 128,
+                      p2p_ms=0.05, allreduce_ms=5.0, shared_partition=shared)
+    value, proven, bound = _decomposed(problem)
+    assert proven and bound == value
+    # S = 800 ms of compute + 10 ms more for the slow device's layer + 31 transfers; X = 3 layers + one transfer.
+    assert value == pytest.approx(800.0 + 10.0 + 31 * 0.05 + 127 * 30.05, rel=REL)
+    plan = solve(problem, PlannerConfig(solver="exact"))
+    assert plan.status == "optimal" and plan.iteration_ms == pytest.approx(value, rel=REL)
+    assert (plan.pipeline_degree, plan.data_degree) == (32, 1)
+    assert plan.solve_seconds < 3.0  # about 0.1 s on an idle core
+
+
 def test_gap_is_reported_when_the_budget_stops_the_search():
     rng = random.Random(9)
     checked = 0

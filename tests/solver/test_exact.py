@@ -450,3 +450,101 @@ def test_planner_idles_a_slow_link_when_memory_forces_pipelines():
     assert kept.iteration_ms == pytest.approx(solve_brute(replace(problem, allow_exclude=False)).iteration_ms)
     cpsat = solve(problem, PlannerConfig(num_workers=1))
     assert cpsat.iteration_ms == pytest.approx(plan.iteration_ms)
+
+
+@pytest.mark.parametrize("solver", ["exact", "cpsat"])
+def test_cutoff_returns_only_faster_plans_and_proves_when_there_is_none(solver):
+    """solve(..., cutoff=T) against brute force: above the optimum it returns the optimum; at or below it
+    (and on a problem where nothing fits) it raises NoBetterPlan, proven whenever the search was complete."""
+    from resihp_lightning.solver import NoBetterPlan
+
+    config = PlannerConfig(solver=solver, time_limit_s=5.0)
+    checked = below = 0
+    for seed in range(0, 120, 3):
+        problem = random_problem(seed)
+        if count_candidates(problem) > 20_000:
+            continue
+        optimum = _optimum(solve_brute, problem)
+        if optimum is None:
+            with pytest.raises(NoBetterPlan) as caught:
+                solve(problem, config, cutoff=1e9)
+            assert caught.value.proven
+            continue
+        plan = solve(problem, config, cutoff=optimum * 1.5 + 1.0)
+        assert plan.iteration_ms < optimum * 1.5 + 1.0
+        if plan.status == "optimal":
+            assert _close(plan.iteration_ms, optimum)
+        validate(problem, plan)
+        for cutoff in (optimum, optimum * 0.9):
+            with pytest.raises(NoBetterPlan) as caught:
+                solve(problem, config, cutoff=cutoff)
+            assert caught.value.bound_ms <= optimum * (1 + REL)
+            below += caught.value.proven
+        checked += 1
+    assert checked >= 25 and below >= 2 * checked - 4
+
+
+def test_cutoff_closes_every_shape_at_once_on_a_large_problem():
+    """At 256 devices an outside incumbent 1% below the optimum is refused fast, without the MILP."""
+    from resihp_lightning.solver import NoBetterPlan
+
+    speeds = [1.0] * 256
+    speeds[5] = 0.5
+    problem = Problem([Layer(10.0, 700.0, 50.0)] * 96, [Device(i, speeds[i], 24_000.0) for i in range(256)], 1024,
+                      p2p_ms=0.05, allreduce_ms=5.0)
+    optimum = solve(problem, PlannerConfig(solver="exact"))
+    assert optimum.status == "optimal"
+    start = time.perf_counter()
+    with pytest.raises(NoBetterPlan) as caught:
+        solve(problem, PlannerConfig(), cutoff=optimum.iteration_ms * 0.99)
+    assert caught.value.proven and time.perf_counter() - start < 2.0
+
+
+def test_cutoff_left_open_by_the_exact_search_goes_to_the_milp(monkeypatch):
+    """When the exact search finds nothing below the cutoff without proving it, CP-SAT (no hint) decides:
+    its plan when faster than the cutoff, else NoBetterPlan carrying CP-SAT's proof."""
+    import resihp_lightning.solver.exact as exact_module
+    from resihp_lightning.solver import NoBetterPlan
+
+    def unproven(problem, **_):
+        raise NoBetterPlan("left open", proven=False, bound_ms=0.0)
+
+    monkeypatch.setattr(exact_module, "solve_exact", unproven)
+    checked = 0
+    for seed in range(0, 60, 3):
+        problem = random_problem(seed)
+        if count_candidates(problem) > 20_000:
+            continue
+        optimum = _optimum(solve_brute, problem)
+        if optimum is None:
+            continue
+        plan = solve(problem, PlannerConfig(), cutoff=optimum * 1.2 + 1.0)
+        assert plan.status == "optimal" and _close(plan.iteration_ms, optimum) and plan.solver == "cpsat"
+        with pytest.raises(NoBetterPlan) as caught:
+            solve(problem, PlannerConfig(), cutoff=optimum)
+        assert caught.value.proven and caught.value.bound_ms == optimum
+        checked += 1
+    assert checked >= 10
+
+
+def test_first_below_the_cutoff_stops_at_a_faster_plan():
+    """solve_exact(cutoff=T, first=True): a valid plan faster than T when one exists (not claimed optimal),
+    NoBetterPlan when none does."""
+    from resihp_lightning.solver import NoBetterPlan
+
+    checked = 0
+    for seed in range(0, 90, 3):
+        problem = random_problem(seed)
+        if count_candidates(problem) > 20_000:
+            continue
+        optimum = _optimum(solve_brute, problem)
+        if optimum is None:
+            continue
+        plan = solve_exact(problem, cutoff=optimum * 1.3 + 1.0, first=True)
+        validate(problem, plan)
+        assert optimum * (1 - REL) <= plan.iteration_ms < optimum * 1.3 + 1.0
+        assert plan.status in ("optimal", "feasible")
+        with pytest.raises(NoBetterPlan):
+            solve_exact(problem, cutoff=optimum, first=True)
+        checked += 1
+    assert checked >= 15

@@ -62,6 +62,10 @@ from resihp_lightning.tensor_plan import (
     resihp_rule_groups,
 )
 
+#: With ``solver="exact"``, how many groupings the first pass left open get a full solve, per second
+#: of ``time_limit_s`` (a deterministic stand-in for the MILP's shared wall time).
+EXACT_RETRIES_PER_S = 4
+
 #: Work units (about 5 us each) of a relaxation's probe (:meth:`_Search.closes`): a probe that cannot close
 #: its groupings this fast leaves them to be solved one by one.
 PROBE_BUDGET = 20_000
@@ -491,10 +495,11 @@ def solve_tensor(problem: TensorProblem, config: PlannerConfig | None = None) ->
     Args:
         problem: GPUs, domains and TP costs.
         config: the planner's options for every solve (default ``PlannerConfig()``); its model
-            options are written over ``problem.problem`` first. With a MILP backend its
-            ``time_limit_s`` is wall time for the whole search (each solve gets what is left; a
-            grouping reached after it counts as unproven, with its bound); with ``"exact"`` it is
-            each solve's deterministic work budget, as in :func:`resihp_lightning.solver.solve`.
+            options are written over ``problem.problem`` first. Every grouping is first solved by
+            the exact search with a warm start's budgets; with a MILP backend ``time_limit_s`` is
+            then wall time for the groupings left open (each solve gets what is left; one reached
+            after it counts as unproven, with its bound); with ``"exact"`` (deterministic) at most
+            ``time_limit_s x`` :data:`EXACT_RETRIES_PER_S` of them get a full solve of the config's budgets.
 
     Returns:
         The groups and the plan over them; ``status`` ``"optimal"`` when every grouping was solved
@@ -513,17 +518,22 @@ def solve_tensor(problem: TensorProblem, config: PlannerConfig | None = None) ->
     closed_degrees: set[int | None] | None = None
     deadline = start + config.time_limit_s
 
-    # A MILP backend's limit is wall time for the whole search; the groupings are first solved by the
-    # exact search alone (work budgets of a warm start: quick, deterministic), and only those it
-    # leaves open get the MILP, best bound first, with the time that is left.
+    # Every grouping is first solved by the exact search alone, with a warm start's work budgets and
+    # no bisected bounds (quick, deterministic). Those it leaves open are solved again with the config,
+    # best bound first: with a MILP backend in the wall time left of ``time_limit_s`` (which also
+    # stops the first pass once there is an incumbent), with "exact" (deterministic) at most
+    # ``time_limit_s * EXACT_RETRIES_PER_S`` of them.
     milp = config.solver != "exact"
-    first_config = None if milp else config
+    retries = math.ceil(config.time_limit_s * EXACT_RETRIES_PER_S)  # exact: full solves of the open groupings
     solved: set[tuple] = set()
     pending: list[tuple[float, tuple, tuple[TensorGroup, ...]]] = []
 
     def settle(groups: tuple[TensorGroup, ...], key: tuple, bound: float) -> None:
         solved.add(key)
-        left_open = search.solve_leaf(groups, bound, first_config)
+        if milp and search.best_plan is not None and time.perf_counter() >= deadline:
+            pending.append((bound, key, groups))  # the wall time is spent: only its bound is known
+            return
+        left_open = search.solve_leaf(groups, bound, None)
         if left_open is not None:
             pending.append((left_open, key, groups))
 
@@ -546,8 +556,9 @@ def solve_tensor(problem: TensorProblem, config: PlannerConfig | None = None) ->
         if bound >= search.best_value * (1 - 1e-12) or not search.bounder.can_beat(key, search.best_value):
             continue  # the incumbent found since settles it
         left = deadline - time.perf_counter()
-        if milp and left > 0:
-            bound = search.solve_leaf(groups, bound, dataclasses.replace(config, time_limit_s=left))
+        if (milp and left > 0) or (not milp and retries > 0):
+            retries -= 1
+            bound = search.solve_leaf(groups, bound, dataclasses.replace(config, time_limit_s=left) if milp else config)
             if bound is None:
                 continue
         search.unproven += 1

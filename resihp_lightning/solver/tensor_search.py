@@ -18,7 +18,7 @@ proven, in these steps:
    least :func:`~resihp_lightning.solver.bounds.shape_lower_bound` over the shapes it allows, a
    shape needing at least as many stages as the model takes on the largest device's memory.
 3. **Incumbent.** ResiHP's rule and the fixed degree at the largest healthy degree are solved
-   first (:func:`_seeds`: few large groups, quick to plan and usually close to the best).
+   first (``_seeds``: few large groups, quick to plan and usually close to the best).
 4. **Relaxations** (with ``allow_exclude``). For each t', a fleet that every grouping of that t'
    fits into device by device (the healthy groups and, per affected domain, the :func:`envelope`
    of its groupings) is asked once whether any plan on it beats the incumbent
@@ -62,11 +62,13 @@ from resihp_lightning.tensor_plan import (
     resihp_rule_groups,
 )
 
-#: With ``solver="exact"``, how many groupings the first pass left open get a full solve, per second
-#: of ``time_limit_s`` (a deterministic stand-in for the MILP's shared wall time).
+#: With ``solver="exact"``, how many groupings the first pass solves, and how many it left open get a
+#: full solve, per second of ``time_limit_s`` (a deterministic stand-in for the MILP's shared wall time;
+#: a first-pass solve takes about 0.01-0.2 s at 256 GPUs).
+EXACT_FIRST_PER_S = 100
 EXACT_RETRIES_PER_S = 4
 
-#: Work units (about 5 us each) of a relaxation's probe (:meth:`_Search.closes`): a probe that cannot close
+#: Work units (about 5 us each) of a relaxation's probe (``_Search.closes``): a probe that cannot close
 #: its groupings this fast leaves them to be solved one by one.
 PROBE_BUDGET = 20_000
 
@@ -480,7 +482,7 @@ def solve_tensor(problem: TensorProblem, config: PlannerConfig | None = None) ->
     """The best plan over every grouping of the space, proven (module docstring).
 
     1. Every grouping (:func:`combinations`) gets its :class:`GroupingBound`; the seeds
-       (:func:`_seeds`) are solved first: the incumbent.
+       (``_seeds``) are solved first: the incumbent.
     2. With ``allow_exclude`` and affected domains, each healthy degree's groupings are first
        tried all at once through a *relaxation*: the healthy groups plus, per affected domain, the
        :func:`envelope` of its groupings, a fleet every grouping of that degree fits into device by
@@ -498,8 +500,10 @@ def solve_tensor(problem: TensorProblem, config: PlannerConfig | None = None) ->
             options are written over ``problem.problem`` first. Every grouping is first solved by
             the exact search with a warm start's budgets; with a MILP backend ``time_limit_s`` is
             then wall time for the groupings left open (each solve gets what is left; one reached
-            after it counts as unproven, with its bound); with ``"exact"`` (deterministic) at most
-            ``time_limit_s x`` :data:`EXACT_RETRIES_PER_S` of them get a full solve of the config's budgets.
+            after it counts as unproven, with its bound); with ``"exact"`` (deterministic) the first
+            pass solves at most ``time_limit_s x`` :data:`EXACT_FIRST_PER_S` groupings and at most
+            ``time_limit_s x`` :data:`EXACT_RETRIES_PER_S` of those left open get a full solve of the
+            config's budgets.
 
     Returns:
         The groups and the plan over them; ``status`` ``"optimal"`` when every grouping was solved
@@ -522,17 +526,22 @@ def solve_tensor(problem: TensorProblem, config: PlannerConfig | None = None) ->
     # no bisected bounds (quick, deterministic). Those it leaves open are solved again with the config,
     # best bound first: with a MILP backend in the wall time left of ``time_limit_s`` (which also
     # stops the first pass once there is an incumbent), with "exact" (deterministic) at most
-    # ``time_limit_s * EXACT_RETRIES_PER_S`` of them.
+    # ``time_limit_s * EXACT_RETRIES_PER_S`` of them after at most ``time_limit_s * EXACT_FIRST_PER_S``
+    # first-pass solves.
     milp = config.solver != "exact"
     retries = math.ceil(config.time_limit_s * EXACT_RETRIES_PER_S)  # exact: full solves of the open groupings
+    first_solves = math.ceil(config.time_limit_s * EXACT_FIRST_PER_S)  # exact: first-pass solves
     solved: set[tuple] = set()
     pending: list[tuple[float, tuple, tuple[TensorGroup, ...]]] = []
 
     def settle(groups: tuple[TensorGroup, ...], key: tuple, bound: float) -> None:
+        nonlocal first_solves
         solved.add(key)
-        if milp and search.best_plan is not None and time.perf_counter() >= deadline:
-            pending.append((bound, key, groups))  # the wall time is spent: only its bound is known
+        spent = time.perf_counter() >= deadline if milp else first_solves <= 0
+        if spent and search.best_plan is not None:
+            pending.append((bound, key, groups))  # out of time (or work): only its bound is known
             return
+        first_solves -= 1
         left_open = search.solve_leaf(groups, bound, None)
         if left_open is not None:
             pending.append((left_open, key, groups))

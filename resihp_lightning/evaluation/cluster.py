@@ -1,9 +1,15 @@
 """The cluster as a policy sees it: planner devices from GPU states, cached solves, plan prices and moves.
 
-A planner device is a TP group of ``tp`` consecutive GPUs (the project has no tensor parallelism, so
-a group is one device of the planning model). Without ``tp_drop`` a group runs at its slowest GPU's
-speed and is lost with any of its GPUs; with ``tp_drop`` (ResiHP's first rule) it may drop members:
-``k`` of its GPUs run at ``k / tp`` times the k-th fastest one's speed with ``k / tp`` of the memory.
+A planner device is a TP group of ``tp`` consecutive GPUs. Without ``tp_drop`` a group is atomic: it
+runs at its slowest GPU's speed and is lost with any of its GPUs (the profile prices one group).
+With ``tp_drop`` and ``tp > 1`` groups are priced by the per-GPU TP model
+(:mod:`resihp_lightning.tensor_plan`): layers costed for one GPU, a group of k GPUs of slowest speed s
+one device of speed ``1 / (1 / (k s) + f_k)`` and k GPUs' memory, the degrees the model splits into
+evenly (:func:`~resihp_lightning.evaluation.profiles.tensor_cost`). ResiHP's rule keeps each TP group's
+k fastest live GPUs for the allowed k maximising ``k x`` the k-th fastest speed
+(:meth:`Cluster.devices`); the project's planner chooses the groups jointly with the plan
+(:meth:`Cluster.solve_tensor`, :func:`~resihp_lightning.solver.tensor_search.solve_tensor`), each
+TP group's GPUs one TP domain.
 
 A network slowdown f on a node is folded into its devices' speed: their stage's point-to-point
 transfers take f times longer, priced at the reference stage size (the layers' compute over
@@ -21,10 +27,11 @@ from resihp_lightning.config import PlannerConfig
 from resihp_lightning.contract import DeviceConditions
 from resihp_lightning.errors import InfeasibleError
 from resihp_lightning.evaluation.costs import CostModel
-from resihp_lightning.evaluation.profiles import GB, MB, ModelProfile
+from resihp_lightning.evaluation.profiles import GB, MB, ModelProfile, build_profile, tensor_cost
 from resihp_lightning.evaluation.traces import GpuState, Trace
 from resihp_lightning.plan import Device, Evaluation, Plan, Problem, Replica, evaluate
 from resihp_lightning.problem_builder import problem_from_costs
+from resihp_lightning.tensor_plan import TensorGroup, TensorPlan, TensorProblem, resihp_rule_groups
 
 
 @dataclass(frozen=True)
@@ -68,11 +75,19 @@ class Cluster:
         self._stage_ms = compute / profile.reference_stages
         self._layer_mb = [layer.static_mb for layer in profile.layers]
         self._solves: dict[tuple, Plan | None] = {}
+        self._tensor_solves: dict[tuple, TensorPlan | None] = {}
         self.solve_count = 0
+        if tp > 1:
+            # The per-GPU TP model: one-GPU layers, the degrees the model splits into (up to tp).
+            one_gpu = replace(profile.workload, tp=1)
+            self.gpu_layers = build_profile(profile.model, one_gpu, profile.hardware, profile.reference_stages * tp).layers
+            self.tensor_cost = tensor_cost(profile.model, one_gpu, profile.hardware, max_degree=tp)
 
     # --------------------------------------------------------------------------------- devices
     def devices(self, state: GpuState, view: View, exclude: frozenset[int] = frozenset()) -> tuple[Device, ...]:
         """The live planner devices under ``view``, minus ``exclude``, ascending ids."""
+        if view.tp_drop and self.tp > 1:
+            return self._rule_devices(state, view, exclude)
         cap = self.profile.device_memory_mb
         out = []
         for d in range(self.num_devices):
@@ -80,21 +95,138 @@ class Cluster:
                 continue
             gpus = range(d * self.tp, (d + 1) * self.tp)
             live = sorted((state.speed[g] if view.speed_aware else 1.0 for g in gpus if state.alive[g]), reverse=True)
-            if view.tp_drop and self.tp > 1:
-                if not live:
-                    continue
-                k = max(range(1, len(live) + 1), key=lambda k: (k * live[k - 1], k))
-                speed, memory = k / self.tp * live[k - 1], cap * k / self.tp
-            else:
-                if len(live) < self.tp:
-                    continue
-                speed, memory = live[-1], cap
+            if len(live) < self.tp:
+                continue
+            speed, memory = live[-1], cap
             if view.speed_aware:
                 f = state.comm[state.node_of(d * self.tp)]
                 speed *= self._stage_ms / (self._stage_ms + (f - 1.0) * self.profile.p2p_ms)
                 speed = max(self.quantum, round(speed / self.quantum) * self.quantum)
             out.append(Device(d, round(speed, 6), memory))
         return tuple(out)
+
+    def _rule_devices(self, state: GpuState, view: View, exclude: frozenset[int]) -> tuple[Device, ...]:
+        """TP groups under ResiHP's rule, priced by the per-GPU TP model (ids: group indices).
+
+        Each TP group keeps the group :func:`~resihp_lightning.tensor_plan.resihp_rule_groups` forms in
+        its domain: its k fastest live GPUs for the allowed k maximising k times the k-th fastest
+        speed; the device is that group's (:meth:`TensorProblem.group_device
+        <resihp_lightning.tensor_plan.TensorProblem.group_device>`).
+        """
+        problem = self.tensor_problem(state, view)
+        kept = {problem.domain_of(g.id): g for g in resihp_rule_groups(problem, self.tp)}
+        out = []
+        for d in range(self.num_devices):
+            if d in exclude or d not in kept:
+                continue
+            device = problem.group_device(kept[d])
+            out.append(Device(d, device.speed, device.memory_mb))
+        return tuple(out)
+
+    def gpu_speeds(self, state: GpuState, view: View) -> dict[int, float]:
+        """Live GPUs' speeds as ``view`` sees them: the node's network slowdown folded in (its stage's
+        transfers at the reference stage size), quantized to the controller's ``speed_quantum``."""
+        out = {}
+        for g in range(self.trace.gpus):
+            if not state.alive[g]:
+                continue
+            speed = state.speed[g] if view.speed_aware else 1.0
+            if view.speed_aware:
+                f = state.comm[state.node_of(g)]
+                speed *= self._stage_ms / (self._stage_ms + (f - 1.0) * self.profile.p2p_ms)
+                speed = max(self.quantum, round(speed / self.quantum) * self.quantum)
+            out[g] = round(speed, 6)
+        return out
+
+    def tensor_problem(self, state: GpuState, view: View, *, shared: bool = True) -> TensorProblem:
+        """The per-GPU TP problem of the live GPUs (tp > 1): one-GPU layers, every TP group's GPUs one
+        domain, the group profile's transfers (so that a whole group costs what the profile says)."""
+        memory = self.profile.hardware.memory_gb * GB / MB
+        speeds = self.gpu_speeds(state, view)
+        problem = Problem(self.gpu_layers, tuple(Device(g, s, memory) for g, s in speeds.items()), self.micro_batches,
+                          p2p_ms=self.profile.p2p_ms, allreduce_ms=self.allreduce_ms(state),
+                          shared_partition=shared, allow_exclude=True)
+        domains = tuple(tuple(range(d * self.tp, (d + 1) * self.tp)) for d in range(self.num_devices))
+        return TensorProblem(problem, domains, self.tensor_cost)
+
+    def solve_tensor(self, state: GpuState, view: View, *, shared: bool = True) -> TensorPlan | None:
+        """The planner's best groups and plan for the GPUs now (``None`` when nothing fits), cached.
+
+        TP domains of equal live GPUs (speeds in domain order) are interchangeable, so the cache is
+        keyed by their sorted multiset; a cached plan is relabelled onto the actual GPUs.
+        """
+        from resihp_lightning.solver.tensor_search import solve_tensor
+
+        speeds = self.gpu_speeds(state, view)
+        signature = [tuple(speeds.get(g) for g in range(d * self.tp, (d + 1) * self.tp)) for d in range(self.num_devices)]
+        order = sorted(range(self.num_devices), key=lambda d: (tuple(-1.0 if s is None else -s for s in signature[d]), d))
+        key = (tuple(signature[d] for d in order), shared, self.allreduce_ms(state))
+        if key not in self._tensor_solves:
+            # The canonical problem: the domains in sorted order, the i-th on GPUs i * tp .. i * tp + tp - 1.
+            gpus = tuple(Device(i * self.tp + j, s, self.profile.hardware.memory_gb * GB / MB)
+                         for i, d in enumerate(order) for j, s in enumerate(signature[d]) if s is not None)
+            actual = self.tensor_problem(state, view, shared=shared)
+            canonical = TensorProblem(replace(actual.problem, devices=gpus), actual.domains, actual.cost)
+            self.solve_count += 1
+            try:
+                self._tensor_solves[key] = solve_tensor(canonical, self.planner)
+            except InfeasibleError:
+                self._tensor_solves[key] = None
+        found = self._tensor_solves[key]
+        if found is None:
+            return None
+        rename = {i * self.tp + j: d * self.tp + j for i, d in enumerate(order) for j in range(self.tp)}
+        groups = tuple(TensorGroup(tuple(sorted(rename[g] for g in group.members))) for group in found.groups)
+        ids = {group.id: new.id for group, new in zip(found.groups, groups)}
+        plan = Plan(tuple(Replica(tuple(ids[i] for i in r.devices), r.bounds, r.micro_batches) for r in found.plan.replicas),
+                    iteration_ms=found.plan.iteration_ms, status=found.plan.status, solver=found.plan.solver,
+                    solve_seconds=found.plan.solve_seconds, gap=found.plan.gap)
+        return TensorPlan(groups, plan, found.search)
+
+    def tensor_iteration_ms(self, tensor_plan: TensorPlan, state: GpuState) -> float:
+        """T of a plan over TP groups on the cluster now, at the real speeds (``inf`` when a member of a
+        group it uses is lost)."""
+        problem = self.tensor_problem(state, View(speed_aware=True, tp_drop=True), shared=False)
+        alive = {d.id for d in problem.problem.devices}
+        used = tensor_plan.used_groups
+        if any(g not in alive for group in used for g in group.members):
+            return math.inf
+        devices = tuple(sorted((problem.group_device(g) for g in used), key=lambda d: d.id))
+        return evaluate(replace(problem.problem, devices=devices), tensor_plan.plan, check=False).iteration_ms
+
+    def holdings(self, plan: Plan, groups: tuple[TensorGroup, ...] | None = None) -> list[tuple[tuple[int, ...], range]]:
+        """(GPUs, layers) of every stage of a plan: its devices are TP ``groups`` (by id), or, without
+        them, group indices standing for all ``tp`` GPUs of the group."""
+        members = {g.id: g.members for g in groups} if groups is not None else None
+        out = []
+        for r in plan.replicas:
+            for j, d in enumerate(r.devices):
+                gpus = members[d] if members is not None else tuple(range(d * self.tp, (d + 1) * self.tp))
+                out.append((gpus, range(r.bounds[j], r.bounds[j + 1])))
+        return out
+
+    def gpu_migration_s(self, old: list[tuple[tuple[int, ...], range]], new: list[tuple[tuple[int, ...], range]],
+                        shared: bool) -> float:
+        """Pause to switch between plans over TP groups (:meth:`holdings`): engine rebuild plus the
+        busiest GPU's bytes over its own network link. A GPU of a new group of k holds 1/k of each of its
+        layers' state; it already has 1/k' of a layer its old group of k' held (re-cut to another
+        degree, it receives the difference; a re-cut over NVLink would be faster, the model charges
+        the network)."""
+        had: dict[int, dict[int, float]] = {}
+        for gpus, layers in old:
+            for g in gpus:
+                for layer in layers:
+                    had.setdefault(g, {})[layer] = 1.0 / len(gpus)
+        busiest = 0.0
+        for gpus, layers in new:
+            share = 1.0 / len(gpus)
+            for g in gpus:
+                mine = had.get(g, {})
+                mb = sum(self._layer_mb[layer] * max(0.0, share - mine.get(layer, 0.0)) for layer in layers)
+                busiest = max(busiest, mb)
+        hw = self.profile.hardware
+        rebuild = self.costs.rebuild_shared_s if shared else self.costs.rebuild_per_replica_s
+        return rebuild + busiest * MB / (hw.network_gbps * GB * hw.link_efficiency)
 
     def alive(self, state: GpuState, device: int) -> bool:
         """All of the device's GPUs are alive."""
@@ -113,7 +245,8 @@ class Cluster:
         conditions = DeviceConditions(speeds={d.id: d.speed for d in devices}, p2p_ms=self.profile.p2p_ms,
                                       allreduce_ms=self.allreduce_ms(state))
         rules = None if pipeline_degrees is None else PlannerConfig(pipeline_degrees=pipeline_degrees)
-        return problem_from_costs(self.profile.layers, [d.id for d in devices], self.micro_batches,
+        layers = self.gpu_layers if view.tp_drop and self.tp > 1 else self.profile.layers  # devices priced per GPU
+        return problem_from_costs(layers, [d.id for d in devices], self.micro_batches,
                                   conditions=conditions, memory_mb={d.id: d.memory_mb for d in devices},
                                   per_replica_bounds=not shared, allow_exclude=True, planner=rules)
 

@@ -23,7 +23,9 @@ pays its own detection, planning, migration or restart costs (:class:`~.costs.Co
   :func:`~resihp_lightning.solver.baseline_policies.microbatch_only`).
 * ``joint_shared`` / ``joint_per_replica``: this project: in-process recovery from fail-stops, the
   detector for fail-slow, the planner's joint plan (spares allowed) with one partition or one per
-  replica, applied when the controller's rule says it pays.
+  replica, applied when the controller's rule says it pays. With TP (``tp > 1``) the plan is over
+  GPUs: the planner also chooses which GPUs of each TP group form groups of which degree
+  (:meth:`~.cluster.Cluster.solve_tensor`: TP-drop, and any grouping ResiHP's rule can form).
 * ``oracle``: instant detection, free migration, no lost work; at each change the best layout any
   mechanism above can reach (both joint plans, ReCycle's re-routing on the healthy plan).
 """
@@ -39,6 +41,7 @@ from resihp_lightning.evaluation.replay import Layout, Phase, PlanLayout
 from resihp_lightning.evaluation.traces import GpuState
 from resihp_lightning.plan import Plan, Problem, Replica, even_split, evaluate
 from resihp_lightning.solver import baseline_policies as one_moment
+from resihp_lightning.tensor_plan import TensorGroup, TensorPlan
 
 INF = math.inf
 BLIND = View(speed_aware=False, tp_drop=False)
@@ -298,8 +301,47 @@ class ResiHPRules(_Base):
         return [Phase(detect, in_force, label="detect"), Phase(migrate, target, running=False, label="migrate"), Phase(INF, target)]
 
 
+@dataclass(frozen=True)
+class TensorLayout:
+    """A plan over TP groups the planner chose (:meth:`~.cluster.Cluster.solve_tensor`), priced per GPU.
+
+    Attributes:
+        tensor_plan: the groups and the plan over their ids.
+    """
+
+    tensor_plan: TensorPlan
+
+    @property
+    def plan(self) -> Plan:
+        return self.tensor_plan.plan
+
+    def iteration_ms(self, cluster: Cluster, state: GpuState) -> float:
+        return cluster.tensor_iteration_ms(self.tensor_plan, state)
+
+
+def healthy_tensor_layout(cluster: Cluster, plan: Plan) -> TensorLayout:
+    """A plan over whole TP groups (ids: group indices) as a plan over groups of GPUs (ids: first members)."""
+    tp = cluster.tp
+    groups = tuple(TensorGroup(tuple(range(d * tp, (d + 1) * tp))) for d in range(cluster.num_devices))
+    replicas = tuple(Replica(tuple(d * tp for d in r.devices), r.bounds, r.micro_batches) for r in plan.replicas)
+    return TensorLayout(TensorPlan(groups, Plan(replicas, status=plan.status, solver=plan.solver, gap=plan.gap)))
+
+
+def _holdings(cluster: Cluster, layout) -> list:
+    """(GPUs, layers) of every stage of a layout (:meth:`~.cluster.Cluster.holdings`)."""
+    if isinstance(layout, TensorLayout):
+        return cluster.holdings(layout.plan, layout.tensor_plan.groups)
+    return cluster.holdings(layout.plan)
+
+
+def _same_layout(a, b) -> bool:
+    groups = (lambda layout: layout.tensor_plan.groups if isinstance(layout, TensorLayout) else None)
+    return a.plan.layout_key() == b.plan.layout_key() and groups(a) == groups(b)
+
+
 class Joint(_Base):
-    """This project: detector + planner (shared or per-replica partitions) + live migration."""
+    """This project: detector + planner (shared or per-replica partitions) + live migration; with TP,
+    the planner chooses the TP groups too."""
 
     view = AWARE_TP
 
@@ -307,21 +349,39 @@ class Joint(_Base):
         self.shared = shared
         self.name = "joint_shared" if shared else "joint_per_replica"
 
+    def start(self, cluster):
+        layout = super().start(cluster)
+        return healthy_tensor_layout(cluster, layout.plan) if cluster.tp > 1 else layout
+
+    def _plan(self, cluster: Cluster, state: GpuState):
+        """The planner's layout for the cluster now (None when nothing fits)."""
+        if cluster.tp > 1:
+            found = cluster.solve_tensor(state, self.view, shared=self.shared)
+            return None if found is None else TensorLayout(found)
+        plan = cluster.solve(cluster.devices(state, self.view), state, self.view, shared=self.shared)
+        return None if plan is None else PlanLayout(plan, self.view)
+
+    def _migration_s(self, cluster: Cluster, old, new) -> float:
+        if isinstance(new, TensorLayout):
+            shared = new.plan.shared_bounds and old.plan.shared_bounds
+            return cluster.gpu_migration_s(_holdings(cluster, old), _holdings(cluster, new), shared)
+        return cluster.migration_s(old.plan, new.plan)
+
     def react(self, cluster, t, state, in_force):
         costs = cluster.costs
         ms = in_force.iteration_ms(cluster, state)
-        new = cluster.solve(cluster.devices(state, self.view), state, self.view, shared=self.shared)
+        target = self._plan(cluster, state)
         detect = _detect_s(costs, self.last_state, state, ms, cluster)
         self.last_state = state
-        if new is None:
+        if target is None:
             return _keep(in_force) if math.isfinite(ms) else self._restart(cluster, state)
-        target = PlanLayout(new, self.view)
-        migrate = cluster.migration_s(in_force.plan, new)
+        new = target.plan
+        migrate = self._migration_s(cluster, in_force, target)
         if not math.isfinite(ms):  # in-process recovery: the survivors plan and restore at once
             pause = costs.stop_detect_s + costs.regroup(cluster.trace.gpus) + cluster.planning_s(new) + migrate
             return [Phase(pause, target, running=False, label="recover", lose_partial=True), Phase(INF, target)]
         new_ms = target.iteration_ms(cluster, state)
-        if new.layout_key() == in_force.plan.layout_key() or not _pays(costs, ms, new_ms, migrate):
+        if _same_layout(target, in_force) or not _pays(costs, ms, new_ms, migrate):
             return _keep(in_force)
         # Training goes on while the detector confirms and the planner solves in the background.
         wait = detect + cluster.planning_s(new)
@@ -340,11 +400,10 @@ class Oracle(_Base):
 
     def react(self, cluster, t, state, in_force):
         candidates: list[Layout] = [*self.recycle, in_force]
-        devices = cluster.devices(state, self.view)
         for shared in (True, False):
-            plan = cluster.solve(devices, state, self.view, shared=shared)
-            if plan is not None:
-                candidates.append(PlanLayout(plan, self.view))
+            planned = Joint(shared)._plan(cluster, state)
+            if planned is not None:
+                candidates.append(planned)
         best = min(candidates, key=lambda c: c.iteration_ms(cluster, state))
         return _keep(best)
 

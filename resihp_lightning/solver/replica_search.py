@@ -346,7 +346,7 @@ def max_micro_batches_mixed(
     """The most micro-batches one replica of ``composition`` runs within ``limit`` ms: its best order and bounds.
 
     Exact, like :func:`max_micro_batches` over every arrangement of the composition, but by one
-    dynamic programme over all arrangements (:class:`_MixedReplica`). For a target m the question
+    dynamic programme over all arrangements (``_MixedReplica``). For a target m the question
     "is there an order and bounds with ``S + (m - 1) X <= limit`` and memory for m in flight?" is
     answered by a fixed point: every such plan has ``X <= x = (limit - S_least) / (m - 1)``, so
     ``S >= least_sum(m, x)``, which lowers x again; when S stops rising the plan found at x is a

@@ -18,7 +18,7 @@ proven, in these steps:
    least :func:`~resihp_lightning.solver.bounds.shape_lower_bound` over the shapes it allows, a
    shape needing at least as many stages as the model takes on the largest device's memory.
 3. **Incumbent.** ResiHP's rule and the fixed degree at the largest healthy degree are solved
-   first (:func:`_seeds`: few large groups, quick to plan and usually close to the best).
+   first (``_seeds``: few large groups, quick to plan and usually close to the best).
 4. **Relaxations** (with ``allow_exclude``). For each t', a fleet that every grouping of that t'
    fits into device by device (the healthy groups and, per affected domain, the :func:`envelope`
    of its groupings) is asked once whether any plan on it beats the incumbent
@@ -62,7 +62,13 @@ from resihp_lightning.tensor_plan import (
     resihp_rule_groups,
 )
 
-#: Work units (about 5 us each) of a relaxation's probe (:meth:`_Search.closes`): a probe that cannot close
+#: With ``solver="exact"``, how many groupings the first pass solves, and how many it left open get a
+#: full solve, per second of ``time_limit_s`` (a deterministic stand-in for the MILP's shared wall time;
+#: a first-pass solve takes about 0.01-0.2 s at 256 GPUs).
+EXACT_FIRST_PER_S = 100
+EXACT_RETRIES_PER_S = 4
+
+#: Work units (about 5 us each) of a relaxation's probe (``_Search.closes``): a probe that cannot close
 #: its groupings this fast leaves them to be solved one by one.
 PROBE_BUDGET = 20_000
 
@@ -476,7 +482,7 @@ def solve_tensor(problem: TensorProblem, config: PlannerConfig | None = None) ->
     """The best plan over every grouping of the space, proven (module docstring).
 
     1. Every grouping (:func:`combinations`) gets its :class:`GroupingBound`; the seeds
-       (:func:`_seeds`) are solved first: the incumbent.
+       (``_seeds``) are solved first: the incumbent.
     2. With ``allow_exclude`` and affected domains, each healthy degree's groupings are first
        tried all at once through a *relaxation*: the healthy groups plus, per affected domain, the
        :func:`envelope` of its groupings, a fleet every grouping of that degree fits into device by
@@ -491,10 +497,13 @@ def solve_tensor(problem: TensorProblem, config: PlannerConfig | None = None) ->
     Args:
         problem: GPUs, domains and TP costs.
         config: the planner's options for every solve (default ``PlannerConfig()``); its model
-            options are written over ``problem.problem`` first. With a MILP backend its
-            ``time_limit_s`` is wall time for the whole search (each solve gets what is left; a
-            grouping reached after it counts as unproven, with its bound); with ``"exact"`` it is
-            each solve's deterministic work budget, as in :func:`resihp_lightning.solver.solve`.
+            options are written over ``problem.problem`` first. Every grouping is first solved by
+            the exact search with a warm start's budgets; with a MILP backend ``time_limit_s`` is
+            then wall time for the groupings left open (each solve gets what is left; one reached
+            after it counts as unproven, with its bound); with ``"exact"`` (deterministic) the first
+            pass solves at most ``time_limit_s x`` :data:`EXACT_FIRST_PER_S` groupings and at most
+            ``time_limit_s x`` :data:`EXACT_RETRIES_PER_S` of those left open get a full solve of the
+            config's budgets.
 
     Returns:
         The groups and the plan over them; ``status`` ``"optimal"`` when every grouping was solved
@@ -513,17 +522,27 @@ def solve_tensor(problem: TensorProblem, config: PlannerConfig | None = None) ->
     closed_degrees: set[int | None] | None = None
     deadline = start + config.time_limit_s
 
-    # A MILP backend's limit is wall time for the whole search; the groupings are first solved by the
-    # exact search alone (work budgets of a warm start: quick, deterministic), and only those it
-    # leaves open get the MILP, best bound first, with the time that is left.
+    # Every grouping is first solved by the exact search alone, with a warm start's work budgets and
+    # no bisected bounds (quick, deterministic). Those it leaves open are solved again with the config,
+    # best bound first: with a MILP backend in the wall time left of ``time_limit_s`` (which also
+    # stops the first pass once there is an incumbent), with "exact" (deterministic) at most
+    # ``time_limit_s * EXACT_RETRIES_PER_S`` of them after at most ``time_limit_s * EXACT_FIRST_PER_S``
+    # first-pass solves.
     milp = config.solver != "exact"
-    first_config = None if milp else config
+    retries = math.ceil(config.time_limit_s * EXACT_RETRIES_PER_S)  # exact: full solves of the open groupings
+    first_solves = math.ceil(config.time_limit_s * EXACT_FIRST_PER_S)  # exact: first-pass solves
     solved: set[tuple] = set()
     pending: list[tuple[float, tuple, tuple[TensorGroup, ...]]] = []
 
     def settle(groups: tuple[TensorGroup, ...], key: tuple, bound: float) -> None:
+        nonlocal first_solves
         solved.add(key)
-        left_open = search.solve_leaf(groups, bound, first_config)
+        spent = time.perf_counter() >= deadline if milp else first_solves <= 0
+        if spent and search.best_plan is not None:
+            pending.append((bound, key, groups))  # out of time (or work): only its bound is known
+            return
+        first_solves -= 1
+        left_open = search.solve_leaf(groups, bound, None)
         if left_open is not None:
             pending.append((left_open, key, groups))
 
@@ -546,8 +565,9 @@ def solve_tensor(problem: TensorProblem, config: PlannerConfig | None = None) ->
         if bound >= search.best_value * (1 - 1e-12) or not search.bounder.can_beat(key, search.best_value):
             continue  # the incumbent found since settles it
         left = deadline - time.perf_counter()
-        if milp and left > 0:
-            bound = search.solve_leaf(groups, bound, dataclasses.replace(config, time_limit_s=left))
+        if (milp and left > 0) or (not milp and retries > 0):
+            retries -= 1
+            bound = search.solve_leaf(groups, bound, dataclasses.replace(config, time_limit_s=left) if milp else config)
             if bound is None:
                 continue
         search.unproven += 1

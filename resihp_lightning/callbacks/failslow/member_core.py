@@ -46,10 +46,12 @@ class MemberCore:
         threshold: a member is slow when its own compute is at least this many times its group's other
             members' median (> 1).
         patience: consecutive steps the condition must hold to flag, or to clear, a member (>= 1).
+        warmup_steps: steps before this one are not judged (the first steps carry one-time costs).
     """
 
-    threshold: float = 1.5
+    threshold: float = 2.0
     patience: int = 3
+    warmup_steps: int = 0
     #: Flagged members: process id -> speed (the other members' median / its own compute).
     flagged: dict[int, float] = field(default_factory=dict)
     _streaks: dict[int, list[float]] = field(default_factory=dict)
@@ -59,12 +61,15 @@ class MemberCore:
             raise invalid_option("member_threshold", self.threshold, "a number > 1")
         if not isinstance(self.patience, int) or isinstance(self.patience, bool) or self.patience < 1:
             raise invalid_option("member_patience", self.patience, "an integer >= 1")
+        if not isinstance(self.warmup_steps, int) or isinstance(self.warmup_steps, bool) or self.warmup_steps < 0:
+            raise invalid_option("warmup_steps", self.warmup_steps, "an integer >= 0")
 
     def update(self, samples: Iterable[MemberSample]) -> list[dict[str, Any]]:
         """Folds one step's samples (every member of every group) in; returns the events it caused."""
         by_group: dict[int, list[MemberSample]] = {}
         for sample in samples:
-            by_group.setdefault(sample.group, []).append(sample)
+            if sample.step >= self.warmup_steps:
+                by_group.setdefault(sample.group, []).append(sample)
         events = []
         clear = (1.0 + self.threshold) / 2.0
         for group in sorted(by_group):

@@ -118,7 +118,7 @@ class StragglerConfig:
         member_threshold: under tensor parallelism, a group member is named slow when its own compute
             (busy time minus its wait in the group's all-reduces) is at least this many times its group's
             other members' median (> 1; :mod:`.member_core`).
-        member_patience: consecutive steps before a member's flag changes (>= 1).
+        member_patience: consecutive steps (after ``warmup_steps``) before a member's flag changes (>= 1).
     """
 
     report_time_interval: float | None = None
@@ -145,7 +145,7 @@ class StragglerConfig:
     link_patience: int = 2
     link_window: int = 3
     link_min_extra_ms: float = 0.5
-    member_threshold: float = 1.5
+    member_threshold: float = 2.0
     member_patience: int = 3
 
     def __post_init__(self) -> None:

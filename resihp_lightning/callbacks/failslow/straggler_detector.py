@@ -82,7 +82,7 @@ class StragglerDetector(Callback):
         self.links = LinkCore(cfg.link_slow_threshold, cfg.link_recovery_threshold, cfg.link_patience, cfg.link_window,
                               cfg.link_min_extra_ms)
         self._probe_links = False
-        self.members = MemberCore(cfg.member_threshold, cfg.member_patience)
+        self.members = MemberCore(cfg.member_threshold, cfg.member_patience, cfg.warmup_steps)
         self._pending_members: list[MemberSample] = []
         self.detections: list[dict[str, Any]] = []
         self.rank = 0

@@ -34,9 +34,11 @@ def test_a_member_three_times_slower_is_named_after_patience_steps_and_cleared_w
 
 
 def test_noise_below_the_threshold_and_a_lone_member_flag_nobody():
-    core = MemberCore(threshold=1.5, patience=2)
+    core = MemberCore(threshold=1.5, patience=2, warmup_steps=3)
+    for step in range(3):  # the warm-up is not judged, however slow a member looks
+        assert core.update(_step(step, {0: 900.0, 1: 100.0, 2: 100.0}, GROUPS)) == []
     rng = random.Random(1)
-    for step in range(50):
+    for step in range(3, 50):
         own = {p: 100.0 * rng.uniform(0.8, 1.2) for p in GROUPS}
         own[6] = 500.0  # alone in group 2: nobody to compare with
         assert core.update(_step(step, own, {**GROUPS, 6: 2})) == []
@@ -57,3 +59,5 @@ def test_an_interrupted_streak_starts_again_and_the_state_round_trips():
 def test_bad_options_are_refused_by_name(threshold, patience):
     with pytest.raises(ConfigError, match="member_"):
         MemberCore(threshold=threshold, patience=patience)
+    with pytest.raises(ConfigError, match="warmup_steps"):
+        MemberCore(warmup_steps=-1)

@@ -458,8 +458,8 @@ class _Search:
                 plan = solve(problem, config, cutoff=cutoff)
         except NoBetterPlan as nothing:
             return None if nothing.proven else max(bound, nothing.bound_ms)
-        except InfeasibleError:
-            return None
+        except InfeasibleError as error:
+            return None if getattr(error, "proven", True) else bound  # only the heuristic ran: not a proof
         if plan.iteration_ms < self.best_value:
             self.best_plan, self.best_groups, self.best_value = plan, groups, plan.iteration_ms
         if plan.status == "optimal":

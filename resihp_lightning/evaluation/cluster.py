@@ -56,10 +56,13 @@ class Cluster:
         costs: reaction costs.
         planner: the solver's options (default: the exact search, 1 s work budget: deterministic).
         speed_quantum: speeds are rounded to multiples of this.
+        uneven_tp: TP groups of any degree up to ``tp`` (a runtime that splits heads unevenly, as
+            ResiHP's executor does for 4 -> 3); by default only the degrees the model splits into
+            evenly (:func:`~resihp_lightning.evaluation.profiles.tensor_cost`).
     """
 
     def __init__(self, trace: Trace, profile: ModelProfile, costs: CostModel | None = None,
-                 planner: PlannerConfig | None = None, speed_quantum: float = 0.05) -> None:
+                 planner: PlannerConfig | None = None, speed_quantum: float = 0.05, uneven_tp: bool = False) -> None:
         tp = profile.workload.tp
         if trace.gpus % tp:
             raise InfeasibleError(f"the trace's {trace.gpus} GPUs do not split into TP groups of {tp}")
@@ -81,7 +84,7 @@ class Cluster:
             # The per-GPU TP model: one-GPU layers, the degrees the model splits into (up to tp).
             one_gpu = replace(profile.workload, tp=1)
             self.gpu_layers = build_profile(profile.model, one_gpu, profile.hardware, profile.reference_stages * tp).layers
-            self.tensor_cost = tensor_cost(profile.model, one_gpu, profile.hardware, max_degree=tp)
+            self.tensor_cost = tensor_cost(profile.model, one_gpu, profile.hardware, max_degree=tp, uneven=uneven_tp)
 
     # --------------------------------------------------------------------------------- devices
     def devices(self, state: GpuState, view: View, exclude: frozenset[int] = frozenset()) -> tuple[Device, ...]:

@@ -228,10 +228,11 @@ def tp_allreduce_ms(model: ModelSpec, workload: WorkloadSpec, hardware: Hardware
 
 
 def tensor_cost(model: ModelSpec | str, workload: WorkloadSpec | None = None, hardware: HardwareSpec | None = None,
-                max_degree: int = 8) -> TensorCost:
+                max_degree: int = 8, uneven: bool = False) -> TensorCost:
     """The TP degrees a model splits into evenly and their all-reduce fractions, for the per-GPU planning model.
 
-    Degrees divide the heads, the key/value heads and the vocabulary (:func:`~resihp_lightning.tensor_plan.even_split_degrees`).
+    Degrees divide the heads, the key/value heads and the vocabulary (:func:`~resihp_lightning.tensor_plan.even_split_degrees`),
+    or, with ``uneven``, are every degree up to ``max_degree`` (a runtime that splits unevenly).
     f_k is the decoder layer's TP all-reduce time in a group of k (:func:`tp_allreduce_ms`) over its
     compute on one GPU (:func:`layer_compute_ms`): the ratio is the same for every decoder layer,
     and the embedding and head (no recomputation, vocabulary-split loss) are priced at it too.
@@ -239,7 +240,8 @@ def tensor_cost(model: ModelSpec | str, workload: WorkloadSpec | None = None, ha
     model = MODELS[model] if isinstance(model, str) else model
     workload = workload or WorkloadSpec()
     hardware = hardware or HardwareSpec()
-    degrees = even_split_degrees(model.heads, model.kv_heads, model.vocab, max_degree=max_degree)
+    degrees = (tuple(range(1, max_degree + 1)) if uneven
+               else even_split_degrees(model.heads, model.kv_heads, model.vocab, max_degree=max_degree))
     compute = layer_compute_ms(model, workload, hardware)
     return TensorCost(degrees, {k: tp_allreduce_ms(model, workload, hardware, k) / compute for k in degrees if k > 1})
 

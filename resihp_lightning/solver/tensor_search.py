@@ -62,12 +62,12 @@ from resihp_lightning.tensor_plan import (
     resihp_rule_groups,
 )
 
-#: With ``solver="exact"``, how many groupings the first pass solves per second of ``time_limit_s`` (a
-#: deterministic stand-in for the MILP's shared wall time; a first-pass solve takes about 0.01-0.2 s at
-#: 256 GPUs).
+#: With ``solver="exact"``, how many groupings the first pass solves per second of ``time_limit_s``
+#: (a deterministic stand-in for the MILP's shared wall time; a first-pass solve takes about
+#: 0.01-0.2 s at 256 GPUs).
 EXACT_FIRST_PER_S = 100
-#: With ``solver="exact"``, how many of the groupings the first pass left open get a full solve, per second
-#: of ``time_limit_s``.
+#: With ``solver="exact"``, how many of the groupings the first pass left open get a full solve, per
+#: second of ``time_limit_s``.
 EXACT_RETRIES_PER_S = 4
 
 #: Work units (about 5 us each) of a relaxation's probe (``_Search.closes``): a probe that cannot close
@@ -458,8 +458,8 @@ class _Search:
                 plan = solve(problem, config, cutoff=cutoff)
         except NoBetterPlan as nothing:
             return None if nothing.proven else max(bound, nothing.bound_ms)
-        except InfeasibleError:
-            return None
+        except InfeasibleError as error:
+            return None if getattr(error, "proven", True) else bound  # only the heuristic ran: not a proof
         if plan.iteration_ms < self.best_value:
             self.best_plan, self.best_groups, self.best_value = plan, groups, plan.iteration_ms
         if plan.status == "optimal":

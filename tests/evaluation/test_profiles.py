@@ -85,3 +85,14 @@ def test_tensor_cost_matches_the_tp_group_profile():
         tp_k = build_profile("llama2-70b", WorkloadSpec(seq_len=8192, tp=k)).layers[1].compute_ms
         assert one_gpu / group.speed == pytest.approx(tp_k, rel=1e-12)
     assert tensor_cost("qwen2.5-7b").degrees == (1, 2, 4)  # 28 heads, 4 key/value heads
+
+
+def test_tensor_cost_with_uneven_splits_allows_every_degree():
+    from resihp_lightning.evaluation.profiles import tensor_cost, tp_allreduce_ms, layer_compute_ms
+
+    workload = WorkloadSpec(seq_len=8192)
+    cost = tensor_cost("llama2-70b", workload, max_degree=4, uneven=True)
+    assert cost.degrees == (1, 2, 3, 4)
+    model = MODELS["llama2-70b"]
+    expected = tp_allreduce_ms(model, workload, HardwareSpec(), 3) / layer_compute_ms(model, workload, HardwareSpec())
+    assert cost.comm_fraction[3] == pytest.approx(expected)

@@ -33,7 +33,6 @@ from resihp_lightning.solver.tensor_search import (
 )
 from resihp_lightning.tensor_plan import (
     TensorCost,
-    TensorGroup,
     TensorPlan,
     TensorProblem,
     device_key,

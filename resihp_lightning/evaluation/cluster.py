@@ -117,7 +117,7 @@ class Cluster:
         <resihp_lightning.tensor_plan.TensorProblem.group_device>`).
         """
         problem = self.tensor_problem(state, view)
-        kept = {problem.domain_of(g.id): g for g in resihp_rule_groups(problem, self.tp)}
+        kept = self.rule_groups(state, view)
         out = []
         for d in range(self.num_devices):
             if d in exclude or d not in kept:
@@ -211,25 +211,36 @@ class Cluster:
     def gpu_migration_s(self, old: list[tuple[tuple[int, ...], range]], new: list[tuple[tuple[int, ...], range]],
                         shared: bool) -> float:
         """Pause to switch between plans over TP groups (:meth:`holdings`): engine rebuild plus the
-        busiest GPU's bytes over its own network link. A GPU of a new group of k holds 1/k of each of its
-        layers' state; it already has 1/k' of a layer its old group of k' held (re-cut to another
-        degree, it receives the difference; a re-cut over NVLink would be faster, the model charges
-        the network)."""
+        busiest GPU's receiving time.
+
+        A GPU of a new group of k holds 1/k of each of its layers' state. When its old group (of k')
+        held the layer, it has 1/k' already and the rest of its share comes from that group's GPUs,
+        in its own TP domain, over NVLink (a re-cut to another degree); otherwise the whole share
+        comes over its own network link.
+        """
         had: dict[int, dict[int, float]] = {}
         for gpus, layers in old:
             for g in gpus:
                 for layer in layers:
                     had.setdefault(g, {})[layer] = 1.0 / len(gpus)
+        hw = self.profile.hardware
+        nvlink = hw.nvlink_gbps * GB * hw.link_efficiency
+        network = hw.network_gbps * GB * hw.link_efficiency
         busiest = 0.0
         for gpus, layers in new:
             share = 1.0 / len(gpus)
             for g in gpus:
                 mine = had.get(g, {})
-                mb = sum(self._layer_mb[layer] * max(0.0, share - mine.get(layer, 0.0)) for layer in layers)
-                busiest = max(busiest, mb)
-        hw = self.profile.hardware
+                local = sum(self._layer_mb[layer] * max(0.0, share - mine[layer]) for layer in layers if layer in mine)
+                remote = sum(self._layer_mb[layer] * share for layer in layers if layer not in mine)
+                busiest = max(busiest, local * MB / nvlink + remote * MB / network)
         rebuild = self.costs.rebuild_shared_s if shared else self.costs.rebuild_per_replica_s
-        return rebuild + busiest * MB / (hw.network_gbps * GB * hw.link_efficiency)
+        return rebuild + busiest
+
+    def rule_groups(self, state: GpuState, view: View) -> dict[int, TensorGroup]:
+        """The group ResiHP's rule keeps in each TP group (by group index), as :meth:`devices` prices them."""
+        problem = self.tensor_problem(state, view)
+        return {problem.domain_of(g.id): g for g in resihp_rule_groups(problem, self.tp)}
 
     def alive(self, state: GpuState, device: int) -> bool:
         """All of the device's GPUs are alive."""

@@ -290,7 +290,14 @@ class ResiHPRules(_Base):
                 pass
         new_ms = evaluate(problem, candidate, check=False).iteration_ms
         target = PlanLayout(candidate, self.view)
-        migrate = cluster.migration_s(plan, candidate)
+        if cluster.tp > 1:  # the members each TP group keeps, before and now: re-cuts and moves per GPU
+            before, now = cluster.rule_groups(self.last_state, self.view), cluster.rule_groups(state, self.view)
+            old_groups = tuple(before[d] if d in before else TensorGroup(tuple(range(d * cluster.tp, (d + 1) * cluster.tp)))
+                               for d in plan.device_ids)
+            migrate = cluster.gpu_migration_s(_by_index(cluster, plan, old_groups), _by_index(cluster, candidate, tuple(
+                now[d] for d in candidate.device_ids)), candidate.shared_bounds and plan.shared_bounds)
+        else:
+            migrate = cluster.migration_s(plan, candidate)
         detect = _detect_s(costs, self.last_state, state, ms, cluster)
         self.last_state = state
         if lost:
@@ -332,6 +339,12 @@ def _holdings(cluster: Cluster, layout) -> list:
     if isinstance(layout, TensorLayout):
         return cluster.holdings(layout.plan, layout.tensor_plan.groups)
     return cluster.holdings(layout.plan)
+
+
+def _by_index(cluster: Cluster, plan: Plan, groups: tuple[TensorGroup, ...]) -> list:
+    """(GPUs, layers) of a plan over TP group indices whose devices are these groups, in plan order."""
+    members = dict(zip(plan.device_ids, (g.members for g in groups)))
+    return [(members[d], range(r.bounds[j], r.bounds[j + 1])) for r in plan.replicas for j, d in enumerate(r.devices)]
 
 
 def _same_layout(a, b) -> bool:

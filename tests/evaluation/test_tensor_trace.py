@@ -105,3 +105,19 @@ def test_a_tp_job_drops_a_dead_member_in_process_and_takes_it_back():
     assert result.counts.get("migrate", 0) >= 1  # the repaired GPU rejoins
     oracle = replay(cluster, make_policy("oracle"))
     assert result.tokens <= oracle.tokens * (1 + 1e-9)
+
+
+def test_a_re_cut_moves_its_missing_shares_over_nvlink_and_new_layers_over_the_network():
+    cluster = _cluster()
+    hw = cluster.profile.hardware
+    mb = cluster._layer_mb
+    layers = range(3, 7)
+    old = [((0, 1, 2, 3), layers)]
+    rebuild = cluster.costs.rebuild_per_replica_s
+    # 4 -> 2 on the same layers: each kept GPU had a quarter and needs a half, from its old group.
+    recut = cluster.gpu_migration_s(old, [((0, 1), layers)], shared=False) - rebuild
+    assert recut == pytest.approx(sum(mb[l] for l in layers) / 4 * 1e6 / (hw.nvlink_gbps * 1e9 * hw.link_efficiency))
+    # The same pair taking layers no GPU of it held: half of each over its own NIC.
+    moved = cluster.gpu_migration_s(old, [((0, 1), range(7, 11))], shared=False) - rebuild
+    assert moved == pytest.approx(sum(mb[l] for l in range(7, 11)) / 2 * 1e6 / (hw.network_gbps * 1e9 * hw.link_efficiency))
+    assert cluster.gpu_migration_s(old, old, shared=True) == cluster.costs.rebuild_shared_s  # nothing moves

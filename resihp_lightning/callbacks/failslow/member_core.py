@@ -8,7 +8,8 @@ and the slow one arrives last. A member whose own compute stays at ``threshold``
 its group's other members or more for ``patience`` steps is flagged, at speed ``1 / ratio``; it is
 cleared when its ratio stays below the midpoint ``(1 + threshold) / 2`` as long. A member that is in no
 group of two or more any more (its group was split or dropped it) keeps its flag: as a device of its
-own, the per-device detector follows it from then on.
+own, the per-device detector follows it from then on (it starts that device flagged at the member's
+speed) and clears the member's flag when the device heals (:meth:`MemberCore.clear`).
 """
 
 from __future__ import annotations
@@ -30,12 +31,16 @@ class MemberSample:
         process: the process's id for the job's lifetime (its global rank at the start).
         group: its group's id (the planning device it is part of).
         own_ms: its busy compute time minus its time in the group's all-reduces.
+        rank: its rank in the job's current groups (``-1``: not told).
+        wait_ms: its time in the group's all-reduces (the rest of its busy time).
     """
 
     step: int
     process: int
     group: int
     own_ms: float
+    rank: int = -1
+    wait_ms: float = 0.0
 
 
 @dataclass
@@ -54,6 +59,8 @@ class MemberCore:
     warmup_steps: int = 0
     #: Flagged members: process id -> speed (the other members' median / its own compute).
     flagged: dict[int, float] = field(default_factory=dict)
+    #: Bumps whenever a member is flagged or cleared.
+    version: int = 0
     _streaks: dict[int, list[float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -102,11 +109,23 @@ class MemberCore:
                     events.append({"event": "fail_slow_member_detected", "step": sample.step, "rank": sample.process,
                                    "group": group, "speed": speed})
                 streak.clear()
+        if events:
+            self.version += 1
         return events
 
+    def clear(self, process: int) -> bool:
+        """Drops a member's flag without an event of its own (the device it became healed); whether it had one."""
+        self._streaks.pop(process, None)
+        if self.flagged.pop(process, None) is None:
+            return False
+        self.version += 1
+        return True
+
     def state_dict(self) -> dict[str, Any]:
-        return {"flagged": dict(self.flagged), "streaks": {p: list(s) for p, s in self._streaks.items()}}
+        return {"flagged": dict(self.flagged), "streaks": {p: list(s) for p, s in self._streaks.items()},
+                "version": self.version}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.flagged = {int(p): float(s) for p, s in state.get("flagged", {}).items()}
         self._streaks = {int(p): [float(r) for r in s] for p, s in state.get("streaks", {}).items()}
+        self.version = int(state.get("version", 0))

@@ -335,6 +335,16 @@ class StragglerCore:
         """Drops a rank (it left the job)."""
         self._states.pop(rank, None)
 
+    def reseat(self, rank: int, speed: float | None = None) -> None:
+        """Device id ``rank`` now names other hardware (a tensor-parallel group formed anew): its history is
+        dropped; with ``speed`` it starts flagged at that speed (it holds a member known to be slow), so its
+        next model fit is anchored there and its healing is reported like any flagged device's."""
+        state = _RankState(history=deque(maxlen=self._history_len()))
+        if speed is not None:
+            state.flagged, state.speed, state.anchor = True, float(speed), float(speed)
+        self._states[rank] = state
+        self.version += 1
+
     # ---------------------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:
         """Every rank's speed estimate, flag, streaks and recent step speeds, as plain data."""

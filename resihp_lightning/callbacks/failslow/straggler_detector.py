@@ -84,6 +84,13 @@ class StragglerDetector(Callback):
         self._probe_links = False
         self.members = MemberCore(cfg.member_threshold, cfg.member_patience, cfg.warmup_steps)
         self._pending_members: list[MemberSample] = []
+        self._tensor_job = False  # the job has tensor-parallel groups (set at setup)
+        #: Under tensor parallelism: the members of every group (process ids by device id) and the processes'
+        #: ranks, as the last folded step saw them; the same on every rank.
+        self._layout: dict[int, tuple[int, ...]] = {}
+        self._ranks: dict[int, int] = {}
+        self.last_members: list[MemberSample] = []
+        self._reported_device: int | None = None  # the device this process reports for (None: it reports none)
         self.detections: list[dict[str, Any]] = []
         self.rank = 0
         self._pending: list[RankSummary] = []
@@ -102,6 +109,17 @@ class StragglerDetector(Callback):
         """Under tensor parallelism: the speed of each process named as its group's slow member, by process
         id (its global rank at the start); the same on every rank."""
         return dict(self.members.flagged)
+
+    @property
+    def tensor_groups(self) -> dict[int, tuple[int, ...]]:
+        """Under tensor parallelism: each device's (group's) members as current ranks, in member order, as the
+        last folded step saw them (empty before); the same on every rank."""
+        return {device: tuple(sorted(self._ranks[p] for p in members)) for device, members in self._layout.items()}
+
+    @property
+    def process_ids(self) -> dict[int, int]:
+        """Under tensor parallelism: each current rank's process id (its rank at the start), as last seen."""
+        return {rank: process for process, rank in self._ranks.items()}
 
     @property
     def flagged(self) -> list[int]:
@@ -126,7 +144,7 @@ class StragglerDetector(Callback):
     @property
     def version(self) -> int:
         """Bumps whenever a flag or reported speed (of a device or a link) changes (same on every rank)."""
-        return self.core.version + self.links.version
+        return self.core.version + self.links.version + self.members.version
 
     # ---------------------------------------------------------------------------- callbacks
     @override
@@ -137,7 +155,8 @@ class StragglerDetector(Callback):
         self.rank = trainer.global_rank
         # Under tensor parallelism a probe's pairs would mix a group's own members with other groups'.
         probing = self.config.link_probe_interval_steps > 0 and provides(trainer.strategy, LinkProber)
-        self._probe_links = probing and tensor_degree_of(trainer.strategy) == 1
+        self._tensor_job = tensor_degree_of(trainer.strategy) > 1
+        self._probe_links = probing and not self._tensor_job
         if probing and not self._probe_links:
             user_info("StragglerDetector: links are not probed under tensor parallelism (slow links are not detected)")
         if self.events is None:
@@ -157,12 +176,15 @@ class StragglerDetector(Callback):
             return  # no new step
         self._last_step = stats.step
         summary = self.tracker.summarize(stats)
+        self._reported_device = None
         if reports_device(strategy):  # one summary per device: a tensor-parallel group's first member
             self._pending.append(summary)
-        if tensor_degree_of(strategy) > 1:  # every member: its own compute, to name a slow one
+            self._reported_device = stats.rank
+        if self._tensor_job:  # every member: its own compute, to name a slow one
             own = sum(mb.compute_ms for mb in stats.micro_batches) - stats.tensor_wait_ms
             process = getattr(strategy, "process_id", trainer.global_rank)
-            self._pending_members.append(MemberSample(stats.step, process, stats.rank, own))
+            self._pending_members.append(MemberSample(stats.step, process, stats.rank, own, trainer.global_rank,
+                                                      stats.tensor_wait_ms))
         if self._next_report is None:
             self._next_report = stats.step
         if stats.step >= self._next_report:
@@ -201,11 +223,14 @@ class StragglerDetector(Callback):
                 by_step.setdefault(summary.step, []).append(summary)
             for sample in members or []:
                 members_by_step.setdefault(sample.step, []).append(sample)
-        for at in sorted(members_by_step):
-            for event in self.members.update(members_by_step[at]):
-                self._note_member(event)
         step_ms = []
-        for at in sorted(by_step):
+        for at in sorted(set(by_step) | set(members_by_step)):
+            if at in members_by_step:
+                self._follow_groups(members_by_step[at])
+                for event in self.members.update(members_by_step[at]):
+                    self._note_member(event)
+            if at not in by_step:
+                continue
             for event in self.core.update(by_step[at]):
                 self.detections.append(event)
                 fields_ = {k: v for k, v in event.items() if k not in ("event", "step")}
@@ -216,11 +241,53 @@ class StragglerDetector(Callback):
                         trainer.should_stop = True
                 else:
                     user_info(f"straggler: rank {event['rank']} recovered (step {event['step']})")
+                    self._clear_lone_member(event)
             step_ms.extend(s.step_ms for s in by_step[at] if s.step_ms > 0)
         self._schedule(step, step_ms)
         self._log_scores(trainer, step)
 
+    def _follow_groups(self, samples: list[MemberSample]) -> None:
+        """Under tensor parallelism: when a step shows a device id naming other members than before (a
+        re-split or a recovery formed new groups), the device is new hardware to the per-device core
+        (:meth:`~.straggler_core.StragglerCore.reseat`). A group of one flagged member (a member dropped from
+        its group) starts flagged at the member's speed, so its next model is anchored there and its healing
+        is seen; any other group starts healthy (a named member's slowness is the member core's to follow).
+        The first step seen only records the groups (a resumed job keeps its flags)."""
+        layout: dict[int, list[int]] = {}
+        for sample in samples:
+            layout.setdefault(sample.group, []).append(sample.process)
+        groups = {device: tuple(sorted(members)) for device, members in layout.items()}
+        if self._layout and groups != self._layout:
+            for device in set(self._layout) - set(groups):
+                self.core.forget(device)
+            for device, members in groups.items():
+                if self._layout.get(device) != members:
+                    lone = len(members) == 1 and members[0] in self.members.flagged
+                    self._reseat(device, self.members.flagged[members[0]] if lone else None)
+        self._layout = groups
+        self._ranks = {sample.process: sample.rank for sample in samples}
+        self.last_members = list(samples)
+
+    def _reseat(self, device: int, speed: float | None = None) -> None:
+        """A device is new hardware to the core (same on every rank); the process that reports it fits a new
+        workload model (its old one describes the device as it was)."""
+        self.core.reseat(device, speed)
+        if device == self._reported_device:
+            self.tracker.fit.reset(self.tracker.fit.layers)
+
+    def _clear_lone_member(self, event: dict[str, Any]) -> None:
+        """A device that is one flagged member healed: the member's flag goes with it."""
+        members = self._layout.get(event["rank"], ())
+        if len(members) == 1 and self.members.clear(members[0]):
+            self._note_member({"event": "fail_slow_member_recovered", "step": event["step"], "rank": members[0],
+                               "group": event["rank"]})
+
     def _note_member(self, event: dict[str, Any]) -> None:
+        if event["event"] == "fail_slow_member_recovered":
+            # The group's slowness was the member's: the group is a healthy device again, measured afresh.
+            group = next((d for d, members in self._layout.items() if event["rank"] in members), None)
+            if group is not None and len(self._layout[group]) > 1:
+                self._reseat(group)
         self.detections.append(event)
         self.events.log(event["event"], event["step"], **{k: v for k, v in event.items() if k not in ("event", "step")})
         if event["event"] == "fail_slow_member_detected":
@@ -280,12 +347,14 @@ class StragglerDetector(Callback):
         import torch.distributed as dist
 
         mine = {"core": self.core.state_dict(), "links": self.links.state_dict(), "members": self.members.state_dict(),
-                "last_step": self._last_step, "next_report": self._next_report, "interval": self._interval}
+                "last_step": self._last_step, "next_report": self._next_report, "interval": self._interval,
+                "layout": self._layout}
         state = broadcast_from_zero(mine if dist.get_rank() == 0 else None)
         self.core.load_state_dict(state["core"])
         self.links.load_state_dict(state["links"])
         self.members.load_state_dict(state["members"])
         self._last_step, self._next_report, self._interval = state["last_step"], state["next_report"], state["interval"]
+        self._layout = state["layout"]
         self._pending, self._pending_members = [], []
 
     def _log_scores(self, trainer: Any, step: int) -> None:

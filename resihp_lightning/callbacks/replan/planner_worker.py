@@ -1,7 +1,7 @@
 """The planner's worker process (``python -m resihp_lightning.callbacks.replan.planner_worker``).
 
-Reads pickled ``(job id, Problem, PlannerConfig)`` requests from stdin and writes pickled
-``(job id, Plan or the exception the solve raised)`` to stdout, one at a time, until stdin closes
+Reads pickled ``(job id, Problem or TensorProblem, PlannerConfig)`` requests from stdin and writes pickled
+``(job id, Plan / TensorPlan or the exception the solve raised)`` to stdout, one at a time, until stdin closes
 (its parent, the controller's rank 0, exited or closed it).
 """
 
@@ -19,6 +19,8 @@ def main() -> None:
     # Below the training processes in the CPU scheduler's eyes: a solve uses cores they leave idle.
     os.nice(NICENESS)
     from resihp_lightning.solver import solve
+    from resihp_lightning.solver.tensor_search import solve_tensor
+    from resihp_lightning.tensor_plan import TensorProblem
 
     requests, replies = sys.stdin.buffer, sys.stdout.buffer
     while True:
@@ -27,7 +29,7 @@ def main() -> None:
         except (EOFError, OSError):
             return
         try:
-            result: object = solve(problem, config)
+            result: object = solve_tensor(problem, config) if isinstance(problem, TensorProblem) else solve(problem, config)
         except Exception as err:  # noqa: BLE001 - the controller logs it and keeps the plan in force
             result = err
         pickle.dump((job, result), replies)

@@ -22,6 +22,13 @@ rank, so every rank takes this branch at the same step):
    model is recalibrated.
 
 A healed device changes the speeds back, so the same path plans the job back to a healthy layout.
+
+Under tensor parallelism (``ResiHPStrategy(tensor_degree=t)``, with ``tensor_regroup`` on and a module
+that names its degrees) the problem is over processes and the planner forms the groups too
+(:mod:`.tensor_regroup`): a member the detector names slow is dropped from its group, the group goes
+on at a smaller degree, and the verdict carries the new groups, which every rank requests with the
+plan (``request_plan(plan, tensor_groups=...)``: the layers are re-split live). The dropped member is
+a device of its own from then on; when the detector sees it heal, the same path takes it back.
 Fail-stop is recovered by the strategy itself (``ResiHPStrategy(fail_stop=...)``): it plans for the
 survivors with the device conditions and the planner options the controller hands it at every step
 (``strategy.device_conditions``), and inside the recovery the controller takes the new rank 0's state
@@ -56,6 +63,7 @@ from resihp_lightning._logging import get_logger, user_info
 from resihp_lightning.callbacks.replan.background_planner import BackgroundPlanner
 from resihp_lightning.callbacks.failslow.straggler_detector import StragglerDetector
 from resihp_lightning.callbacks.events import EventLog
+from resihp_lightning.callbacks.replan import tensor_regroup as regroup
 from resihp_lightning.callbacks.replan.replan_policy import (
     ControllerConfig,
     Decision,
@@ -65,14 +73,16 @@ from resihp_lightning.callbacks.replan.replan_policy import (
     decide,
     device_conditions,
     estimate_migration_s,
+    moved_mb,
 )
 from resihp_lightning.torch_utils.collectives import all_gather_objects, broadcast_from_zero
 from resihp_lightning.config import PlannerConfig, config_from_dict
-from resihp_lightning.contract import MemoryGauge, Replannable, Survivable, provides, require
+from resihp_lightning.contract import MemoryGauge, Replannable, Survivable, provides, require, tensor_degree_of
 from resihp_lightning.errors import ConfigError, PlanError, ResiHPError
 from resihp_lightning.plan import Plan, Problem, evaluate, validate
 from resihp_lightning.solver import solve
 from resihp_lightning.telemetry import LayerCost
+from resihp_lightning.tensor_plan import TensorPlan, TensorProblem
 
 log = get_logger(__name__)
 
@@ -124,6 +134,12 @@ class ReplanController(Callback):
         self._planner: BackgroundPlanner | None = None  # rank 0's worker process
         self._problem: Problem | None = None  # rank 0: what the pending solve answers
         self._survivable = False  # the strategy recovers from lost ranks (it takes the device conditions)
+        # Under tensor parallelism with tensor_regroup: the job's degree t, the degrees the module splits
+        # over, the layers' one-GPU costs and f_t (from the last profile taken on groups of one degree).
+        self._tensor_degree = 1
+        self._degrees: tuple[int, ...] = ()
+        self._gpu_profile: list[LayerCost] | None = None
+        self._gpu_fraction = 0.0
 
     # ---------------------------------------------------------------------------- callbacks
     @override
@@ -144,6 +160,15 @@ class ReplanController(Callback):
         if self.rank == 0 and self._planner is None:
             self._planner = BackgroundPlanner()  # its start-up overlaps the detector's warm-up
         self._survivable = provides(trainer.strategy, Survivable)
+        self._tensor_degree, self._degrees = 1, ()
+        if self.config.tensor_regroup and tensor_degree_of(trainer.strategy) > 1:
+            named = getattr(pl_module, "pipeline_tensor_parallel_degrees", lambda: None)()
+            t = tensor_degree_of(trainer.strategy)
+            if named and t in named:
+                self._tensor_degree, self._degrees = t, tuple(sorted(k for k in named if k <= t))
+            else:
+                user_info("ReplanController: tensor-parallel groups stay as they are (the module does not name the "
+                          "degrees its layers split over: pipeline_tensor_parallel_degrees)")
         if self._survivable and self._resync not in trainer.strategy.recovery_listeners:
             trainer.strategy.recovery_listeners.append(self._resync)
 
@@ -200,10 +225,14 @@ class ReplanController(Callback):
         if "retry_at" in message:  # held back only by the cooldown: every rank solves again then
             self._retry_at = int(message["retry_at"])
             return
-        plan = Plan.from_dict(message)
+        plan = Plan.from_dict(message["plan"] if "plan" in message else message)
+        groups = message.get("tensor_groups")
         try:
-            strategy.request_plan(plan)
-        except PlanError as err:
+            if groups is not None:
+                strategy.request_plan(plan, tensor_groups=groups)
+            else:
+                strategy.request_plan(plan)
+        except (PlanError, ConfigError) as err:
             self._log("plan_rejected", step, reason=f"strategy refused the plan: {err}", plan=plan)
             return
         self._chosen = self._awaiting = plan
@@ -282,6 +311,8 @@ class ReplanController(Callback):
         collective round at the same step on every rank). Returns whether it ran (not interrupted)."""
         gauge = self.config.memory_mb == "auto" and provides(strategy, MemoryGauge)
         device = strategy.last_step_stats.rank if strategy.last_step_stats is not None else strategy.global_rank
+        if self._tensor_degree > 1:
+            device = strategy.global_rank  # the planner groups processes: a budget per process
 
         def measure() -> tuple[list[LayerCost], list[Any] | None]:
             profile = strategy.layer_profile()
@@ -291,6 +322,8 @@ class ReplanController(Callback):
         if done:
             self._profile = result[0]
             self._memory = dict(result[1]) if result[1] is not None else None
+            if self._tensor_degree > 1:
+                self._note_gpu_profile()
             if self.rank == 0 and not self._healthy_logged:
                 self._healthy_logged = True
                 self._log_healthy_reference(strategy)
@@ -317,6 +350,42 @@ class ReplanController(Callback):
         self._log("healthy_reference", step, plan=best, predicted_ms=best.iteration_ms, current_plan=current,
                   current_ms=current_ms)
 
+    def _note_gpu_profile(self) -> None:
+        """Under TP regrouping: the profile's one-GPU layer costs and f_k, when its groups share one degree k
+        (a profile of mixed degrees keeps the last conversion)."""
+        layout = self.detector.tensor_groups
+        degrees = {len(ranks) for ranks in layout.values()}
+        if len(degrees) != 1:
+            return
+        degree = degrees.pop()
+        t, configured = self._tensor_degree, self.config.tensor_comm_fraction
+        if configured is not None:  # f_k of the profile's degree, scaled from the configured f_t
+            self._gpu_fraction = configured
+            known = regroup.tensor_cost(self._degrees, t, configured).fraction(degree) if degree in self._degrees else 0.0
+            self._gpu_profile, _ = regroup.one_gpu_costs(self._profile, degree, None, known)
+            return
+        samples = [(s.own_ms, s.wait_ms) for s in self.detector.last_members if len(layout.get(s.group, ())) > 1]
+        share = regroup.own_share(samples)
+        if degree > 1 and share is None and self._gpu_profile is not None:
+            return
+        self._gpu_profile, fraction = regroup.one_gpu_costs(self._profile, degree, share)
+        if degree > 1 and share is not None:  # f_t of the job's degree, scaled from the measured f_k
+            self._gpu_fraction = regroup.tensor_cost(self._degrees, degree, fraction).fraction(t)
+
+    def _tensor_problem(self, strategy: Replannable, micro: int) -> TensorProblem | None:
+        """Rank 0, under TP regrouping: the problem over processes for the speeds now (``None``: nothing known
+        of the groups yet)."""
+        layout = self.detector.tensor_groups
+        processes = self.detector.process_ids
+        if not layout or self._gpu_profile is None:
+            return None
+        speeds = regroup.process_speeds(layout, processes, self.detector.speeds, self.detector.member_speeds)
+        base = build_problem(self._gpu_profile, speeds, sorted(processes), micro, self.config, self.planner,
+                             per_replica_bounds=strategy.supports_per_replica_bounds, links=self._measured_links(),
+                             memory_mb=self._memory)
+        cost = regroup.tensor_cost(self._degrees, self._tensor_degree, self._gpu_fraction)
+        return regroup.tensor_problem(base, regroup.domains(processes, self._tensor_degree), cost)
+
     def _submit(self, trainer: Any, step: int) -> None:
         """Rank 0: builds the problem for the speeds now and starts solving it in the background."""
         strategy: Replannable = trainer.strategy
@@ -327,9 +396,12 @@ class ReplanController(Callback):
         micro = strategy.micro_batches or sum(r.micro_batches for r in current.replicas)
         self._problem = None
         try:
-            self._problem = build_problem(self._profile, self.detector.speeds, ranks, micro, self.config, self.planner,
-                                          per_replica_bounds=strategy.supports_per_replica_bounds, allow_exclude=idle,
-                                          links=self._measured_links(), memory_mb=self._memory)
+            if self._tensor_degree > 1:
+                self._problem = self._tensor_problem(strategy, micro)
+            if self._problem is None:
+                self._problem = build_problem(self._profile, self.detector.speeds, ranks, micro, self.config,
+                                              self.planner, per_replica_bounds=strategy.supports_per_replica_bounds,
+                                              allow_exclude=idle, links=self._measured_links(), memory_mb=self._memory)
         except ResiHPError as err:
             self._log("plan_rejected", step, reason=f"planner failed: {err}")
             return
@@ -353,7 +425,48 @@ class ReplanController(Callback):
                 log.error("planner raised at step %d; keeping the plan in force: %r", step, result)
                 self._log("plan_rejected", step, reason=f"planner error: {type(result).__name__}: {result}")
             return None
+        if isinstance(result, TensorPlan):
+            return self._decide_groups(trainer, step, self._problem, result, speeds)
         return self._decide(trainer, step, self._problem, result, speeds)
+
+    def _decide_groups(self, trainer: Any, step: int, problem: TensorProblem, result: TensorPlan,
+                       speeds: dict[int, float]) -> dict[str, Any] | None:
+        """Rank 0, under TP regrouping: :meth:`_decide` for a plan that may form other groups; the verdict
+        carries the groups (ranks) with the plan (over their indices)."""
+        strategy: Replannable = trainer.strategy
+        current: Plan = strategy.current_plan
+        layout = self.detector.tensor_groups
+        plan, groups = regroup.strategy_plan(result)
+        in_force = [list(g.members) for g in regroup.groups_in_force(layout)]
+        member_speeds = self.detector.member_speeds
+        self._log("plan_computed", step, plan=plan, tensor_groups=groups, predicted_ms=result.iteration_ms,
+                  solve_seconds=result.solve_seconds, status=result.status,
+                  speeds={d.id: d.speed for d in problem.problem.devices if d.speed != 1.0},
+                  member_speeds=member_speeds, p2p_ms=problem.problem.p2p_ms,
+                  allreduce_ms=problem.problem.allreduce_ms)
+        over = evaluate(problem.group_problem(result.groups), result.plan, check=False).over_memory
+        if over:
+            _, _, device, used, capacity = over[0]
+            self._log("plan_rejected", step, reason=f"group {device} would need {used:.0f} MB of its {capacity:.0f} MB",
+                      predicted_ms=result.iteration_ms)
+            return None
+        current_ms, breaks = regroup.price_in_force(problem, layout, current)
+        static = [layer.static_mb for layer in problem.problem.layers]
+        same_groups = groups == in_force
+        moved = moved_mb(current, plan, static) if same_groups else regroup.regroup_moved_mb(layout, groups, plan, static)
+        migration = self._overhead_s + moved / self._bandwidth
+        since = None if self._last_change_step is None else step - self._last_change_step
+        decision = decide(current_ms, result.iteration_ms, same_plan=same_groups and plan.layout_key() == current.layout_key(),
+                          remaining_steps=self._remaining(trainer, step), migration_s=migration,
+                          steps_since_change=since, config=self.config, current_breaks=breaks)
+        self.decisions.append(decision)
+        if not decision.apply:
+            self._log("plan_rejected", step, reason=decision.reason, predicted_ms=result.iteration_ms,
+                      current_ms=current_ms)
+            return None if decision.retry_after_steps is None else {"retry_at": step + decision.retry_after_steps}
+        change = "" if same_groups else f" with tensor-parallel groups {groups} (were {in_force})"
+        user_info(f"re-planning at step {step}{change}: {decision.reason}")
+        return {"plan": plan.to_dict()} if same_groups else {"plan": plan.to_dict(), "tensor_groups": groups}
 
     def _decide(self, trainer: Any, step: int, problem: Any, plan: Plan, speeds: dict[int, float]) -> dict[str, Any] | None:
         """Rank 0: prices the plan in force and the new one under the same speeds; the plan dict to apply,
@@ -385,7 +498,7 @@ class ReplanController(Callback):
                       current_ms=current_ms)
             return None if decision.retry_after_steps is None else {"retry_at": step + decision.retry_after_steps}
         user_info(f"re-planning at step {step}: {decision.reason}")
-        return plan.to_dict()
+        return {"plan": plan.to_dict()}
 
     def _note_applied(self, strategy: Replannable, step: int) -> None:
         if self._awaiting is None:

@@ -59,6 +59,18 @@ class ControllerConfig:
         plan_wait_s: how long every rank waits, at the step whose detector change started a solve,
             for the solve to finish; a longer solve goes on in the planner's worker process while
             training continues, and its plan is applied at the first step boundary after it is ready.
+        tensor_regroup: under tensor parallelism, let the planner form the groups too: which processes
+            make each group and its degree (among the module's ``pipeline_tensor_parallel_degrees``, at
+            most ``tensor_degree``, inside the groups the job started with), so that a slow member is
+            dropped from its group and taken back when it heals
+            (:mod:`~resihp_lightning.callbacks.replan.tensor_regroup`). ``False``: groups stay as they
+            are and the planner moves layers and micro-batches between them. Under tensor parallelism
+            ``memory_mb`` is per process.
+        tensor_comm_fraction: with ``tensor_regroup``, f_t: a group of the job's degree t spends this
+            fraction of a layer's one-GPU compute time in its TP all-reduces (>= 0); other degrees are
+            scaled from it (:mod:`~resihp_lightning.callbacks.replan.tensor_regroup`). ``None`` (default):
+            measured, from the members' wait in the all-reduces during healthy steps (on oversubscribed
+            CPUs that wait is mostly contention, and a number states the hardware's real cost).
     """
 
     min_relative_gain: float = 0.05
@@ -73,6 +85,8 @@ class ControllerConfig:
     memory_mb: float | str | None = "auto"
     profile_interval_steps: int = 50
     plan_wait_s: float = 0.5
+    tensor_regroup: bool = True
+    tensor_comm_fraction: float | None = None
 
     def __post_init__(self) -> None:
         if not _number(self.min_relative_gain) or not 0 <= self.min_relative_gain < 1:
@@ -93,6 +107,12 @@ class ControllerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise invalid_option(f"controller.{name}", value, f"an integer >= {low}")
+        if self.tensor_comm_fraction is not None and (not _number(self.tensor_comm_fraction)
+                                                      or self.tensor_comm_fraction < 0):
+            raise invalid_option("controller.tensor_comm_fraction", self.tensor_comm_fraction,
+                                 "null (measured) or a number >= 0")
+        if not isinstance(self.tensor_regroup, bool):
+            raise invalid_option("controller.tensor_regroup", self.tensor_regroup, "true or false")
         if self.memory_mb is not None and self.memory_mb != "auto" and (not _number(self.memory_mb) or not self.memory_mb > 0):
             raise invalid_option("controller.memory_mb", self.memory_mb, "'auto', null or a number > 0")
 

@@ -286,20 +286,13 @@ def check_inputs(cfg: Namespace) -> None:
 
 
 def _check_tensor_parallel(cfg: Namespace) -> None:
-    """A tensor-parallel job cannot restart onto a new world from a checkpoint (ElasticRestart) yet, nor
-    start from a planned layout: the options for them must be off."""
+    """A tensor-parallel job cannot start from a planned layout yet: ``strategy.start`` must be uniform."""
     degree = cfg.strategy.tensor_degree
     if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
         raise invalid_option("strategy.tensor_degree", degree, "an integer >= 1")
-    if degree == 1:
-        return
-    on = ["checkpoint"] if cfg.checkpoint is not None else []
-    if cfg.strategy.start != "uniform":
-        on.append("strategy.start")
-    if on:
+    if degree > 1 and cfg.strategy.start != "uniform":
         raise ConfigError(
-            f"strategy.tensor_degree {degree} cannot restart from a checkpoint onto a new world or start from a "
-            "planned layout yet; turn off " + ", ".join(on) + " (--checkpoint null --strategy.start uniform)"
+            f"strategy.tensor_degree {degree} cannot start from a planned layout yet; use --strategy.start uniform"
         )
 
 

@@ -197,6 +197,11 @@ class ResiHPStrategyMixin:
         return self._tensor.degree if self._tensor.splits_layers else self.options.tensor_degree
 
     @property
+    def tensor_groups(self) -> TensorGroups | None:
+        """The tensor-parallel groups in force (``None`` without tensor parallelism, or before setup)."""
+        return self._membership.tensor_groups
+
+    @property
     def reports_device(self) -> bool:
         """Whether this process's step statistics speak for its device (under tensor parallelism only its
         group's member 0 reports: the members finish every layer together)."""
@@ -508,7 +513,7 @@ class ResiHPStrategyMixin:
         self._tied = self._tied_parameters(module)
         self.options.gather_weights = resolve_gather_weights(self.options.gather_weights, module, self.misconfiguration_error)
         if self.options.tensor_degree > 1:
-            check_tensor_parallel_job(self.options.tensor_degree, module, trainer.callbacks, self.deepspeed_config,
+            check_tensor_parallel_job(self.options.tensor_degree, module, self.deepspeed_config,
                                       trainer.state.fn == TrainerFn.PREDICTING, self.misconfiguration_error)
             if not self._tensor.splits_layers:  # the first setup forms the groups (collective)
                 self._tensor = SplitLayers(create_tensor_groups(self.options.tensor_degree, self.global_rank,

@@ -13,18 +13,11 @@ from resihp_lightning.tensor.tensor_groups import TensorGroups, TensorParallelis
 TENSOR_HOOKS = ("pipeline_split_layer", "pipeline_tensor_parallel_loss")
 #: ... and the one ``trainer.predict`` needs.
 PREDICT_HOOK = "pipeline_tensor_parallel_outputs"
-#: Callbacks of this package that work with tensor parallelism (ElasticRestart does not yet: its restart
-#: plans processes, not tensor-parallel groups).
-SUPPORTED_CALLBACKS = (
-    "StepRecorder", "ResiHPProgressBar", "StragglerDetector", "ReplanController", "FaultInjector", "HeartbeatMonitor",
-    "FailStopReporter",
-)
 
 
 def check_tensor_parallel_job(
     degree: int,
     module: Any,
-    callbacks: list[Any],
     deepspeed_config: Mapping[str, Any],
     predicting: bool,
     error: type[Exception],
@@ -34,14 +27,13 @@ def check_tensor_parallel_job(
     Args:
         degree: t > 1.
         module: the LightningModule.
-        callbacks: the Trainer's callbacks.
         deepspeed_config: the engines' effective DeepSpeed config (Lightning's precision included).
         predicting: the job runs ``trainer.predict`` (the module must join split outputs).
         error: the exception type to raise (the Lightning package's ``MisconfigurationException``).
 
     Raises:
-        lightning.pytorch.utilities.exceptions.MisconfigurationException: (the type passed as ``error``) the module lacks a hook, or a callback
-            or a precision is not supported with tensor parallelism yet.
+        lightning.pytorch.utilities.exceptions.MisconfigurationException: (the type passed as ``error``) the module lacks a hook, or a precision
+            is not supported with tensor parallelism yet.
     """
     hooks = (*TENSOR_HOOKS, PREDICT_HOOK) if predicting else TENSOR_HOOKS
     missing = [hook for hook in hooks if getattr(type(module), hook, None) is getattr(ResiHPModuleMixin, hook)]
@@ -50,15 +42,6 @@ def check_tensor_parallel_job(
             f"ResiHPStrategy(tensor_degree={degree}) needs {type(module).__name__} to define {' and '.join(missing)} "
             "(how a layer splits over a tensor-parallel group, the loss on split outputs and, for trainer.predict, "
             "the whole outputs from split ones; CausalLMPipelineModule defines them)"
-        )
-    unsupported = [
-        type(cb).__name__ for cb in callbacks
-        if type(cb).__module__.startswith("resihp_lightning.") and type(cb).__name__ not in SUPPORTED_CALLBACKS
-    ]
-    if unsupported:
-        raise error(
-            f"the callbacks {unsupported} do not support ResiHPStrategy(tensor_degree={degree}) yet: a restart onto a new "
-            "world plans processes, not tensor-parallel groups; see docs/tensor_parallel.md"
         )
     for key in ("bf16", "fp16"):
         if (deepspeed_config.get(key) or {}).get("enabled"):

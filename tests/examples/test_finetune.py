@@ -170,10 +170,9 @@ def test_every_option_of_the_script_has_help_text() -> None:
 
 
 def test_a_tensor_parallel_run_names_the_options_it_needs_off(tmp_path: Path, capsys, monkeypatch) -> None:
-    line = _in_process_error(["--strategy.tensor_degree", "2", "--run_dir", str(tmp_path / "r"), "--checkpoint.every_n_steps",
-                              "2"], capsys, monkeypatch)
-    assert "strategy.tensor_degree 2 cannot restart from a checkpoint onto a new world" in line
-    assert "turn off checkpoint" in line and "--checkpoint null" in line
+    line = _in_process_error(["--strategy.tensor_degree", "2", "--run_dir", str(tmp_path / "r"), "--strategy.start",
+                              "planned"], capsys, monkeypatch)
+    assert "strategy.tensor_degree 2 cannot start from a planned layout" in line and "--strategy.start uniform" in line
     line = _in_process_error(["--strategy.tensor_degree", "0"], capsys, monkeypatch)
     assert "strategy.tensor_degree" in line and "an integer >= 1" in line
 

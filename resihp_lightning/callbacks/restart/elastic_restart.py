@@ -19,6 +19,11 @@ the strategy builds its pipeline. It reads that state from the checkpoint, and:
 A checkpoint written without this callback still has the strategy's plan: when that plan does not fit
 the new world, the layers are taken as equal and every device as healthy.
 
+Under tensor parallelism (``tensor_degree`` t) a planning device is a group: the restarted job starts
+with groups of t consecutive ranks, so its world must be a multiple of t (else the restart is refused
+by name); a device's identity is its group's first member's, and groups re-split before the save
+(another degree, a dropped member) count as another world: the plan is made afresh for the groups of t.
+
 Resume with Lightning's stateful form, ``trainer.ckpt_path = path`` before ``trainer.fit(...)``:
 ``fit(ckpt_path=path)`` makes the path known only after the strategy is set up (a warning says so).
 An explicit ``ResiHPStrategy(plan=...)`` always wins. Events (rank 0 unless noted), written once the
@@ -114,11 +119,18 @@ class ElasticRestart(Callback):
         identities = all_gather_objects(device_identity())
         strategy = trainer.strategy
         world = trainer.world_size
+        degree = strategy.options.tensor_degree
+        if world % degree:
+            raise ConfigError(f"ElasticRestart: the {world} processes of this restart do not form groups of "
+                              f"tensor_degree {degree}; restart on a multiple of {degree} processes")
         if saved is None:
-            saved = _without_elastic_state(resihp, world)
+            saved = _without_elastic_state(resihp, world // degree)
         before = saved.get("identities") if saved else None
-        # Without identities (a checkpoint written without this callback) the world differs by construction.
-        self.world_changed = saved is not None and (before is None or list(before) != list(identities))
+        starting = _consecutive(degree, world)
+        # Without identities (a checkpoint written without this callback) the world differs by construction;
+        # under tensor parallelism, so does a save under other groups than the ones this job starts with.
+        self.world_changed = saved is not None and (before is None or list(before) != list(identities) or (
+            degree > 1 and saved.get("tensor_groups", starting) != starting))
         plan, plan_s = None, 0.0
         explicit = strategy.options.plan is not None
         if saved is not None and not explicit:
@@ -126,7 +138,7 @@ class ElasticRestart(Callback):
             answer: tuple[dict | None, str | None] = (None, None)
             if self.rank == 0:
                 try:
-                    answer = (self._restart_plan(saved, resihp, identities, strategy).to_dict(), None)
+                    answer = (self._restart_plan(saved, resihp, identities, strategy, starting).to_dict(), None)
                 except Exception as err:  # noqa: BLE001 - every rank must hear of it, not wait for a plan
                     answer = (None, f"{type(err).__name__}: {err}")
             plan_dict, error = broadcast_from_zero(answer)
@@ -199,39 +211,60 @@ class ElasticRestart(Callback):
         for callback in trainer.callbacks:
             if isinstance(callback, StragglerDetector):
                 speeds = dict(callback.speeds)
-        return {
+        groups = getattr(strategy, "tensor_groups", None)
+        state = {
             "world_size": len(identities),
             "identities": identities,
             "profile": [dataclasses.asdict(c) for c in profile] if done and profile else None,
-            "speeds": speeds_by_identity(speeds, identities),
+            "speeds": speeds_by_identity(speeds, _device_identities(identities, groups)),
             "plan": strategy.current_plan.to_dict(),
             "micro_batches": strategy.micro_batches,
         }
+        if groups is not None:
+            state["tensor_groups"] = [list(g) for g in groups.members]
+        return state
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Nothing to restore: ``setup`` used the saved state already."""
 
     # ---------------------------------------------------------------------------- internals
-    def _restart_plan(self, saved: Mapping[str, Any], resihp: Mapping[str, Any], identities: list[str], strategy: Any) -> Plan:
-        """Rank 0: the saved plan when the devices are the same, else the planner's plan for the devices now."""
+    def _restart_plan(self, saved: Mapping[str, Any], resihp: Mapping[str, Any], identities: list[str], strategy: Any,
+                      groups: list[list[int]]) -> Plan:
+        """Rank 0: the saved plan when the devices are the same, else the planner's plan for the devices now
+        (``groups``: the tensor-parallel groups the job starts with, one rank each without TP)."""
         micro = strategy.options.micro_batches or saved.get("micro_batches") or resihp.get("micro_batches")
         previous = Plan.from_dict(saved["plan"])
+        devices = _device_identities(identities, groups if len(groups[0]) > 1 else None)
         same_devices = saved["identities"] is not None and list(saved["identities"]) == identities and set(
-            previous.device_ids) == set(range(len(identities)))
+            previous.device_ids) == set(range(len(devices))) and saved.get("tensor_groups", groups) == groups
         if same_devices and sum(r.micro_batches for r in previous.replicas) == micro:
             return previous
         profile = saved.get("profile")
         num_layers = int(resihp.get("num_layers") or len(profile or []))
         costs = [LayerCost(**c) for c in profile] if profile else [LayerCost(i, 1.0, 0.0, 0.0) for i in range(num_layers)]
-        speeds = speeds_for_ranks(saved.get("speeds") or {}, identities)
-        problem = build_problem(costs, speeds, range(len(identities)), int(micro), self.controller, self.planner,
+        speeds = speeds_for_ranks(saved.get("speeds") or {}, devices)
+        problem = build_problem(costs, speeds, range(len(devices)), int(micro), self.controller, self.planner,
                                 per_replica_bounds=strategy.supports_per_replica_bounds)
         return solve(problem, self.planner)
 
     def _log(self, event: str, step: int | None, **fields: Any) -> None:
         if self.rank == 0 and self.events is not None:
             self.events.log(event, step, **fields)
+
+
+def _consecutive(degree: int, world: int) -> list[list[int]]:
+    """The groups of ``degree`` consecutive ranks a job of ``world`` processes starts with."""
+    return [list(range(g, g + degree)) for g in range(0, world, degree)]
+
+
+def _device_identities(identities: list[str], groups: Any) -> list[str]:
+    """One identity per planning device: each rank's, or under tensor parallelism each group's first member's
+    (``groups``: a ``TensorGroups``, a list of rank lists, or ``None``)."""
+    if groups is None:
+        return list(identities)
+    members = groups.members if hasattr(groups, "members") else groups
+    return [identities[group[0]] for group in members]
 
 
 def _read_saved_state(path: Any) -> tuple[dict[str, Any] | None, dict[str, Any], int | None]:

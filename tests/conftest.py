@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +12,20 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 from resihp_lightning.testing.multiproc import free_port, run_distributed, start_rank_server  # noqa: E402
+
+#: Test files whose assertions rest on measured time or speed, which ``make test`` runs serially after
+#: the rest (the list and why: tests/timing_files.txt). They carry the ``timing`` marker.
+TIMING_FILES = {
+    line.strip() for line in (Path(__file__).parent / "timing_files.txt").read_text().splitlines()
+    if line.strip() and not line.startswith("#")
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    root = config.rootpath
+    for item in items:
+        if item.path.relative_to(root).as_posix() in TIMING_FILES:
+            item.add_marker(pytest.mark.timing)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -51,6 +51,8 @@ class Incident:
         seconds: what it cost (a recovery's ``total_s``, a migration's seconds).
         plan: the plan applied with it (label), if any.
         clears: for a healing, the kind of condition it ends (``fail_slow`` or ``slow_link``).
+        time: when it was logged (Unix seconds): the report lists incidents in this order.
+        superseded: it happened in an attempt whose steps a later restart redid (it splits no phase).
     """
 
     step: int
@@ -61,6 +63,8 @@ class Incident:
     seconds: float | None = None
     plan: str | None = None
     clears: str | None = None
+    time: float = 0.0
+    superseded: bool = False
 
 
 @dataclass
@@ -99,6 +103,7 @@ class Annotation:
 
     step: int
     text: str
+    time: float = 0.0
 
 
 @dataclass
@@ -152,13 +157,17 @@ def build_timeline(run: Run, skip: int = 3) -> Timeline:
         # The controller logs plan_applied after the step that migrated (the next global step); the steps say which.
         if incident.kind == "plan" and incident.step not in migrated and incident.step - 1 in migrated:
             incident.step -= 1
-    incidents.sort(key=lambda i: i.step)
+    for restart in [i for i in incidents if i.kind == "restart"]:
+        for incident in incidents:
+            if incident.time < restart.time and incident.step >= restart.step:
+                incident.superseded = True  # its steps were redone by the restarted job
+    incidents.sort(key=lambda i: (i.step, i.time))
     annotations = _annotations(run)
     transition = {r["step"]: float(r["wall_ms"]) / 1000.0 for r in steps if r.get("migrated")}
     for incident in incidents:
-        if incident.kind == "fail_stop" and any(r["step"] == incident.step for r in steps):
+        if incident.kind == "fail_stop" and not incident.superseded and any(r["step"] == incident.step for r in steps):
             transition[incident.step] = next(float(r["wall_ms"]) / 1000.0 for r in steps if r["step"] == incident.step)
-    phases = _phases(steps, incidents, run, skip, transition)
+    phases = _phases(steps, [i for i in incidents if not i.superseded], run, skip, transition)
     counted = [float(r["wall_ms"]) / 1000.0 for r in steps if r["step"] >= skip and r["step"] not in transition]
     typical = statistics.median(counted) if counted else None
     return Timeline(len(steps), phases, incidents, annotations, transition, typical, skip)
@@ -233,6 +242,7 @@ def _incidents(run: Run) -> list[Incident]:
         if step is None:
             continue
         rank = event.get("rank")
+        before = len(incidents)
         if name == "fail_slow_detected":
             incidents.append(Incident(step, "fail_slow", f"rank {rank} slow{_reading(event.get('speed'))}", (rank,)))
         elif name == "fail_slow_member_detected":
@@ -260,6 +270,8 @@ def _incidents(run: Run) -> list[Incident]:
             if lost_ranks:
                 text += f"; lost: {', '.join(str(r) for r in lost_ranks)}"
             incidents.append(Incident(step, "restart", text, lost_ranks, world=world))
+        for incident in incidents[before:]:
+            incident.time = float(event.get("time") or 0.0)
     return incidents
 
 
@@ -293,17 +305,18 @@ def _fail_stop_incidents(run: Run) -> list[Incident]:
         if plan is not None:
             text += f", plan {plan}"
         incidents.append(Incident(step, "fail_stop", text, tuple(sorted(failed)), world=len(members) + len(spares),
-                                  seconds=record.get("total_s"), plan=plan))
+                                  seconds=record.get("total_s"), plan=plan, time=float(record.get("time") or 0.0)))
         previous_step = step
     leftover = [e for i, e in enumerate(detections) if i not in used and e.get("step") is not None]
     for event in leftover:
         how = event.get("how") or event.get("reason") or "?"
         incidents.append(Incident(event["step"], "fail_stop", _lost_text(int(event["rank"]), how, struck, [event])
-                                  + "; no recovery recorded", (int(event["rank"]),)))
+                                  + "; no recovery recorded", (int(event["rank"]),), time=float(event.get("time") or 0.0)))
     for event in run.of("fail_stop_unrecoverable"):
         if event.get("step") is not None:
             incidents.append(Incident(event["step"], "unrecoverable", f"the job could not recover in-process "
-                                      f"({event.get('reason')}): exit {event.get('exit_code')} for a restart"))
+                                      f"({event.get('reason')}): exit {event.get('exit_code')} for a restart",
+                                      time=float(event.get("time") or 0.0)))
     return incidents
 
 
@@ -330,7 +343,7 @@ def _annotations(run: Run) -> list[Annotation]:
             what = f"injected: {event.get('factor', '?')}x slowdown on rank {event.get('rank')} from step {start}"
         if event.get("end_step") is not None:
             what += f" to step {event['end_step']}"
-        notes.append(Annotation(int(start) if start is not None else 0, what))
+        notes.append(Annotation(int(start) if start is not None else 0, what, float(event.get("time") or 0.0)))
     return notes
 
 
@@ -372,9 +385,10 @@ def format_timeline(timeline: Timeline) -> str:
         left_out.append(f"the steps that migrated or were redone ({', '.join(str(s) for s in sorted(timeline.transition_steps))})")
     if left_out:
         lines.append(f"tokens/s leaves out {' and '.join(left_out)}")
-    notes: list[tuple[int, int, str]] = [(i.step, 1, f"step {i.step}: {i.text}{_step_cost(timeline, i)}")
-                                         for i in timeline.incidents]
-    notes += [(a.step, 0, a.text) for a in timeline.annotations]
+    # In the order things happened: a restart's step is lower than that of the loss that caused it.
+    notes = [(i.time, 1, f"step {i.step}: {i.text}{' (in the attempt before the restart)' if i.superseded else ''}"
+              f"{_step_cost(timeline, i)}") for i in timeline.incidents]
+    notes += [(a.time, 0, a.text) for a in timeline.annotations]
     lines += [text for _, _, text in sorted(notes, key=lambda n: (n[0], n[1]))]
     if not timeline.incidents:
         lines.append("nothing detected: no fail-slow, fail-stop, healing or plan change")
@@ -384,6 +398,6 @@ def format_timeline(timeline: Timeline) -> str:
 def _step_cost(timeline: Timeline, incident: Incident) -> str:
     """What the incident's step took against a typical step (``step 12 took 5.1 s, typically 1.2 s``)."""
     seconds = timeline.transition_steps.get(incident.step)
-    if seconds is None or timeline.typical_step_s is None or incident.kind not in ("fail_stop", "plan"):
+    if seconds is None or incident.superseded or timeline.typical_step_s is None or incident.kind not in ("fail_stop", "plan"):
         return ""
     return f"; step {incident.step} took {seconds:.2f} s (typical step {timeline.typical_step_s:.2f} s)"

@@ -88,14 +88,22 @@ def job_status(exits: Sequence[RankExit], *, restart_code: int, interrupted: int
     return min(exits, key=lambda e: e.at).status
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """In a freshly forked rank: own session, SIGKILL when the supervisor dies (Linux; elsewhere only the session)."""
-    os.setsid()
+def _load_prctl() -> Any:
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux
+        return None
+
+
+# Resolved here, in the supervisor: the forked child (before exec) must not load libraries or allocate.
+_PRCTL = _load_prctl()
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """In a freshly forked rank, before exec: SIGKILL when the supervisor dies (Linux; a no-op elsewhere)."""
+    if _PRCTL is None:
         return
+    _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent_pid:  # the supervisor died before prctl took effect
         os._exit(128 + signal.SIGKILL)
 
@@ -137,7 +145,8 @@ class RankSupervisor:
         parent = os.getpid()
         for command, env in zip(self.commands, self.envs):
             self.procs.append(subprocess.Popen(
-                list(command), env=dict(env), cwd=self.cwd, preexec_fn=lambda: _die_with_parent(parent),
+                list(command), env=dict(env), cwd=self.cwd, start_new_session=True,
+                preexec_fn=lambda: _die_with_parent(parent),
             ))
 
     def send(self, signum: int) -> None:

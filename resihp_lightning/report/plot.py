@@ -94,7 +94,7 @@ def plot(run: Run, timeline: Timeline, summary: Summary | None, out: str | os.Pa
     middle.set_ylabel("tokens/s")
     middle.set_ylim(0, max(rate + [ideal or 0]) * 1.15 or 1.0)
     middle.grid(alpha=0.3)
-    middle.legend(loc="lower left", fontsize=7.5, ncol=2)
+    middle.legend(loc="best", fontsize=7.5, ncol=2)
     bottom.set_xlabel("training step")
     bottom.grid(alpha=0.3)
     top.set_title(f"{run.path.name}: {timeline.steps} steps on {timeline.world_label}")

@@ -52,7 +52,8 @@ class Incident:
         plan: the plan applied with it (label), if any.
         clears: for a healing, the kind of condition it ends (``fail_slow`` or ``slow_link``).
         time: when it was logged (Unix seconds): the report lists incidents in this order.
-        superseded: it happened in an attempt whose steps a later restart redid (it splits no phase).
+        restarted_at: set when it happened in an attempt whose steps a later restart redid: the step
+            that restart resumed from (the incident then splits no phase).
     """
 
     step: int
@@ -64,7 +65,12 @@ class Incident:
     plan: str | None = None
     clears: str | None = None
     time: float = 0.0
-    superseded: bool = False
+    restarted_at: int | None = None
+
+    @property
+    def superseded(self) -> bool:
+        """Whether a later restart redid this incident's steps."""
+        return self.restarted_at is not None
 
 
 @dataclass
@@ -159,8 +165,8 @@ def build_timeline(run: Run, skip: int = 3) -> Timeline:
             incident.step -= 1
     for restart in [i for i in incidents if i.kind == "restart"]:
         for incident in incidents:
-            if incident.time < restart.time and incident.step >= restart.step:
-                incident.superseded = True  # its steps were redone by the restarted job
+            if incident.time < restart.time and incident.step >= restart.step and not incident.superseded:
+                incident.restarted_at = restart.step  # its steps were redone by the restarted job
     incidents.sort(key=lambda i: (i.step, i.time))
     annotations = _annotations(run)
     transition = {r["step"]: float(r["wall_ms"]) / 1000.0 for r in steps if r.get("migrated")}
@@ -385,11 +391,12 @@ def format_timeline(timeline: Timeline) -> str:
         left_out.append(f"the steps that migrated or were redone ({', '.join(str(s) for s in sorted(timeline.transition_steps))})")
     if left_out:
         lines.append(f"tokens/s leaves out {' and '.join(left_out)}")
-    # In the order things happened: a restart's step is lower than that of the loss that caused it.
-    notes = [(i.time, 1, f"step {i.step}: {i.text}{' (in the attempt before the restart)' if i.superseded else ''}"
+    # By step; what a restart redid goes just before the restart (its step is lower than that of the loss behind it).
+    notes = [((i.step if i.restarted_at is None else i.restarted_at, 1, i.time),
+              f"step {i.step}: {i.text}{' (in the attempt before the restart)' if i.superseded else ''}"
               f"{_step_cost(timeline, i)}") for i in timeline.incidents]
-    notes += [(a.time, 0, a.text) for a in timeline.annotations]
-    lines += [text for _, _, text in sorted(notes, key=lambda n: (n[0], n[1]))]
+    notes += [((a.step, 0, a.time), a.text) for a in timeline.annotations]
+    lines += [text for _, text in sorted(notes, key=lambda n: n[0])]
     if not timeline.incidents:
         lines.append("nothing detected: no fail-slow, fail-stop, healing or plan change")
     return "\n".join(lines)

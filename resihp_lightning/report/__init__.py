@@ -36,7 +36,7 @@ def format_report(timeline: Timeline, summary: Summary) -> str:
     """The report's text: what happened, then the injected fault's evaluation (or that none was injected)."""
     parts = [format_timeline(timeline)]
     if summary.fault is None:
-        parts.append("no fault injected")
+        parts.append("no fault injected: everything above is what the job detected")
     else:
         parts.append("the injected fault:\n" + format_table(summary))
     return "\n\n".join(parts)

@@ -36,6 +36,34 @@ def test_the_jobs_status_is_the_survivors_the_restart_request_or_the_first_failu
     assert killed.describe() == "killed by SIGKILL" and restart.describe() == "exit 75"
 
 
+@pytest.mark.parametrize("package", ["lightning.pytorch", "pytorch_lightning"])
+def test_fail_stop_gives_lightnings_launcher_a_supervisor_that_starts_every_rank(package, monkeypatch) -> None:
+    """``Trainer(devices=3, strategy=ResiHPStrategy(fail_stop=...))`` in either Lightning package, from a script:
+    the launcher's ranks are local ranks 0, 1 and 2 (rank 0 too), each the command Lightning would run, one world."""
+    pl = pytest.importorskip(package)
+    if package == "pytorch_lightning":
+        from resihp_lightning.strategy.standalone import ResiHPStrategy
+    else:
+        from resihp_lightning.strategy.strategy import ResiHPStrategy
+    from resihp_lightning.failstop.fail_stop_config import FailStopConfig
+
+    for name in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "WORLD_SIZE", "LOCAL_RANK", "RANK"):
+        monkeypatch.delenv(name, raising=False)  # restored after the test (the launcher sets them, as Lightning's does)
+    monkeypatch.setattr(sys, "argv", ["train.py", "--lr", "0.1"])
+    trainer = pl.Trainer(accelerator="cpu", devices=3, strategy=ResiHPStrategy(fail_stop=FailStopConfig(exit_code=76)),
+                         logger=False, enable_progress_bar=False, enable_model_summary=False)
+    launcher = trainer.strategy.launcher
+    assert type(launcher).__name__ == "Supervised_SubprocessScriptLauncher" and launcher.restart_code == 76
+    commands, envs, _ = launcher.rank_commands()
+    from lightning.fabric.strategies.launchers.subprocess_script import _basic_subprocess_cmd
+
+    assert commands == [list(_basic_subprocess_cmd())] * 3 and commands[0][-2:] == ["--lr", "0.1"]  # Lightning's own
+    assert [e["LOCAL_RANK"] for e in envs] == ["0", "1", "2"]
+    assert {(e["WORLD_SIZE"], e["NODE_RANK"], e["MASTER_PORT"]) for e in envs} == {("3", "0", os.environ["MASTER_PORT"])}
+    plain = pl.Trainer(accelerator="cpu", devices=3, strategy=ResiHPStrategy(), logger=False)
+    assert type(plain.strategy.launcher).__name__ == "_SubprocessScriptLauncher"  # without fail_stop: Lightning's
+
+
 def _supervise(*ranks: str) -> subprocess.Popen:
     """A supervisor process (as the user's command) over one ``python -c`` process per rank source."""
     program = textwrap.dedent(f"""

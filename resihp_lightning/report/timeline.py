@@ -169,10 +169,9 @@ def build_timeline(run: Run, skip: int = 3) -> Timeline:
                 incident.restarted_at = restart.step  # its steps were redone by the restarted job
     incidents.sort(key=lambda i: (i.step, i.time))
     annotations = _annotations(run)
-    transition = {r["step"]: float(r["wall_ms"]) / 1000.0 for r in steps if r.get("migrated")}
-    for incident in incidents:
-        if incident.kind == "fail_stop" and not incident.superseded and any(r["step"] == incident.step for r in steps):
-            transition[incident.step] = next(float(r["wall_ms"]) / 1000.0 for r in steps if r["step"] == incident.step)
+    wall_s = {r["step"]: float(r["wall_ms"]) / 1000.0 for r in steps}
+    redone = {i.step for i in incidents if i.kind == "fail_stop" and i.seconds is not None and not i.superseded}
+    transition = {step: wall_s[step] for step in sorted(migrated | redone) if step in wall_s}
     phases = _phases(steps, [i for i in incidents if not i.superseded], run, skip, transition)
     counted = [float(r["wall_ms"]) / 1000.0 for r in steps if r["step"] >= skip and r["step"] not in transition]
     typical = statistics.median(counted) if counted else None
@@ -191,10 +190,7 @@ def _phases(steps: list[dict[str, Any]], incidents: list[Incident], run: Run, sk
     world = _initial_world(run, steps)
     conditions: dict[str, str] = {}  # key -> text, in the order they arose
     lost: list[int] = []
-    by_step: dict[int, list[Incident]] = {}
-    for incident in incidents:
-        by_step.setdefault(incident.step, []).append(incident)
-    pending = list(incidents)
+    pending = list(incidents)  # in step order
     phases: list[TimelinePhase] = []
     current: TimelinePhase | None = None
     for record in steps:

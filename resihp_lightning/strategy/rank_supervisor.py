@@ -119,7 +119,8 @@ class RankSupervisor:
         restart_code: passed to :func:`job_status`.
         grace_s: seconds the ranks get to end after a forwarded signal before they are SIGKILLed.
         poll_s: how often the supervisor looks at its ranks.
-        log: where the supervisor's own lines go (a rank's end, the job's status).
+        log: where the supervisor's own lines go (once a rank has failed or a signal came: each rank's end
+            and the job's status; a run where every rank finishes prints none). Default: stderr.
     """
 
     commands: Sequence[Sequence[str]]
@@ -174,7 +175,8 @@ class RankSupervisor:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
         status = job_status(list(self.exits.values()), restart_code=self.restart_code, interrupted=self.interrupted)
-        self._say(f"every rank has exited; the job's exit status is {status}")
+        if self._eventful():
+            self._say(f"every rank has exited; the job's exit status is {status}")
         return status
 
     def run(self) -> int:
@@ -184,10 +186,14 @@ class RankSupervisor:
 
     def _record(self, local_rank: int, returncode: int) -> None:
         self.exits[local_rank] = RankExit(local_rank, returncode, time.monotonic())
-        if returncode != 0 or len(self.exits) < len(self.procs):
+        if self._eventful():  # a run where every rank finishes says nothing
             running = [r for r in range(len(self.procs)) if r not in self.exits]
             rest = f"; ranks {running} still running" if running else ""
             self._say(f"local rank {local_rank} ended ({self.exits[local_rank].describe()}){rest}")
+
+    def _eventful(self) -> bool:
+        """Whether a rank has failed or the job was interrupted (then every rank's end is told)."""
+        return self.interrupted is not None or any(e.returncode != 0 for e in self.exits.values())
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         del frame

@@ -97,6 +97,13 @@ def test_the_supervisor_outlives_a_killed_rank_0_and_streams_the_survivors_outpu
     assert "the job's exit status is 0" in err
 
 
+def test_a_run_where_every_rank_finishes_exits_0_and_the_supervisor_says_nothing() -> None:
+    proc = _supervise(*[_rank("say(f'rank {rank} done')")] * 2)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and sorted(out.splitlines()) == ["rank 0 done", "rank 1 done"]
+    assert "[resihp supervisor]" not in err, err
+
+
 @pytest.mark.parametrize(("codes", "expected"), [((3, 1, 1), 3), ((0, 75, 75), 75)])
 def test_the_supervisor_exits_with_the_first_failure_or_the_restart_request(codes, expected) -> None:
     ranks = [_rank(f"time.sleep({0.0 if r == 0 else 0.5}); sys.exit({code})") for r, code in enumerate(codes)]

@@ -61,7 +61,7 @@ from resihp_lightning.state.module_weights import LayerKeys
 from resihp_lightning.state.wrapped_state import wraps_optimizer
 from resihp_lightning.strategy.evaluation_steps import EvaluationSteps
 from resihp_lightning.strategy.job_membership import Membership, PlainMembership
-from resihp_lightning.strategy.launcher import without_observer
+from resihp_lightning.strategy.launcher import supervised
 from resihp_lightning.strategy.loss_logging import LossLogRecorder
 from resihp_lightning.strategy.model_state import ModelState
 from resihp_lightning.strategy.module import check_contract, layer_specs, resolve_gather_weights, tied_parameters
@@ -446,7 +446,7 @@ class ResiHPStrategyMixin:
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
         if self.options.fail_stop is not None and type(self._launcher).__name__ == "_SubprocessScriptLauncher":
-            self._launcher = without_observer(self._launcher)
+            self._launcher = supervised(self._launcher, restart_code=self.options.fail_stop.exit_code)
 
     @override
     def setup_distributed(self) -> None:

@@ -68,8 +68,14 @@ def test_a_rank_killed_mid_step_under_the_scripts_own_launcher_costs_one_step(tm
         assert kind in kinds, kinds
     finished = next(e for e in events if e["event"] == "recovery_finished")
     assert finished["members"] == [0, 1, 3] and finished["step"] == 3
-    assert "killed (SIGKILL) inside step 3" in (run_dir / "report.txt").read_text()
+    report = (run_dir / "report.txt").read_text()
+    assert "killed (SIGKILL) inside step 3" in report
+    # What happened, from the events: the death, its recovery and the smaller world; the injection is a note.
+    assert "what happened (6 steps, 4 -> 3 processes" in report and "step 3: rank 2 lost (exited)" in report
+    assert "recovered in-process in" in report and "injected: rank 2 killed inside step 3" in report
     assert "trained 6 steps" in result.stdout and "on 3 processes" in result.stdout
+    # The command is no rank: its supervisor saw rank 2 die and exited with the job's status.
+    assert "[resihp supervisor] local rank 2 ended (killed by SIGKILL)" in result.stderr
 
 
 def _one_line_error(result: subprocess.CompletedProcess) -> str:

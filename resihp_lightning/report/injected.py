@@ -1,9 +1,7 @@
-"""The report of a training run: a throughput table and a PNG timeline from its run directory.
+"""The report's evaluation of an injected fault: throughput against the fault, and the ideal.
 
-A run directory holds ``events.jsonl`` (:mod:`resihp_lightning.callbacks.events`) and ``steps.jsonl``
-(:class:`resihp_lightning.callbacks.progress.StepRecorder`: one line per step with ``step``,
-``wall_ms``, ``tokens``, ``P``, ``D``, ``micro``, ``migrated``, ...). :func:`summarize` splits the
-steps into phases that follow the events of the first injected slowdown: the device's condition
+When the run injected a fault (``fault_injected``: ``examples/finetune.py --fault``), :func:`summarize`
+splits the steps into phases that follow the events of the first injected slowdown: the device's condition
 (healthy before the fault, slowed while it is on, healed after its ``end_step``) crossed with the
 plans applied since the fault began (a step that migrated is left out of every phase; its cost is
 reported as the migration time):
@@ -28,27 +26,26 @@ that plan was never measured, the report names it and its predicted speed-up ove
 latency counts steps from the fault's first step to the first ``fail_slow_detected`` of that rank;
 recovery latency from the fault's ``end_step`` to the first ``fail_slow_recovered`` after it.
 
-Importing this module is cheap; matplotlib is loaded (Agg backend) only to draw.
+A killed or frozen rank (``kill`` / ``hang``) splits the run around the step redone on the survivors
+and compares the throughput after it with (survivors / N) x healthy. What the job itself detected,
+injected or not, is :mod:`~resihp_lightning.report.timeline`'s.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from resihp_lightning.errors import ConfigError
+from resihp_lightning.report.run_records import Run
+from resihp_lightning.report.run_records import event_plan_label as _event_plan_label
+from resihp_lightning.report.run_records import step_plan_label as _plan_label
 
-STEPS_FILE = "steps.jsonl"
-EVENTS_FILE = "events.jsonl"
 #: Fault kinds that end or freeze a rank (fail-stop).
 STOP_KINDS = ("kill", "hang")
 #: Fault kinds that slow a rank's links (its sends / all-reduces), not its compute.
 LINK_KINDS = ("slow_link", "delay_p2p")
-TABLE_FILE = "report.txt"
 START_PLAN_FILE = "initial_plan.json"
-PNG_FILE = "timeline.png"
 
 
 @dataclass
@@ -116,64 +113,11 @@ class Summary:
         return self.recovered_step - self.healed_step
 
 
-@dataclass
-class Run:
-    """A run directory's records."""
-
-    path: Path
-    steps: list[dict[str, Any]]
-    events: list[dict[str, Any]]
-
-
-def load_run(run_dir: str | os.PathLike[str]) -> Run:
-    """Reads ``steps.jsonl`` and ``events.jsonl`` (the latter may be missing: a run without events).
-
-    Raises:
-        ConfigError: no such directory, no steps file, or no step recorded.
-    """
-    from resihp_lightning.callbacks.events import iter_jsonl, read_events
-
-    path = Path(run_dir)
-    if not path.is_dir():
-        raise ConfigError(f"run directory {str(path)!r} does not exist")
-    steps_path = path / STEPS_FILE
-    if not steps_path.is_file():
-        raise ConfigError(f"{str(path)!r} is not a run directory: no {STEPS_FILE}")
-    steps = []
-    for number, record in iter_jsonl(steps_path):
-        if not isinstance(record, dict) or not {"step", "wall_ms", "tokens"} <= set(record):
-            raise ConfigError(f"{steps_path}:{number}: not a step record (needs step, wall_ms, tokens)")
-        steps.append(record)
-    if not steps:
-        raise ConfigError(f"{str(steps_path)!r} records no steps (did the run train at all?)")
-    events = read_events(path) if (path / EVENTS_FILE).is_file() else []
-    return Run(path, steps, events)
-
-
-def _plan_label(record: dict[str, Any]) -> str:
-    label = f"{record.get('P', 1)}x{record.get('D', 1)}"
-    micro = record.get("micro") or []
-    if len(set(micro)) > 1:
-        label += " [" + ",".join(str(m) for m in micro) + "]"
-    return label
-
-
-def _event_plan_label(plan: dict[str, Any]) -> str:
-    replicas = plan.get("replicas") or []
-    if not replicas:
-        return "?"
-    label = f"{len(replicas[0]['devices'])}x{len(replicas)}"
-    micro = [r.get("micro_batches") for r in replicas]
-    if len(set(micro)) > 1:
-        label += " [" + ",".join(str(m) for m in micro) + "]"
-    return label
-
-
 def summarize(run: Run, skip: int = 3) -> Summary:
     """Splits the run into phases (see the module docstring) and collects the loop's milestones.
 
     Args:
-        run: from :func:`load_run`.
+        run: from :func:`~resihp_lightning.report.run_records.load_run`.
         skip: start-up steps left out of the healthy phase (engine build, first-touch allocations).
     """
     steps = sorted(run.steps, key=lambda r: r["step"])
@@ -412,88 +356,3 @@ def format_table(summary: Summary) -> str:
                          f"migration {summary.migration_s:.2f} s{moved}")
     lines.append("plans: " + ", ".join(f"{label} from step {step}" for step, label in summary.plans))
     return "\n".join(lines)
-
-
-def plot(run: Run, summary: Summary, out: str | os.PathLike[str]) -> Path:
-    """Draws the timeline: step time and tokens/s per step, fault / detection / plan changes marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-
-    steps = sorted(run.steps, key=lambda r: r["step"])
-    xs = [r["step"] for r in steps]
-    wall = [r["wall_ms"] / 1000.0 for r in steps]
-    rate = [r["tokens"] / (r["wall_ms"] / 1000.0) if r["wall_ms"] > 0 else 0.0 for r in steps]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 6.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
-    top.plot(xs, wall, marker="o", markersize=3, linewidth=1.2, color="tab:blue", label="step wall time")
-    bottom.plot(xs, rate, marker="o", markersize=3, linewidth=1.2, color="tab:purple", label="tokens/s (per step)")
-    colors = ("tab:green", "tab:red", "tab:blue", "tab:olive", "tab:cyan")
-    for phase, color in zip(summary.phases or [summary.healthy, summary.slowed, summary.after], colors):
-        value = phase.tokens_per_s
-        if value is not None:
-            bottom.hlines(value, phase.steps[0], phase.steps[-1], colors=color, linewidth=2.5,
-                          label=f"{phase.name}: {value:.0f}")
-    if summary.ideal_tokens_per_s is not None and summary.fault is not None:
-        bottom.axhline(summary.ideal_tokens_per_s, color="gray", linestyle=":", linewidth=1.5,
-                       label=f"ideal: {summary.ideal_tokens_per_s:.0f}")
-    marks = []
-    if summary.stop_fault:
-        marks.append((int(summary.fault["start_step"]), "tab:red", "--",
-                      f"rank {summary.fault.get('rank')} {summary.fault.get('kind')}ed"))
-    elif summary.fault is not None:
-        marks.append((int(summary.fault["start_step"]), "tab:red", "--",
-                      f"fault: {_fault_label(summary.fault)}"))
-    if summary.detected_step is not None and not summary.stop_fault:
-        marks.append((summary.detected_step, "tab:orange", "-.", f"detected (+{summary.detection_latency} steps)"))
-    if summary.healed_step is not None:
-        marks.append((summary.healed_step, "tab:red", ":", "device healed"))
-    if summary.recovered_step is not None:
-        marks.append((summary.recovered_step, "tab:orange", ":", f"recovered (+{summary.recovery_latency} steps)"))
-    for step, label in summary.plans[1:]:
-        marks.append((step, "tab:green", "-", f"plan {label}"))
-    top_y = max(wall) if wall else 1.0
-    for i, (x, color, style, text) in enumerate(marks):
-        for ax in (top, bottom):
-            ax.axvline(x, color=color, linestyle=style, linewidth=1.3)
-        top.annotate(text, (x, top_y * (1.02 - 0.09 * (i % 4))), xytext=(4, 0), textcoords="offset points",
-                     color=color, fontsize=9, va="top",
-                     bbox={"boxstyle": "round,pad=0.2", "facecolor": "white", "edgecolor": "none", "alpha": 0.85})
-    if summary.migration_s is not None and summary.applied_step is not None:
-        what = "recovery" if summary.stop_fault else "migration"
-        seconds = summary.recovery["total_s"] if summary.stop_fault and summary.recovery else summary.migration_s
-        top.annotate(f"{what} {seconds:.2f} s", (summary.applied_step, wall[xs.index(summary.applied_step)])
-                     if summary.applied_step in xs else (summary.applied_step, top_y * 0.5),
-                     xytext=(8, -12), textcoords="offset points", fontsize=8, color="tab:green",
-                     bbox={"boxstyle": "round,pad=0.2", "facecolor": "white", "edgecolor": "none", "alpha": 0.85})
-    top.set_ylabel("step wall time (s)")
-    top.set_ylim(0, top_y * 1.08)
-    top.grid(alpha=0.3)
-    bottom.set_ylabel("tokens/s")
-    bottom.set_xlabel("training step")
-    bottom.set_ylim(0, max(rate + [summary.ideal_tokens_per_s or 0]) * 1.15)
-    bottom.grid(alpha=0.3)
-    bottom.legend(loc="lower left", fontsize=8, ncol=2)
-    title = f"{run.path.name}: {summary.world_size} processes, {summary.steps} steps"
-    top.set_title(title)
-    fig.tight_layout()
-    out = Path(out)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
-
-
-def render(run_dir: str | os.PathLike[str], png: str | os.PathLike[str] | None = None,
-           write_table: bool = True) -> tuple[str, Path]:
-    """Reads a run, writes ``report.txt`` and the PNG (default ``<run_dir>/timeline.png``).
-
-    Returns:
-        The table text and the PNG's path.
-    """
-    run = load_run(run_dir)
-    summary = summarize(run)
-    text = format_table(summary)
-    if write_table:
-        (run.path / TABLE_FILE).write_text(text + "\n", encoding="utf-8")
-    out = plot(run, summary, png or run.path / PNG_FILE)
-    return text, out

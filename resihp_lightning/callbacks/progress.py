@@ -17,6 +17,7 @@ tokens       real tokens of the global batch (padding excluded; 0 when the batch
 loss         the step's training loss
 P, D         pipeline and data degree of the plan the step ran under
 micro        micro-batches per replica under that plan
+world        processes in the job (tensor-parallel members and hot spares included)
 migrated     whether a re-plan was applied at the start of this step
 ============ ==================================================================================
 
@@ -137,6 +138,7 @@ class StepRecorder(Callback):
             "tokens": 0 if tokens is None else tokens,
             "loss": None if loss is None else float(loss.detach().float()) if torch.is_tensor(loss) else float(loss),
             **_plan_fields(strategy.current_plan),
+            "world": int(trainer.world_size),  # processes (TP members and spares included)
             "migrated": migrated,
         }
         self.records.append(record)

@@ -182,6 +182,8 @@ def _initial_world(run: Run, steps: list[dict[str, Any]]) -> int:
     restarts = [e for e in run.of("job_restarted") if e.get("step") is not None and e["step"] <= steps[0]["step"]]
     if restarts and restarts[-1].get("world_after"):
         return int(restarts[-1]["world_after"])
+    if steps[0].get("world"):  # recorded since tensor parallelism and spares made P x D no count of processes
+        return int(steps[0]["world"])
     return max(int(steps[0].get("P", 1)) * int(steps[0].get("D", 1)), 1)
 
 

@@ -16,7 +16,10 @@
 
   The waits are therefore *inside* the forward, backward and optimizer work, where any timer around
   them (the strategy's busy-time profiler, hooks, the step time) sees them as it would see a GPU at
-  ``1/factor`` speed. On CUDA the timing synchronises the device first so that it measures kernels,
+  ``1/factor`` speed. Under tensor parallelism a split layer's duration includes its all-reduces,
+  whose time is waiting for the group's other members, not compute: that time
+  (:data:`~resihp_lightning.torch_utils.wait_clock.TENSOR_PARALLEL_WAIT`) is left out of what is
+  slowed, as a throttled GPU's NVLink transfers are not slowed with its compute. On CUDA the timing synchronises the device first so that it measures kernels,
   not launches. What is left unslowed is the pipeline engine's own bookkeeping around each
   instruction (input clones, buffer handling), a small share of the measured busy time.
 * Link faults (``slow_link``, ``delay_p2p``) delay the runtime's own transfers:
@@ -108,12 +111,21 @@ class FaultConfig:
 class _Timing:
     """One slowed call: shared between its backward markers (and its parameters' hooks)."""
 
-    __slots__ = ("factor", "start", "done", "sync", "pending")
+    __slots__ = ("factor", "start", "done", "sync", "pending", "waited")
 
     def __init__(self, factor: float, sync: bool, pending: int = 0) -> None:
         self.factor, self.start, self.done, self.sync = factor, None, False, sync
+        #: the process's tensor-parallel all-reduce time when the backward started
+        self.waited = 0.0
         #: parameters whose gradient is still to be accumulated (a call without a differentiable input)
         self.pending = pending
+
+
+def _all_reduce_wait() -> float:
+    """This process's time so far in tensor-parallel all-reduces (not compute: never slowed)."""
+    from resihp_lightning.torch_utils.wait_clock import TENSOR_PARALLEL_WAIT
+
+    return TENSOR_PARALLEL_WAIT.reading()
 
 
 def _sync(enabled: bool) -> None:
@@ -138,6 +150,7 @@ def _markers(finish: Callable[[_Timing], None]):
             if timing.start is None:
                 _sync(timing.sync)
                 timing.start = time.perf_counter()
+                timing.waited = _all_reduce_wait()
             return grad, None
 
     class BackwardEnd(torch.autograd.Function):
@@ -240,7 +253,8 @@ class Slowdown:
         if timing.start is not None and not timing.done:
             timing.done = True
             _sync(timing.sync)
-            self._wait((timing.factor - 1.0) * (time.perf_counter() - timing.start))
+            own = time.perf_counter() - timing.start - (_all_reduce_wait() - timing.waited)
+            self._wait((timing.factor - 1.0) * own)
 
     def _param_hook(self, queue: deque[_Timing]) -> Callable[[Any], None]:
         def hook(param: Any) -> None:
@@ -285,10 +299,10 @@ class Slowdown:
                     timing.pending = params  # no differentiable input: the backward ends at the parameters
                     queue.append(timing)
             _sync(self.cuda_sync)
-            begin = time.perf_counter()
+            begin, waited = time.perf_counter(), _all_reduce_wait()
             out = original(*args, **kwargs)
             _sync(self.cuda_sync)
-            self._wait((factor - 1.0) * (time.perf_counter() - begin))
+            self._wait((factor - 1.0) * (time.perf_counter() - begin - (_all_reduce_wait() - waited)))
             return mark(out, start_fn, timing, [0]) if grad else out
 
         return forward

@@ -134,6 +134,47 @@ def test_loss_and_optimizer_step_are_slowed_too():
     assert time.perf_counter() - start < 0.025
 
 
+def test_time_in_tensor_parallel_all_reduces_is_not_slowed():
+    """A split layer's forward and backward include its all-reduces, which wait for the other members:
+    only its own compute is slowed (as a throttled GPU's NVLink transfers are not)."""
+    from resihp_lightning.torch_utils.wait_clock import TENSOR_PARALLEL_WAIT
+
+    class WaitsForPeers(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):  # noqa: ANN001
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):  # noqa: ANN001
+            _in_all_reduce(0.03)
+            return grad
+
+    def _in_all_reduce(seconds: float) -> None:
+        started = time.perf_counter()
+        time.sleep(seconds)
+        TENSOR_PARALLEL_WAIT.total_s += time.perf_counter() - started
+
+    class Split(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(4))
+
+        def forward(self, x):  # noqa: ANN001
+            time.sleep(0.02)  # its own compute
+            _in_all_reduce(0.03)  # the forward's all-reduce
+            return WaitsForPeers.apply(x * self.weight)
+
+    slow = Slowdown(lambda: 3.0, cuda_sync=False)
+    layer = Split()
+    slow.wrap(layer)
+    x = torch.ones(4, requires_grad=True)
+    layer(x).sum().backward()
+    forward = slow.injected_s
+    # (3 - 1) x its own 20 ms, not x the 50 ms the forward took with its all-reduce.
+    assert 0.035 < forward < 0.07, forward
+    assert layer.weight.grad is not None
+
+
 def test_detector_finds_the_injected_slowdown_on_a_real_module():
     """Three 'ranks' (a cohort holding the same layer); rank 2 is slowed 2x from step 10."""
     layers = [FakeLayer() for _ in range(3)]

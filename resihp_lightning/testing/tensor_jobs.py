@@ -44,14 +44,17 @@ def packed_batches(steps: int, rows: int = 4, seq_len: int = 20) -> list[dict]:
     return out
 
 
-def unsplit_reference(steps: int, clip: float | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One process trains the unsplit :func:`tensor_parallel_llama` on :func:`packed_batches`: the loss of
-    every step and the final weights (with ``clip``: global-norm clipping, which must bind every step)."""
+def unsplit_reference(
+    steps: int, clip: float | None = None, rows: int = 4, seq_len: int = 20
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process trains the unsplit :func:`tensor_parallel_llama` on :func:`packed_batches` (of ``rows`` x
+    ``seq_len``): the loss of every step and the final weights (with ``clip``: global-norm clipping, which
+    must bind every step)."""
     module = tensor_parallel_llama()
     layers = module.pipeline_layers()
     optimizer = module.configure_optimizers()
     losses = []
-    for batch in packed_batches(steps):
+    for batch in packed_batches(steps, rows, seq_len):
         rows = batch["input_ids"].shape[0]
         loss = torch.zeros(())
         for row in range(rows):

@@ -119,6 +119,12 @@ class StragglerConfig:
             (busy time minus its wait in the group's all-reduces) is at least this many times its group's
             other members' median (> 1; :mod:`.member_core`).
         member_patience: consecutive steps (after ``warmup_steps``) before a member's flag changes (>= 1).
+        probe_interval_steps: under tensor parallelism, while a member dropped from its group is flagged as
+            a device of its own, every process times the same fixed work this often
+            (:mod:`~resihp_lightning.torch_utils.speed_probe`); the device is cleared when its probe speed
+            is at least ``2 / (1 + member_threshold)`` of the median (where the member core clears a
+            member) for ``patience`` probes in a row (its own model may have been fitted while it was slow,
+            with no peer to compare with). 0: no probes.
     """
 
     report_time_interval: float | None = None
@@ -147,6 +153,7 @@ class StragglerConfig:
     link_min_extra_ms: float = 0.5
     member_threshold: float = 2.0
     member_patience: int = 3
+    probe_interval_steps: int = 1
 
     def __post_init__(self) -> None:
         if self.report_time_interval is not None and not (
@@ -155,7 +162,8 @@ class StragglerConfig:
             raise invalid_option("detector.report_time_interval", self.report_time_interval, "null or seconds > 0")
         for name, low in (("report_interval_steps", 1), ("warmup_steps", 0), ("fit_steps", 1), ("patience", 1), ("window", 1),
                           ("num_gpu_perf_scores_to_print", 0), ("min_cohort", 2), ("link_probe_interval_steps", 0),
-                          ("link_probe_rounds", 1), ("link_patience", 1), ("link_window", 1), ("member_patience", 1)):
+                          ("link_probe_rounds", 1), ("link_patience", 1), ("link_window", 1), ("member_patience", 1),
+                          ("probe_interval_steps", 0)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise invalid_option(f"detector.{name}", value, f"an integer >= {low}")
@@ -285,6 +293,9 @@ class _RankState:
     healthy_streak: int = 0
     change_streak: int = 0
     refine_streak: int = 0
+    #: flagged from another source (a member named slow that became a device of its own): its
+    #: healing may need a probe (its model may describe it slow, with no peer to compare with)
+    seeded: bool = False
     history: deque = field(default_factory=deque)
     #: the speeds of the current slow episode (since the streak that flagged it or the last change)
     episode: deque = field(default_factory=lambda: deque(maxlen=EPISODE_STEPS))
@@ -338,12 +349,17 @@ class StragglerCore:
     def reseat(self, rank: int, speed: float | None = None) -> None:
         """Device id ``rank`` now names other hardware (a tensor-parallel group formed anew): its history is
         dropped; with ``speed`` it starts flagged at that speed (it holds a member known to be slow), so its
-        next model fit is anchored there and its healing is reported like any flagged device's."""
+        next model fit is anchored there and its healing is reported like any flagged device's. The version
+        does not change: the speeds the plan was made with are the same (no re-plan is due)."""
         state = _RankState(history=deque(maxlen=self._history_len()))
         if speed is not None:
-            state.flagged, state.speed, state.anchor = True, float(speed), float(speed)
+            state.flagged, state.speed, state.anchor, state.seeded = True, float(speed), float(speed), True
         self._states[rank] = state
-        self.version += 1
+
+    @property
+    def seeded(self) -> list[int]:
+        """Flagged ranks that were started flagged by :meth:`reseat`, ascending."""
+        return sorted(rank for rank, s in self._states.items() if s.flagged and s.seeded)
 
     # ---------------------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:
@@ -433,7 +449,7 @@ class StragglerCore:
                     state.change_streak = state.refine_streak = 0
                     events.append(self._event("fail_slow_detected", step, rank, estimate))
             elif state.healthy_streak >= cfg.patience:
-                state.flagged, state.speed = False, 1.0
+                state.flagged, state.speed, state.seeded = False, 1.0, False
                 state.slow_streak = 0
                 events.append(self._event("fail_slow_recovered", step, rank, statistics.median(since)))
             else:

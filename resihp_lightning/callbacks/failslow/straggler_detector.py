@@ -47,6 +47,7 @@ from resihp_lightning.callbacks.failslow.straggler_core import (
     StragglerCore,
 )
 from resihp_lightning.torch_utils.collectives import all_gather_objects, broadcast_from_zero
+from resihp_lightning.torch_utils.speed_probe import probe_in_turns, relative_speeds
 from resihp_lightning.config import config_from_options
 from resihp_lightning.contract import (
     LinkProber, StepStatsSource, Survivable, provides, reports_device, require, tensor_degree_of,
@@ -91,6 +92,7 @@ class StragglerDetector(Callback):
         self._ranks: dict[int, int] = {}
         self.last_members: list[MemberSample] = []
         self._reported_device: int | None = None  # the device this process reports for (None: it reports none)
+        self._probe_streaks: dict[int, int] = {}  # device -> probes in a row at a healed speed (same on every rank)
         self.detections: list[dict[str, Any]] = []
         self.rank = 0
         self._pending: list[RankSummary] = []
@@ -189,11 +191,46 @@ class StragglerDetector(Callback):
             self._next_report = stats.step
         if stats.step >= self._next_report:
             self.report(trainer, stats.step)
+        if self._tensor_job:
+            self.probe_dropped_members(trainer, stats.step)
         # Every link_probe_interval_steps; and at the next step while a flag change awaits confirmation
         # (the link core is the same on every rank, so every rank probes at the same step).
         if (self._probe_links and stats.step >= self.config.warmup_steps
                 and (stats.step % self.config.link_probe_interval_steps == 0 or self.links.undecided)):
             self.probe_links(trainer)
+
+    def probe_dropped_members(self, trainer: Any, step: int) -> None:
+        """While a device that a dropped member became is flagged (:attr:`StragglerCore.seeded`), every
+        ``probe_interval_steps`` every process times the speed probe (collective; the condition is the same
+        on every rank); such a device at ``2 / (1 + member_threshold)`` or more of the median (where the member
+        core clears a member) for ``patience`` probes in a row is cleared, and measured afresh."""
+        interval = self.config.probe_interval_steps
+        seeded = self.core.seeded
+        if not seeded or not interval or step % interval:
+            return
+        strategy = trainer.strategy
+        device = getattr(strategy, "root_device", "cpu")
+        process = getattr(strategy, "process_id", trainer.global_rank)
+        done, gathered = strategy.collective(lambda: probe_in_turns(process, device))
+        if not done:
+            return
+        speeds = relative_speeds(gathered)
+        for dev in seeded:
+            members = self._layout.get(dev, ())
+            speed = min((speeds[p] for p in members if p in speeds), default=None)
+            if speed is None:
+                continue
+            healed = speed >= 2.0 / (1.0 + self.config.member_threshold)
+            self._probe_streaks[dev] = self._probe_streaks.get(dev, 0) + 1 if healed else 0
+            if self._probe_streaks[dev] < self.config.patience:
+                continue
+            del self._probe_streaks[dev]
+            self._reseat(dev)  # healthy, with a model fitted afresh
+            event = {"event": "fail_slow_recovered", "step": step, "rank": dev, "speed": speed, "source": "probe"}
+            self.detections.append(event)
+            self.events.log(event["event"], step, rank=dev, speed=speed, source="probe")
+            user_info(f"straggler: rank {dev} recovered (speed probe {speed:.2f}, step {step})")
+            self._clear_lone_member(event)
 
     def probe_links(self, trainer: Any) -> None:
         """Measures the links now and folds the probe in (collective: every rank at the same step)."""
@@ -237,6 +274,7 @@ class StragglerDetector(Callback):
                 self.events.log(event["event"], event["step"], **fields_)
                 if event["event"] == "fail_slow_detected":
                     user_info(f"straggler: rank {event['rank']} runs at speed {event['speed']:.2f} (step {event['step']})")
+                    self._follow_lone_member(event)
                     if self.config.stop_if_detected:
                         trainer.should_stop = True
                 else:
@@ -274,6 +312,12 @@ class StragglerDetector(Callback):
         self.core.reseat(device, speed)
         if device == self._reported_device:
             self.tracker.fit.reset(self.tracker.fit.layers)
+
+    def _follow_lone_member(self, event: dict[str, Any]) -> None:
+        """A device that is one flagged member has a new speed: the member's is the same (it is the device)."""
+        members = self._layout.get(event["rank"], ())
+        if len(members) == 1 and members[0] in self.members.flagged:
+            self.members.flagged[members[0]] = float(event["speed"])
 
     def _clear_lone_member(self, event: dict[str, Any]) -> None:
         """A device that is one flagged member healed: the member's flag goes with it."""
@@ -356,6 +400,7 @@ class StragglerDetector(Callback):
         self._last_step, self._next_report, self._interval = state["last_step"], state["next_report"], state["interval"]
         self._layout = state["layout"]
         self._pending, self._pending_members = [], []
+        self._probe_streaks = {}
 
     def _log_scores(self, trainer: Any, step: int) -> None:
         if self.rank != 0:

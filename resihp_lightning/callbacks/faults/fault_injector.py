@@ -41,6 +41,7 @@ from resihp_lightning.callbacks.events import EventLog
 from resihp_lightning.callbacks.faults.slowdowns import STOP_KINDS, FaultConfig, Slowdown
 from resihp_lightning.contract import LayerHost, require
 from resihp_lightning.runtime.transport_delays import DelayedCall, delay_p2p_sends, slow_links
+from resihp_lightning.torch_utils.speed_probe import PROBE
 
 log = get_logger(__name__)
 
@@ -71,6 +72,7 @@ class FaultInjector(Callback):
         self._mine: list[FaultConfig] = []
         self._announced: set[int] = set()
         self._slowdown: Slowdown | None = None
+        self._restore_probe: Any = None
         self._delays: list[DelayedCall] = []
         self._module: Any = None  # the LightningModule whose pipeline_loss is slowed
 
@@ -108,6 +110,8 @@ class FaultInjector(Callback):
             if callable(getattr(pl_module, "pipeline_loss", None)):
                 self._module = pl_module
                 pl_module.pipeline_loss = self._slowdown.wrap_function(pl_module.pipeline_loss)
+            # A throttled device runs the detector's speed probe slower too.
+            self._restore_probe = PROBE.wrap(self._slowdown.wrap_function)
         if any(f.kind == "delay_p2p" for f in self._mine) and not self._delays:
             self._delays.append(delay_p2p_sends(self.current_delay_s))
         if any(f.kind == "slow_link" for f in self._mine):
@@ -135,6 +139,9 @@ class FaultInjector(Callback):
         if self._slowdown is not None:
             self._slowdown.unwrap_all()
             self._slowdown = None
+        if self._restore_probe is not None:
+            self._restore_probe()
+            self._restore_probe = None
         if self._module is not None:
             vars(self._module).pop("pipeline_loss", None)
             self._module = None

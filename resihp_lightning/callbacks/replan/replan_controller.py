@@ -164,8 +164,12 @@ class ReplanController(Callback):
         if self.config.tensor_regroup and tensor_degree_of(trainer.strategy) > 1:
             named = getattr(pl_module, "pipeline_tensor_parallel_degrees", lambda: None)()
             t = tensor_degree_of(trainer.strategy)
+            wanted = self.config.tensor_degrees
+            if wanted is not None and t not in wanted:
+                raise ConfigError(f"controller.tensor_degrees {list(wanted)} must hold the job's tensor_degree {t}")
             if named and t in named:
-                self._tensor_degree, self._degrees = t, tuple(sorted(k for k in named if k <= t))
+                self._tensor_degree = t
+                self._degrees = tuple(sorted(k for k in named if k <= t and (wanted is None or k in wanted)))
             else:
                 user_info("ReplanController: tensor-parallel groups stay as they are (the module does not name the "
                           "degrees its layers split over: pipeline_tensor_parallel_degrees)")

@@ -71,6 +71,8 @@ class ControllerConfig:
             scaled from it (:mod:`~resihp_lightning.callbacks.replan.tensor_regroup`). ``None`` (default):
             measured, from the members' wait in the all-reduces during healthy steps (on oversubscribed
             CPUs that wait is mostly contention, and a number states the hardware's real cost).
+        tensor_degrees: with ``tensor_regroup``, the degrees groups may take (``None``: every degree the
+            module's layers split over, up to ``tensor_degree``); must hold ``tensor_degree``.
     """
 
     min_relative_gain: float = 0.05
@@ -87,6 +89,7 @@ class ControllerConfig:
     plan_wait_s: float = 0.5
     tensor_regroup: bool = True
     tensor_comm_fraction: float | None = None
+    tensor_degrees: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not _number(self.min_relative_gain) or not 0 <= self.min_relative_gain < 1:
@@ -111,6 +114,12 @@ class ControllerConfig:
                                                       or self.tensor_comm_fraction < 0):
             raise invalid_option("controller.tensor_comm_fraction", self.tensor_comm_fraction,
                                  "null (measured) or a number >= 0")
+        if self.tensor_degrees is not None:
+            degrees = self.tensor_degrees
+            if (not isinstance(degrees, (list, tuple)) or not degrees
+                    or any(not isinstance(k, int) or isinstance(k, bool) or k < 1 for k in degrees)):
+                raise invalid_option("controller.tensor_degrees", degrees, "null or a list of integers >= 1")
+            object.__setattr__(self, "tensor_degrees", tuple(sorted(set(degrees))))
         if not isinstance(self.tensor_regroup, bool):
             raise invalid_option("controller.tensor_regroup", self.tensor_regroup, "true or false")
         if self.memory_mb is not None and self.memory_mb != "auto" and (not _number(self.memory_mb) or not self.memory_mb > 0):

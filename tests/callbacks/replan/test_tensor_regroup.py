@@ -115,7 +115,8 @@ def test_a_device_formed_around_a_slow_member_starts_flagged_and_heals_like_any_
         core.update([_summary(step, r, 1.0, 1) for r in range(3)])
     version = core.version
     core.reseat(2, 0.4)  # a member named at speed 0.4 became device 2 on its own
-    assert core.version > version and core.speeds[2] == 0.4 and core.flagged == [2]
+    # The plan was made with that speed already: no re-plan is due (the version stays).
+    assert core.version == version and core.speeds[2] == 0.4 and core.flagged == [2] and core.seeded == [2]
     for step in range(3, 6):  # refitting: no ratio yet; it stays what it was seeded as
         assert core.update([_summary(step, 0, 1.0, 1), _summary(step, 1, 1.0, 1), _summary(step, 2, None, 1)]) == []
     for step in range(6, 9):  # its new model was fitted while it was slow: ratio 1 means speed 0.4
@@ -125,5 +126,6 @@ def test_a_device_formed_around_a_slow_member_starts_flagged_and_heals_like_any_
     for step in range(9, 12):  # it heals: 2.5x faster than its model
         events += core.update([_summary(step, 0, 1.0, 1), _summary(step, 1, 1.0, 1), _summary(step, 2, 2.5, 2)])
     assert [(e["event"], e["rank"], e["step"]) for e in events] == [("fail_slow_recovered", 2, 11)]
+    assert core.seeded == [] and core.version > version
     core.reseat(1)  # a group formed anew of healthy members: fresh
     assert core.speeds[1] == 1.0 and core.flagged == []

@@ -23,8 +23,10 @@ measured throughput enters the ideal. When the controller logged ``healthy_refer
 plan for the devices all healthy, priced with the plan in force on the first healthy profile) and
 that plan was never measured, the report names it and its predicted speed-up over the healthy phase
 (a prediction: ``--strategy.start planned`` in the example measures it). Detection
-latency counts steps from the fault's first step to the first ``fail_slow_detected`` of that rank;
-recovery latency from the fault's ``end_step`` to the first ``fail_slow_recovered`` after it.
+latency counts steps from the fault's first step to the first ``fail_slow_detected`` of that rank (or, under
+tensor parallelism, ``fail_slow_member_detected``: the rank named as its group's slow member); recovery
+latency from the fault's ``end_step`` to the first ``fail_slow_recovered`` (``fail_slow_member_recovered``)
+after it.
 
 A killed or frozen rank (``kill`` / ``hang``) splits the run around the step redone on the survivors
 and compares the throughput after it with (survivors / N) x healthy. What the job itself detected,
@@ -135,8 +137,10 @@ def summarize(run: Run, skip: int = 3) -> Summary:
     summary.start_plan = _start_plan(run.path)
     event_step = None  # the first plan_applied event's step, when steps.jsonl shows no migration for it
     if fault is not None:
-        detected_event = "slow_link_detected" if fault.get("kind") in LINK_KINDS else "fail_slow_detected"
-        detections = [e for e in run.events if e["event"] == detected_event and e.get("rank") == fault["rank"]
+        # Under tensor parallelism the slowed rank is named as its group's member (its device is the group).
+        link = fault.get("kind") in LINK_KINDS
+        detected_events = ("slow_link_detected",) if link else ("fail_slow_detected", "fail_slow_member_detected")
+        detections = [e for e in run.events if e["event"] in detected_events and e.get("rank") == fault["rank"]
                       and e["step"] is not None and e["step"] >= fault_step]
         if detections:
             first = detections[0]
@@ -151,8 +155,8 @@ def summarize(run: Run, skip: int = 3) -> Summary:
             event_step = first["step"]
         if end_step is not None:
             summary.healed_step = int(end_step)
-            recovered_event = "slow_link_recovered" if fault.get("kind") in LINK_KINDS else "fail_slow_recovered"
-            recovered = [e for e in run.events if e["event"] == recovered_event and e.get("rank") == fault["rank"]
+            recovered_events = ("slow_link_recovered",) if link else ("fail_slow_recovered", "fail_slow_member_recovered")
+            recovered = [e for e in run.events if e["event"] in recovered_events and e.get("rank") == fault["rank"]
                          and e["step"] is not None and e["step"] >= int(end_step)]
             if recovered:
                 summary.recovered_step = recovered[0]["step"]

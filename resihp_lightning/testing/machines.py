@@ -268,6 +268,18 @@ class Machine:
         return [pid for pid in _all_pids()
                 if pid != self._holder.inner_pid and _namespace_id(pid, "pid") == self._pid_namespace]
 
+    def host_pid(self, pid: int) -> int:
+        """The host pid of the process this machine knows as ``pid`` (what ``os.getpid()`` says inside it)."""
+        for host_pid in self.pids():
+            try:
+                status = Path(f"/proc/{host_pid}/status").read_text()
+            except OSError:
+                continue
+            nspids = next((line.split()[1:] for line in status.splitlines() if line.startswith("NSpid:")), [])
+            if nspids and int(nspids[-1]) == pid:
+                return host_pid
+        raise MachinesError(f"{self.hostname} runs no process {pid}")
+
     def _signal_all(self, signum: int, rounds: int = 5) -> list[int]:
         hit: list[int] = []
         for _ in range(rounds):  # again, for children forked while the first signals went out

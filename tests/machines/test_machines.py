@@ -140,7 +140,7 @@ def test_the_machines_die_with_the_process_that_made_them_even_on_sigkill(tmp_pa
     script = textwrap.dedent(f"""
         import sys, time
         from resihp_lightning.testing.machines import Machines
-        machines = Machines(2)
+        machines = Machines(2, workdir={str(tmp_path / "machines")!r})
         for machine in machines:
             machine.popen(["sh", "-c", "setsid sleep 300 & sleep 300"])
         while not all(len(m.pids()) == 3 for m in machines):

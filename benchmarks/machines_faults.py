@@ -107,14 +107,19 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="the workers' collective timeout")
     parser.add_argument("--per-process", action="store_true",
                         help="one torchrun --standalone agent per process (ranks from the job's own store), --max-restarts 0")
+    parser.add_argument("--keep", default=None, help="keep each run's directory (logs, records) under this directory")
     args = parser.parse_args()
     reason = unavailable_reason()
     if reason:
         sys.exit(f"machines unavailable: {reason}")
     rows = []
     for scenario in args.scenarios:
-        with tempfile.TemporaryDirectory(prefix=f"machines-{scenario}-") as tmp:
-            row = run(scenario, Path(tmp), args.watch_s, args.delay_s, args.timeout_s, args.per_process)
+        if args.keep:
+            run_dir = Path(tempfile.mkdtemp(prefix=f"{scenario}-", dir=Path(args.keep).resolve()))
+            row = run(scenario, run_dir, args.watch_s, args.delay_s, args.timeout_s, args.per_process)
+        else:
+            with tempfile.TemporaryDirectory(prefix=f"machines-{scenario}-") as tmp:
+                row = run(scenario, Path(tmp), args.watch_s, args.delay_s, args.timeout_s, args.per_process)
         print(row, flush=True)
         rows.append(row)
     print("\n| fault | start-up s | step s | detected s | first step after s | world after | last step | finished s | results | agents |")

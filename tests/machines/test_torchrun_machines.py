@@ -43,6 +43,12 @@ def _fault_inside_step_3(job: TorchrunJob) -> float:
     return time.monotonic()
 
 
+def _results(job: TorchrunJob, count: int) -> dict[str, dict] | None:
+    """The workers' end-of-``fit`` records once there are ``count`` of them."""
+    results = job.results()
+    return results if len(results) >= count else None
+
+
 def _ranks_of(job: TorchrunJob, host: str) -> list[int]:
     return sorted(int(s["tag"].split("-")[1]) for s in job.starts() if s["host"] == host)
 
@@ -59,7 +65,7 @@ def _assert_exact(results: dict[str, dict]) -> None:
 
 def _survivors_recover_in_process(job: TorchrunJob, fault_at: float, lost_host: str) -> None:
     """Machines 0 and 2 finish on 4 processes, exactly, with one recovery that names the lost machine's ranks."""
-    results = job.wait_for(lambda: (r := job.results()) if len(r) == 4 else None, 120, "the four survivors' results")
+    results = job.wait_for(lambda: _results(job, 4), 120, "the four survivors' results")
     assert {r["host"] for r in results.values()} == {"node0", "node2"}
     assert all(tag.startswith("r0-") for tag in results), "no torchrun restart"
     _assert_exact(results)
@@ -67,7 +73,8 @@ def _survivors_recover_in_process(job: TorchrunJob, fault_at: float, lost_host: 
     for result in results.values():
         recovery = result["recovery"]
         assert recovery["step"] == 3 and sorted(map(int, recovery["failed"])) == lost, recovery
-        assert all(how.startswith("silent") for how in recovery["failed"].values()), recovery  # heartbeats across machines
+        # Across machines only the heartbeat tells (no pid to watch): silent, or left out once another was.
+        assert all(how.startswith(("silent", "left out")) for how in recovery["failed"].values()), recovery
         assert sorted(recovery["members"]) == sorted(set(range(6)) - set(lost)) and result["world"] == 4
         assert 0 < recovery["detected_at"] - fault_at < 5.0, "found within the heartbeat timeout (1 s) and a step"
 
@@ -108,7 +115,7 @@ def test_cutting_machine_0s_link_today_lets_machine_0_finish_alone_while_the_maj
         starts = job.starts()
         assert {s["master_addr"] for s in starts} == {"node0"}  # node rank 0, the fail-stop store's host
         assert sorted(s["node_rank"] for s in starts if s["host"] == "node0") == [0, 0]
-        results = job.wait_for(lambda: (r := job.results()) if len(r) >= 2 else None, 120, "machine 0's results")
+        results = job.wait_for(lambda: _results(job, 2), 120, "machine 0's results")
         assert {r["host"] for r in results.values()} == {"node0"} and len(results) == 2
         _assert_exact(results)
         for result in results.values():

@@ -175,8 +175,9 @@ class _Holder:
                                         start_new_session=True)
         line = _read_line(self.process.stdout, timeout)
         if line.strip() != b"ready":
+            exited = self.process.poll() is not None
+            err = self.process.stderr.read().decode(errors="replace").strip() if exited else ""
             self.close()
-            err = self.process.stderr.read().decode(errors="replace").strip() if self.process.poll() is not None else ""
             raise MachinesError(f"{' '.join(flags)}: the namespaces' holder did not start ({err or 'no answer'})")
         self.inner_pid = self._child_of(self.process.pid)
 

@@ -42,6 +42,8 @@ class TorchrunJobConfig:
         steps: training steps (at most one epoch of the toy job: 6).
         step_s: sleep inside each step (in all), so that an outside fault lands inside one.
         rdzv_conf: ``--rdzv-conf``.
+        detect_timeout_s: ``fail_stop.detect_timeout_s`` (the library's default 1 s evicts healthy ranks
+            now and then on an overloaded machine: issue 25's "no false evictions").
         job_args: more arguments of the worker script.
         per_process: torchft's pattern instead: ``nproc_per_node`` agents per machine, each
             ``torchrun --standalone --nproc-per-node 1`` (its own rendezvous, nobody else's workers),
@@ -58,6 +60,7 @@ class TorchrunJobConfig:
     steps: int = 6
     step_s: float = 2.0
     rdzv_conf: str = "join_timeout=120,last_call_timeout=1"
+    detect_timeout_s: float = 1.0
     job_args: Sequence[str] = field(default_factory=tuple)
     per_process: bool = False
     rank_port: int = 29500
@@ -94,7 +97,7 @@ class TorchrunJob:
         cfg = self.config
         torchrun = Path(sys.executable).with_name("torchrun")
         job = [str(JOB), "--run-dir", str(self.run_dir), "--store-port", str(cfg.store_port), "--steps", str(cfg.steps),
-               "--step-s", str(cfg.step_s), *cfg.job_args]
+               "--step-s", str(cfg.step_s), "--detect-timeout-s", str(cfg.detect_timeout_s), *cfg.job_args]
         if cfg.per_process:
             world = len(self.machines) * cfg.nproc_per_node
             return [str(torchrun), "--standalone", "--nnodes", "1", "--nproc-per-node", "1", "--max-restarts",

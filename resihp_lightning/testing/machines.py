@@ -232,6 +232,7 @@ class Machine:
         self._harness = harness
         self._holder = holder
         self._pid_namespace = _namespace_id(holder.inner_pid, "pid")
+        self._launchers: list[subprocess.Popen] = []  # the host-side nsenter of each popen
 
     def __repr__(self) -> str:
         return f"Machine({self.hostname}, {self.address})"
@@ -240,7 +241,10 @@ class Machine:
     def command(self, argv: Sequence[str], cwd: str | os.PathLike | None = None) -> list[str]:
         """``argv`` wrapped to run inside this machine (its network, hostname, ``/etc/hosts``, pids)."""
         workdir = os.fspath(cwd) if cwd is not None else os.getcwd()
-        return [*self._holder.enter("net", "uts", "mount", "pid"), f"--wd={workdir}", "--", *map(os.fspath, argv)]
+        # nsenter waits for the command (and stops itself while the command is stopped): it dies with
+        # this process (parent-death signal), so that a stopped one cannot outlive the harness.
+        return [_tool("setpriv"), "--pdeathsig", "KILL", *self._holder.enter("net", "uts", "mount", "pid"),
+                f"--wd={workdir}", "--", *map(os.fspath, argv)]
 
     def environment(self, env: Mapping[str, str] | None = None) -> dict[str, str]:
         """``env`` (default: this process's environment) with ``TMPDIR`` set to the machine's own."""
@@ -255,7 +259,9 @@ class Machine:
         The returned process is ``nsenter``'s, on the host; it exits with the command's status.
         """
         kwargs.setdefault("start_new_session", True)
-        return subprocess.Popen(self.command(argv, cwd), env=self.environment(env), **kwargs)
+        process = subprocess.Popen(self.command(argv, cwd), env=self.environment(env), **kwargs)
+        self._launchers.append(process)
+        return process
 
     def check_call(self, argv: Sequence[str], timeout: float = 30.0) -> str:
         """Runs ``argv`` on this machine to completion and returns its output (raises if it fails)."""
@@ -306,6 +312,7 @@ class Machine:
             The host pids killed. Raises :class:`MachinesError` if some still live after ``timeout``.
         """
         killed = self._signal_all(signal.SIGKILL)
+        self._continue_launchers()  # a launcher stopped with its command could not reap it otherwise
         deadline = time.monotonic() + timeout
         while (left := [pid for pid in self.pids() if not _is_zombie(pid)]):
             if time.monotonic() > deadline:
@@ -319,7 +326,18 @@ class Machine:
 
     def resume(self) -> list[int]:
         """SIGCONTs every process of this machine."""
-        return self._signal_all(signal.SIGCONT, rounds=1)
+        resumed = self._signal_all(signal.SIGCONT, rounds=1)
+        self._continue_launchers()
+        return resumed
+
+    def _continue_launchers(self) -> None:
+        """nsenter stops itself when its command stops, and waits for a SIGCONT of its own."""
+        for launcher in self._launchers:
+            if launcher.poll() is None:
+                try:
+                    os.kill(launcher.pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
 
     def cut_link(self) -> None:
         """Takes this machine's port on the bridge down: it runs on, but no packet reaches it or leaves it."""
@@ -331,6 +349,13 @@ class Machine:
 
     def close(self) -> None:
         self._holder.close()
+        for launcher in self._launchers:
+            if launcher.poll() is None:
+                launcher.kill()
+            try:
+                launcher.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
 
 
 def _is_zombie(pid: int) -> bool:

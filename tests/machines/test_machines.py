@@ -63,8 +63,10 @@ def test_machines_have_their_own_names_addresses_and_processes_and_reach_each_ot
         try:
             _wait(lambda: len(machines[1].pids()) == 1, 10, "the server on node1")
             assert machines[0].pids() == [] and machines[2].pids() == []  # each machine sees only its own
-            inside = machines[1].check_call(["sh", "-c", "ls /proc | grep -c '^[0-9]'"])
-            assert int(inside) == 5  # its /proc: init, the server, sh, ls, grep (the host has hundreds)
+            listing = "import os; print(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))"
+            inside = eval(machines[1].check_call([sys.executable, "-S", "-c", listing]))
+            assert len(inside) == 3 and inside[0] == 1  # its own /proc: its init, the server, this python
+            assert len([p for p in os.listdir("/proc") if p.isdigit()]) > 3 + len(inside)
             _wait(lambda: _connect(machines[0], "node1", 2).returncode == 0, 10, "node0 -> node1:5000")
             assert server.communicate(timeout=10)[0].strip() == "hello from node0"
         finally:
@@ -111,12 +113,27 @@ def test_kill_takes_every_process_of_one_machine_daemons_included_and_the_machin
 @pytest.mark.timeout(120)
 def test_stop_freezes_every_process_of_a_machine_and_resume_continues_them():
     with Machines(1) as machines:
-        machines[0].popen(["sh", "-c", "sleep 300 & sleep 300"])
+        launcher = machines[0].popen(["sh", "-c", "sleep 300 & sleep 300"])
         _wait(lambda: len(machines[0].pids()) == 3, 10, "sh and two sleeps")
         stopped = machines[0].stop()
         assert len(stopped) == 3 and all(_state(pid) == "T" for pid in stopped)
+        _wait(lambda: _state(launcher.pid) == "T", 10, "nsenter to stop with its command")
         machines[0].resume()
-        _wait(lambda: all(_state(pid) == "S" for pid in stopped), 10, "the processes to continue")
+        _wait(lambda: all(_state(pid) == "S" for pid in stopped + [launcher.pid]), 10, "the processes to continue")
+        machines[0].stop()  # and left stopped: the clean-up must still end everything
+    assert launcher.wait(10) != 0
+    _wait(lambda: not any(_alive(pid) for pid in stopped), 10, "the stopped processes to end")
+
+
+@pytest.mark.timeout(120)
+def test_kill_after_stop_ends_the_stopped_processes_and_their_launchers():
+    with Machines(1) as machines:
+        launcher = machines[0].popen(["sleep", "300"])
+        _wait(lambda: len(machines[0].pids()) == 1, 10, "the sleep")
+        machines[0].stop()
+        _wait(lambda: _state(launcher.pid) == "T", 10, "nsenter to stop with its command")
+        machines[0].kill()
+        assert launcher.wait(10) == -signal.SIGKILL  # nsenter passes on how its command died
 
 
 @pytest.mark.timeout(120)

@@ -288,21 +288,19 @@ class Machine:
         raise MachinesError(f"{self.hostname} runs no process {pid}")
 
     def _signal_all(self, signum: int, rounds: int = 5) -> list[int]:
-        hit: list[int] = []
+        hit: set[int] = set()
         for _ in range(rounds):  # again, for children forked while the first signals went out
-            pids = [pid for pid in self.pids() if pid not in hit or signum == signal.SIGKILL]
+            pids = [pid for pid in self.pids() if pid not in hit]
             if not pids:
                 break
             for pid in pids:
                 try:
                     os.kill(pid, signum)
-                    hit.append(pid)
+                    hit.add(pid)
                 except ProcessLookupError:
                     pass
-            if signum != signal.SIGKILL:
-                continue
-            time.sleep(0.05)
-        return sorted(set(hit))
+            time.sleep(0.02)
+        return sorted(hit)
 
     # --- faults ----------------------------------------------------------------------------------
     def kill(self, timeout: float = 10.0) -> list[int]:

@@ -159,8 +159,11 @@ def test_one_dead_worker_makes_every_torchrun_agent_tear_down_its_healthy_worker
         _kill_one_worker(machines, job, 1, 0)
         job.wait_for(lambda: "Worker group FAILED" in job.agent_log(1) and "will restart worker group" in job.agent_log(1),
                      60, "machine 1's agent to restart its worker group")
-        job.wait_for(lambda: all("Detected 1 new nodes" in job.agent_log(i) for i in (0, 2)), 60,
-                     "the other agents to restart theirs")
+        # Either the new round reaches them while their workers train ("Detected 1 new nodes"), or the
+        # healthy local worker that machine 1's agent SIGTERMed breaks the survivors' regroup first, their
+        # workers fail and they restart for that ("Worker group FAILED"): both tear the survivors down.
+        job.wait_for(lambda: all(any(line in job.agent_log(i) for line in ("Detected 1 new nodes", "Worker group FAILED"))
+                                 for i in (0, 2)), 60, "the other agents to restart theirs")
         assert job.results() == {}, "torn down before the end of training"
 
 
@@ -189,5 +192,6 @@ def test_with_one_standalone_agent_per_process_a_dead_worker_costs_one_step_and_
         assert all(int(s["tag"].split("-")[1]) == 2 * int(s["host"][-1]) + s["local_rank"] for s in job.starts())
         evicted_at_the_end = {int(r) for res in results.values() if res["recovery"]["step"] >= STEPS
                               for r in res["recovery"]["failed"]}
-        expected = [1 if rank == victim or rank in evicted_at_the_end else 0 for rank in range(6)]
-        assert codes == expected, (codes, evicted_at_the_end)
+        assert codes[victim] == 1, codes
+        failed = {rank for rank, code in enumerate(codes) if code != 0} - {victim}
+        assert failed <= evicted_at_the_end, (codes, evicted_at_the_end)

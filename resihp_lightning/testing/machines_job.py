@@ -1,0 +1,163 @@
+"""The exactness job (:mod:`.toy_jobs`) as a torchrun worker script with ``fail_stop`` on, for the machines harness.
+
+Every worker of every restart runs this script (``tests/machines/test_torchrun_machines.py``):
+``Trainer(strategy=ResiHPStrategy(pipeline_degree=2, fail_stop=FailStopConfig(store_port=...)))`` over
+the world torchrun formed (``launcher_shape``), the model of :func:`~.toy_jobs.build_class` on
+:func:`~.toy_jobs.make_data`'s rows, whose one-process losses and weights :func:`~.toy_jobs.reference_fit`
+computes. Each step sleeps ``--step-s`` in total inside the pipeline schedule (before each micro-batch's
+forward of the rank's first layer), so that a fault injected from outside lands inside a step.
+
+What it writes under ``--run-dir`` (``<tag>`` = ``r<restart>-<rank at start>-<pid>``):
+
+* ``start-<tag>.json``: hostname, node rank (``GROUP_RANK``), local rank, pid, ``MASTER_ADDR``, when;
+* ``steps-<tag>.jsonl``: one line per finished step (step, loss, world size, time);
+* ``result-<tag>.json``: at the end of ``fit``, the losses, the final weights and the last recovery.
+
+    torchrun --nnodes 3 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint node0:29400 \\
+        resihp_lightning/testing/machines_job.py --run-dir RUN --store-port 29600
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+def _record(path: Path, payload: dict) -> None:
+    path.write_text(json.dumps(payload))
+
+
+def assign_ranks(endpoint: str, world: int, local_rank: int, local_world: int, job_id: str, timeout_s: float = 120.0) -> None:
+    """Sets the launcher variables of one process started by its own ``torchrun --standalone`` agent.
+
+    torchft's pattern: every process has an agent of its own (its own rendezvous, world size 1), so an
+    agent restarts or tears down nobody else's process. The job's ranks come from a ``TCPStore`` at
+    ``endpoint`` (``host:port``; hosted by local process 0 of that host): each process registers
+    ``host:local rank``; once ``world`` have, ranks follow the sorted (host, local rank) order and node
+    ranks the sorted hosts. ``MASTER_ADDR`` becomes the first host (where ``fail_stop``'s store host
+    runs), ``TORCHELASTIC_RUN_ID`` the shared ``job_id``.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    host, port = endpoint.rsplit(":", 1)
+    me = socket.gethostname()
+    store = dist.TCPStore(host, int(port), None, me == host and local_rank == 0, datetime.timedelta(seconds=timeout_s),
+                          wait_for_workers=False)
+    store.append("members", f"{me}:{local_rank},")
+    count = store.add("count", 1)
+    deadline = time.monotonic() + timeout_s
+    while count < world:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {count} of {world} processes registered at {endpoint}")
+        time.sleep(0.05)
+        count = store.add("count", 0)
+    members = sorted((m.rsplit(":", 1)[0], int(m.rsplit(":", 1)[1]))
+                     for m in store.get("members").decode().split(",") if m)[:world]
+    hosts = sorted({h for h, _ in members})
+    os.environ.update(RANK=str(members.index((me, local_rank))), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank),
+                      LOCAL_WORLD_SIZE=str(local_world), GROUP_RANK=str(hosts.index(me)), MASTER_ADDR=hosts[0],
+                      TORCHELASTIC_RUN_ID=job_id)
+    store.set(f"done/{me}:{local_rank}", "1")
+    if me == host and local_rank == 0:  # the host keeps serving until every process has read its rank
+        store.wait([f"done/{h}:{r}" for h, r in members], datetime.timedelta(seconds=timeout_s))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--store-port", type=int, required=True, help="fail_stop.store_port")
+    parser.add_argument("--steps", type=int, default=6, help="at most one epoch (toy_jobs.EPOCH_STEPS)")
+    parser.add_argument("--step-s", type=float, default=0.0, help="sleep this long inside each step, in all")
+    parser.add_argument("--detect-timeout-s", type=float, default=1.0)
+    parser.add_argument("--pipeline-degree", type=int, default=2)
+    parser.add_argument("--own-ranks", default=None, metavar="HOST:PORT",
+                        help="one torchrun --standalone agent per process: take ranks from a store here (assign_ranks)")
+    parser.add_argument("--world", type=int, default=6, help="with --own-ranks: processes in the job")
+    parser.add_argument("--local-rank", type=int, default=0, help="with --own-ranks: this process's index on its machine")
+    parser.add_argument("--local-world", type=int, default=2, help="with --own-ranks: processes per machine")
+    parser.add_argument("--timeout-s", type=float, default=1800.0, help="collective timeout (ResiHPStrategy(timeout=...))")
+    args = parser.parse_args(argv)
+
+    import lightning.pytorch as pl
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from resihp_lightning.callbacks.failstop.failstop_reporter import FailStopReporter
+    from resihp_lightning.failstop.fail_stop_config import FailStopConfig
+    from resihp_lightning.launcher_env import launcher_shape, restart_count
+    from resihp_lightning.strategy.strategy import ResiHPStrategy
+    from resihp_lightning.testing.toy_jobs import M, MBS, build_class, make_data
+
+    torch.set_num_threads(1)
+    if args.own_ranks:
+        assign_ranks(args.own_ranks, args.world, args.local_rank, args.local_world, job_id="machines-job")
+    run_dir = Path(args.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    # The pid too: after a membership change torchrun restarts the other agents' workers with the same count.
+    tag = f"r{restart_count()}-{os.environ.get('RANK', '0')}-{os.getpid()}"
+    _record(run_dir / f"start-{tag}.json", {
+        "host": socket.gethostname(), "node_rank": int(os.environ.get("GROUP_RANK", "0")),
+        "local_rank": int(os.environ.get("LOCAL_RANK", "0")), "pid": os.getpid(),
+        "master_addr": os.environ.get("MASTER_ADDR"), "time": time.time(), "monotonic": time.monotonic(),
+    })
+
+    class Recorder(pl.Callback):
+        """Logs each finished step and keeps a per-micro-batch sleep hook on the rank's first layer."""
+
+        def __init__(self) -> None:
+            self.losses: list[float] = []
+            self._hooked: tuple[int, object] | None = None
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            layers = list(trainer.strategy.local_layers().values())
+            if not args.step_s or not layers or (self._hooked and self._hooked[0] == id(layers[0])):
+                return
+            if self._hooked:
+                self._hooked[1].remove()
+            handle = layers[0].register_forward_pre_hook(lambda module, inputs: time.sleep(args.step_s / M))
+            self._hooked = (id(layers[0]), handle)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            loss = float(outputs["loss"])
+            self.losses.append(loss)
+            with open(run_dir / f"steps-{tag}.jsonl", "a") as handle:
+                handle.write(json.dumps({"step": trainer.global_step - 1, "loss": loss, "world": trainer.world_size,
+                                         "time": time.time(), "monotonic": time.monotonic()}) + "\n")
+
+    recorder = Recorder()
+    num_nodes, devices = launcher_shape(devices=1, num_nodes=1)
+    fail_stop = FailStopConfig(store_port=args.store_port, detect_timeout_s=args.detect_timeout_s)
+    strategy = ResiHPStrategy(pipeline_degree=args.pipeline_degree, micro_batch_size=MBS, fail_stop=fail_stop,
+                              timeout=args.timeout_s)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=devices, num_nodes=num_nodes, strategy=strategy, max_steps=args.steps, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        callbacks=[recorder, FailStopReporter(log_dir=str(run_dir))], default_root_dir=str(run_dir),
+    )
+    x, y = make_data()
+    model = build_class()()
+    trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=M * MBS))
+    record = strategy.last_recovery
+    _record(run_dir / f"result-{tag}.json", {
+        "host": socket.gethostname(), "losses": recorder.losses, "time": time.time(),
+        "state": {k: v.detach().tolist() for k, v in model.state_dict().items()},
+        "world": trainer.world_size,
+        "recovery": None if record is None else {
+            "step": record.step, "generation": record.generation, "failed": {str(k): v for k, v in record.failed.items()},
+            "members": list(record.members), "detected_at": record.detected_at, "total_s": record.total_s,
+            "regroup_s": record.regroup_s, "redo_s": record.redo_s,
+        },
+    })
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""A torchrun job across three namespace machines, ``fail_stop`` on: what losing a machine does today.
+
+3 machines x 2 workers (2 stages x 3 replicas), one ``torchrun --nnodes 3 --nproc-per-node 2
+--rdzv-backend c10d --rdzv-endpoint node0:29400`` agent per machine, the exactness job of
+``resihp_lightning/testing/toy_jobs.py`` (``resihp_lightning/testing/machines_job.py``), each step
+~1.6 s. The fault strikes inside step 3. Asserted is today's behaviour (``docs/machines.md`` has the
+measured times and what is still wrong).
+
+The heartbeat timeout is 3 s (``DETECT_S``). Asserted:
+
+* every process of machine 1 killed, or SIGSTOPped: the workers of machines 0 and 2 recover
+  in-process (torchrun's agents there never notice: an agent only watches its own workers) and
+  finish on 4 processes with the one-process reference's losses and weights (1e-6). Their agents
+  then wait in torchrun's exit barrier for the lost agent (300 s, fixed in torch) before they exit 0;
+* machine 0's link cut (it hosts the rendezvous, node rank 0 and the fail-stop store): machine 0's two
+  workers, which keep the store, evict the four others and finish alone, exactly; the other two
+  machines, the majority, make no further step (they stall in a collective with machine 0);
+* one worker of machine 1 killed: its agent restarts its worker group (the healthy local worker with
+  it) and every other agent restarts its workers at the next rendezvous round;
+* the same under torchft's launch pattern (one ``torchrun --standalone`` agent per process, ranks from
+  the job's own store): the five others finish exactly, in-process, and every command ends.
+
+Never hangs: each wait has a deadline and the machines' clean-up SIGKILLs every agent and worker.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from resihp_lightning.testing.machines import Machines, unavailable_reason
+from resihp_lightning.testing.toy_jobs import reference_fit
+from resihp_lightning.testing.torchrun_machines import TorchrunJob, TorchrunJobConfig
+
+pytestmark = [pytest.mark.multiprocess,
+              pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))]
+
+STEPS = 6
+#: Seconds into step 3 (after step 2's record) when the fault strikes.
+INTO_STEP = 0.7
+EXIT_BARRIER_LOG = "Waiting 300 seconds for other agents to finish"
+#: The heartbeat timeout: 3 s, not the default 1 s, which on this shared 2-core machine now and then
+#: evicts a healthy rank at start-up (a known bug of the detector, issue 25), not what is tested here.
+DETECT_S = 3.0
+CONFIG = TorchrunJobConfig(detect_timeout_s=DETECT_S)
+
+
+def _fault_inside_step(job: TorchrunJob, step: int = 3) -> float:
+    job.wait_for(lambda: job.max_step() >= step - 1, 240, f"step {step - 1} on six processes")
+    time.sleep(INTO_STEP)
+    return time.monotonic()
+
+
+def _results(job: TorchrunJob, count: int) -> dict[str, dict] | None:
+    """The workers' end-of-``fit`` records once there are ``count`` of them."""
+    results = job.results()
+    return results if len(results) >= count else None
+
+
+def _ranks_of(job: TorchrunJob, host: str) -> list[int]:
+    return sorted(int(s["tag"].split("-")[1]) for s in job.starts() if s["host"] == host)
+
+
+def _assert_exact(results: dict[str, dict]) -> None:
+    losses, _, params = reference_fit(STEPS, None)
+    for tag, result in results.items():
+        assert len(result["losses"]) == STEPS, (tag, result["losses"])
+        for step, (got, want) in enumerate(zip(result["losses"], losses, strict=True)):
+            assert abs(got - want) < 1e-6, f"{tag} step {step}: {got} vs reference {want}"
+        for key, want in params.items():
+            assert torch.allclose(torch.tensor(result["state"][key]), want, atol=1e-6, rtol=0), (tag, key)
+
+
+def _survivors_recover_in_process(job: TorchrunJob, fault_at: float, lost_host: str) -> None:
+    """Machines 0 and 2 finish on 4 processes, exactly, with one recovery that names the lost machine's ranks."""
+    results = job.wait_for(lambda: _results(job, 4), 120, "the four survivors' results")
+    assert {r["host"] for r in results.values()} == {"node0", "node2"}
+    assert all(tag.startswith("r0-") for tag in results), "no torchrun restart"
+    _assert_exact(results)
+    lost = _ranks_of(job, lost_host)
+    for result in results.values():
+        recovery = result["recovery"]
+        assert recovery["step"] == 3 and sorted(map(int, recovery["failed"])) == lost, recovery
+        # Across machines only the heartbeat tells (no pid to watch): silent, or left out once another was.
+        assert all(how.startswith(("silent", "left out")) for how in recovery["failed"].values()), recovery
+        assert sorted(recovery["members"]) == sorted(set(range(6)) - set(lost)) and result["world"] == 4
+        assert 0 < recovery["detected_at"] - fault_at < DETECT_S + 3.0, "found within the heartbeat timeout and a step"
+
+
+def _agents_wait_in_the_exit_barrier(job: TorchrunJob, indices: list[int]) -> None:
+    """The survivors' agents outlive their finished workers: torchrun's exit barrier waits for the lost agent."""
+    job.wait_for(lambda: all(EXIT_BARRIER_LOG in job.agent_log(i) for i in indices), 30, "the exit barrier")
+    time.sleep(5)
+    assert [job.agents[i].poll() for i in indices] == [None] * len(indices)
+
+
+@pytest.mark.timeout(420)
+def test_killing_every_process_of_machine_1_costs_one_step_but_the_agents_wait_300_s_at_exit(tmp_path):
+    with Machines(3) as machines, TorchrunJob(machines, tmp_path / "run", CONFIG) as job:
+        fault_at = _fault_inside_step(job)
+        killed = machines[1].kill()
+        assert len(killed) == 3  # the agent and its two workers
+        _survivors_recover_in_process(job, fault_at, "node1")
+        _agents_wait_in_the_exit_barrier(job, [0, 2])
+
+
+@pytest.mark.timeout(420)
+def test_a_sigstopped_machine_is_evicted_and_the_job_finishes_exactly_without_it(tmp_path):
+    with Machines(3) as machines, TorchrunJob(machines, tmp_path / "run", CONFIG) as job:
+        fault_at = _fault_inside_step(job)
+        assert len(machines[1].stop()) == 3
+        _survivors_recover_in_process(job, fault_at, "node1")
+        # Nobody kills a frozen machine's processes (fail_stop.kill_evicted acts on the leader's machine only).
+        assert len(machines[1].pids()) == 3
+        _agents_wait_in_the_exit_barrier(job, [0, 2])
+
+
+@pytest.mark.timeout(420)
+def test_cutting_machine_0s_link_today_lets_machine_0_finish_alone_while_the_majority_stalls(tmp_path):
+    with Machines(3) as machines, TorchrunJob(machines, tmp_path / "run", CONFIG) as job:
+        fault_at = _fault_inside_step(job)
+        machines[0].cut_link()
+        starts = job.starts()
+        assert {s["master_addr"] for s in starts} == {"node0"}  # node rank 0, the fail-stop store's host
+        assert sorted(s["node_rank"] for s in starts if s["host"] == "node0") == [0, 0]
+        results = job.wait_for(lambda: _results(job, 2), 120, "machine 0's results")
+        assert {r["host"] for r in results.values()} == {"node0"} and len(results) == 2
+        _assert_exact(results)
+        for result in results.values():
+            assert sorted(map(int, result["recovery"]["failed"])) == [2, 3, 4, 5] and result["world"] == 2
+        time.sleep(20)
+        majority = {tag: rows for tag, rows in job.steps().items() if int(tag.split("-")[1]) >= 2}
+        assert len(majority) == 4 and all(rows[-1]["monotonic"] < fault_at for rows in majority.values()), majority
+        assert len(job.results()) == 2
+        assert [job.agents[i].poll() for i in (1, 2)] == [None, None]
+
+
+def _kill_one_worker(machines: Machines, job: TorchrunJob, host_index: int, local_rank: int) -> int:
+    """SIGKILLs one worker (its agent and the machine's other worker live); returns its rank."""
+    start = next(s for s in job.starts() if s["host"] == f"node{host_index}" and s["local_rank"] == local_rank)
+    os.kill(machines[host_index].host_pid(start["pid"]), signal.SIGKILL)
+    return int(start["tag"].split("-")[1])
+
+
+@pytest.mark.timeout(420)
+def test_one_dead_worker_makes_every_torchrun_agent_tear_down_its_healthy_workers(tmp_path):
+    """Today's launch (one agent per machine): the dead worker's agent restarts its worker group, killing
+    the healthy local worker, and its new rendezvous round makes every other agent restart its workers
+    too ("Detected 1 new nodes"), whatever the survivors were doing in-process."""
+    # Killed inside step 1 of 6, 4 s steps: the survivors are still training when the new round is called
+    # (with little training left they may finish in-process first and wait in the exit barrier instead).
+    config = TorchrunJobConfig(detect_timeout_s=DETECT_S, step_s=4.0)
+    with Machines(3) as machines, TorchrunJob(machines, tmp_path / "run", config) as job:
+        _fault_inside_step(job, step=1)
+        _kill_one_worker(machines, job, 1, 0)
+        job.wait_for(lambda: "Worker group FAILED" in job.agent_log(1) and "will restart worker group" in job.agent_log(1),
+                     60, "machine 1's agent to restart its worker group")
+        # Either the new round reaches them while their workers train ("Detected 1 new nodes"), or the
+        # healthy local worker that machine 1's agent SIGTERMed breaks the survivors' regroup first, their
+        # workers fail and they restart for that ("Worker group FAILED"): both tear the survivors down.
+        job.wait_for(lambda: all(any(line in job.agent_log(i) for line in ("Detected 1 new nodes", "Worker group FAILED"))
+                                 for i in (0, 2)), 60, "the other agents to restart theirs")
+        assert job.results() == {}, "torn down before the end of training"
+
+
+@pytest.mark.timeout(420)
+def test_with_one_standalone_agent_per_process_a_dead_worker_costs_one_step_and_every_command_ends(tmp_path):
+    """torchft's pattern (TorchrunJobConfig.per_process): no agent watches another's worker, so the five
+    survivors recover in-process and finish exactly, the dead worker's agent exits 1, the others once their
+    worker ends (no exit barrier: each agent's world is its own process).
+
+    Known bug, not this launch's (docs/machines.md): a survivor still in its last step's collectives when
+    the others finish sees them go silent, evicts them and SIGKILLs the finished ones on its machine
+    (``kill_evicted``); such a worker exits -9 after its result and its agent 1. Allowed here only
+    for a rank some survivor's last recovery evicted after the last step."""
+    config = TorchrunJobConfig(per_process=True, max_restarts=0, detect_timeout_s=DETECT_S)
+    with Machines(3) as machines, TorchrunJob(machines, tmp_path / "run", config) as job:
+        fault_at = _fault_inside_step(job)
+        victim = _kill_one_worker(machines, job, 1, 0)
+        results = job.wait_for(lambda: _results(job, 5), 120, "the five survivors' results")
+        _assert_exact(results)
+        for result in results.values():
+            if result["recovery"]["step"] == 3:  # a rank that idled as a spare may record a later regroup
+                assert list(result["recovery"]["failed"]) == [str(victim)], result["recovery"]
+        codes = job.wait_agents(range(len(job.agents)), 90)
+        assert None not in codes and time.monotonic() - fault_at < 90, codes
+        # Ranks follow (host, local index): agent i (machine i // 2, local index i % 2) ran rank i.
+        assert all(int(s["tag"].split("-")[1]) == 2 * int(s["host"][-1]) + s["local_rank"] for s in job.starts())
+        evicted_at_the_end = {int(r) for res in results.values() if res["recovery"]["step"] >= STEPS
+                              for r in res["recovery"]["failed"]}
+        assert codes[victim] == 1, codes
+        failed = {rank for rank, code in enumerate(codes) if code != 0} - {victim}
+        assert failed <= evicted_at_the_end, (codes, evicted_at_the_end)

@@ -200,7 +200,7 @@ class StragglerDetector(Callback):
             self.probe_links(trainer)
 
     def probe_dropped_members(self, trainer: Any, step: int) -> None:
-        """While a device that a dropped member became is flagged (:attr:`StragglerCore.seeded`), every
+        """While a device that a dropped member became is flagged (:attr:`.straggler_core.StragglerCore.seeded`), every
         ``probe_interval_steps`` every process times the speed probe (collective; the condition is the same
         on every rank); such a device at ``2 / (1 + member_threshold)`` or more of the median (where the member
         core clears a member) for ``patience`` probes in a row is cleared, and measured afresh."""

@@ -44,9 +44,12 @@ def packed_batches(steps: int, rows: int = 4, seq_len: int = 20) -> list[dict]:
     return out
 
 
-def unsplit_reference(steps: int, clip: float | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+def unsplit_reference(
+    steps: int, clip: float | None = None, autocast: torch.dtype | None = None
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process trains the unsplit :func:`tensor_parallel_llama` on :func:`packed_batches`: the loss of
-    every step and the final weights (with ``clip``: global-norm clipping, which must bind every step)."""
+    every step and the final weights (with ``clip``: global-norm clipping, which must bind every step; with
+    ``autocast``: each row's forward and loss under ``torch.autocast`` of that dtype, as ``bf16-mixed``)."""
     module = tensor_parallel_llama()
     layers = module.pipeline_layers()
     optimizer = module.configure_optimizers()
@@ -56,9 +59,10 @@ def unsplit_reference(steps: int, clip: float | None = None) -> tuple[list[float
         loss = torch.zeros(())
         for row in range(rows):
             outputs, labels, _ = module.pipeline_batch({k: v[row:row + 1] for k, v in batch.items()})
-            for layer in layers:
-                outputs = layer(outputs)
-            loss = loss + module.pipeline_loss(outputs, labels) / rows
+            with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+                for layer in layers:
+                    outputs = layer(outputs)
+                loss = loss + module.pipeline_loss(outputs, labels) / rows
         optimizer.zero_grad()
         loss.backward()
         if clip is not None:

@@ -6,7 +6,8 @@ run. One job, three fits of the exactness job: ``switched`` trains two epochs an
 2 x 2 to per-replica bounds after the first; ``first`` trains the first epoch under 2 x 2 and saves;
 ``resumed`` loads that checkpoint under the per-replica plan and trains the second epoch. The second
 epoch's losses and the final weights of ``resumed`` must equal ``switched``'s to 1e-6: the
-checkpoint carried the fp32 masters and the optimizer state, not bf16 copies.
+checkpoint carried the fp32 masters and the optimizer state, not bf16 copies. A fourth fit reduces the
+gradients in bf16 (``deepspeed_config={"communication_data_type": "bf16"}``): its updates must differ.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ def _rank(rank: int, world: int, ckpt_dir: str, precision: str = "bf16-mixed") -
     fit("switched", 2, schedule={EPOCH_STEPS: PER_REPLICA}, pipeline_degree=2)
     fit("first", 1, pipeline_degree=2)
     fit("resumed", 2, ckpt_path=path, plan=PER_REPLICA)
+    # The gradient all-reduce in bf16 (DeepSpeed's communication_data_type) instead of fp32.
+    fit("bf16_reduce", 1, pipeline_degree=2, deepspeed_config={"communication_data_type": "bf16"})
     if rank == 0:
         saved = torch.load(path, weights_only=False, map_location="cpu")
         out["saved_dtypes"] = {k: v.dtype for k, v in saved["state_dict"].items()}
@@ -61,6 +64,10 @@ def test_bf16_mixed_checkpoint_holds_fp32_masters_and_resumes_under_another_plan
     assert results[0]["saved_optimizer"] == [("exp_avg", torch.float32), ("exp_avg_sq", torch.float32)], results[0]["saved_optimizer"]
     for rank, result in enumerate(results):
         switched, first, resumed = result["switched"], result["first"], result["resumed"]
+        # bf16 gradient sums: the same first loss (no update yet), then other (bf16-rounded) updates.
+        reduced = result["bf16_reduce"]["losses"]
+        assert reduced[0] == first["losses"][0]
+        assert 1e-7 < max(abs(a - b) for a, b in zip(reduced, first["losses"], strict=True)) < 2e-3, (reduced, first["losses"])
         assert first["losses"] == pytest.approx(switched["losses"][:EPOCH_STEPS], abs=1e-6), rank
         # The resumed fit ran under the per-replica plan, the second epoch only.
         assert len(resumed["losses"]) == EPOCH_STEPS, resumed["losses"]

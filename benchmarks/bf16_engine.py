@@ -28,12 +28,13 @@ no accelerator, so memory is the process's peak resident set (``VmHWM``, reset t
 ``/proc/self/clear_refs`` after the warm-up) minus its resident set before the model was built (part 1)
 or before the first step (part 2): weights, gradients, optimizer state, activations and allocator
 slack together, in MiB; part 2 gives the largest rank. Each variant runs in fresh processes, one
-after the other, so variants do not share an allocator; run it on an idle machine, timings on a
-shared one move by tens of percent between runs.
+after the other, so variants do not share an allocator; ``--repeats N`` runs every variant N times in
+rotated order and reports the median and range of the per-run numbers. Run it on an idle machine:
+timings on a shared one move by tens of percent between runs.
 
 Run::
 
-    OMP_NUM_THREADS=1 python benchmarks/bf16_engine.py [--part compute|engine|both] [--steps 5] [--warmup 2]
+    OMP_NUM_THREADS=1 python benchmarks/bf16_engine.py [--part compute|engine|both] [--steps 5] [--warmup 2] [--repeats 2]
 """
 
 from __future__ import annotations
@@ -144,14 +145,19 @@ def _compute_variant(variant: str, micro_batches: int, seq_len: int, warmup: int
                "losses": losses})
 
 
-def run_compute(micro_batches: int, seq_len: int, warmup: int, steps: int) -> list[dict]:
+def _rotations(names: list[str], repeats: int) -> list[str]:
+    """``names`` ``repeats`` times, each round starting one further (load drift hits every variant alike)."""
+    return [name for r in range(repeats) for name in names[r % len(names):] + names[:r % len(names)]]
+
+
+def run_compute(micro_batches: int, seq_len: int, warmup: int, steps: int, repeats: int) -> dict[str, list[dict]]:
     ctx = multiprocessing.get_context("spawn")
-    out = []
-    for variant in COMPUTE_VARIANTS:
+    out: dict[str, list[dict]] = {name: [] for name in COMPUTE_VARIANTS}
+    for variant in _rotations(list(COMPUTE_VARIANTS), repeats):
         queue = ctx.Queue()
         proc = ctx.Process(target=_compute_variant, args=(variant, micro_batches, seq_len, warmup, steps, queue))
         proc.start()
-        out.append(queue.get(timeout=1800))
+        out[variant].append(queue.get(timeout=1800))
         proc.join(60)
     return out
 
@@ -204,12 +210,19 @@ def _engine_rank(rank: int, port: int, variant: str, micro_batches: int, seq_len
     queue.put(record)
 
 
-def run_engine(micro_batches: int, seq_len: int, warmup: int, steps: int) -> dict[str, list[dict]]:
-    out = {}
-    for variant in ENGINE_VARIANTS:
+def run_engine(micro_batches: int, seq_len: int, warmup: int, steps: int, repeats: int) -> dict[str, list[list[dict]]]:
+    """variant -> one list of rank records per repeat."""
+    out: dict[str, list[list[dict]]] = {name: [] for name in ENGINE_VARIANTS}
+    for variant in _rotations(list(ENGINE_VARIANTS), repeats):
         got = run_ranks(_engine_rank, (variant, micro_batches, seq_len, warmup, steps), WORLD, WORLD, timeout=1800)
-        out[variant] = sorted(got, key=lambda r: r["rank"])
+        out[variant].append(sorted(got, key=lambda r: r["rank"]))
     return out
+
+
+def _spread(values: list[float]) -> str:
+    """``median (min-max)`` of per-run values."""
+    med = statistics.median(values)
+    return f"{med:.0f}" if len(values) == 1 else f"{med:.0f} ({min(values):.0f}-{max(values):.0f})"
 
 
 def main() -> None:
@@ -219,30 +232,34 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=1, help="runs of every variant, in rotated order")
     args = parser.parse_args()
     print(f"demo model {SHAPE}; M = {args.micro_batches} rows of {args.seq_len} tokens; "
-          f"{args.warmup} warm-up + {args.steps} timed steps\n")
+          f"{args.warmup} warm-up + {args.steps} timed steps; {args.repeats} run(s) per variant, median (min-max) over runs\n")
     if args.part in ("compute", "both"):
-        results = run_compute(args.micro_batches, args.seq_len, args.warmup, args.steps)
-        base = statistics.median(results[0]["step_ms"])
-        print("one process, one thread | step ms (median) | x fp32 | peak MiB over the pre-model RSS | last loss")
+        results = run_compute(args.micro_batches, args.seq_len, args.warmup, args.steps, args.repeats)
+        medians = {name: [statistics.median(run["step_ms"]) for run in runs] for name, runs in results.items()}
+        base = statistics.median(medians["fp32"])
+        print("one process, one thread | step ms | x fp32 | peak MiB over the pre-model RSS | last loss")
         print("---|---|---|---|---")
-        for r in results:
-            ms = statistics.median(r["step_ms"])
-            print(f"{r['variant']} | {ms:.0f} | {ms / base:.2f} | {r['peak_mib']:.0f} | {r['losses'][-1]:.4f}")
+        for name, runs in results.items():
+            print(f"{name} | {_spread(medians[name])} | {statistics.median(medians[name]) / base:.2f} | "
+                  f"{_spread([run['peak_mib'] for run in runs])} | {runs[0]['losses'][-1]:.4f}")
         print()
     if args.part in ("engine", "both"):
-        results = run_engine(args.micro_batches, args.seq_len, args.warmup, args.steps)
-        base = None
-        print("4 processes, P=2 x D=2 | engine class | step ms (median of the slowest rank) | x layer-wise | "
+        results = run_engine(args.micro_batches, args.seq_len, args.warmup, args.steps, args.repeats)
+        step_ms, peak = {}, {}
+        for name, runs in results.items():
+            step_ms[name] = [statistics.median(max(r["step_ms"][i] for r in ranks) for i in range(len(ranks[0]["step_ms"])))
+                             for ranks in runs]
+            peak[name] = [max(r["peak_mib"] for r in ranks) for ranks in runs]
+        base = statistics.median(step_ms["layer-wise bf16"])
+        print("4 processes, P=2 x D=2 | engine class | step ms (slowest rank) | x layer-wise | "
               "peak MiB of the largest rank | last loss")
         print("---|---|---|---|---|---")
-        for variant, ranks in results.items():
-            slowest = [max(r["step_ms"][i] for r in ranks) for i in range(len(ranks[0]["step_ms"]))]
-            ms = statistics.median(slowest)
-            base = base or ms
-            print(f"{variant} | {ranks[0]['engine']} | {ms:.0f} | {ms / base:.2f} | {max(r['peak_mib'] for r in ranks):.0f} | "
-                  f"{ranks[-1]['losses'][-1]:.4f}")
+        for name, runs in results.items():
+            print(f"{name} | {runs[0][0]['engine']} | {_spread(step_ms[name])} | {statistics.median(step_ms[name]) / base:.2f} | "
+                  f"{_spread(peak[name])} | {runs[0][-1]['losses'][-1]:.4f}")
 
 
 if __name__ == "__main__":

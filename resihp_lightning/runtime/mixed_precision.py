@@ -58,11 +58,6 @@ class MixedPrecision:
         device_type = torch.device(device).type
         return torch.autocast(device_type=device_type, dtype=self.compute_dtype)
 
-    @property
-    def name(self) -> str:
-        """Lightning's name of this precision (``"bf16-mixed"``)."""
-        return "bf16-mixed"
-
 
 #: Lightning's ``precision="bf16-mixed"`` under the layer-wise engine.
 BF16_MIXED = MixedPrecision()

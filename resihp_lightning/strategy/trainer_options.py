@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from resihp_lightning.runtime.mixed_precision import BF16_MIXED, MixedPrecision
+from resihp_lightning.state.wrapped_state import wraps_optimizer
 
 #: Trainer ``precision`` values and the DeepSpeed section each enables (``None``: nothing to add; fp32,
 #: or ``bf16-mixed`` run by the layer-wise engine: see :func:`layerwise_precision`).
@@ -37,12 +38,6 @@ def _enabled(config: Mapping[str, Any], section: str) -> bool:
     return bool((config.get(section) or {}).get("enabled", False))
 
 
-def deepspeed_wraps_optimizer(config: Mapping[str, Any]) -> bool:
-    """Whether ``deepspeed_config`` itself asks for a DeepSpeed optimizer wrapper (bf16, fp16 or ZeRO >= 1)."""
-    stage = int((config.get("zero_optimization") or {}).get("stage", 0) or 0)
-    return stage > 0 or _enabled(config, "bf16") or _enabled(config, "fp16")
-
-
 def layerwise_precision(deepspeed_config: Mapping[str, Any], precision: str) -> MixedPrecision | None:
     """The mixed precision the layer-wise engine runs for a Trainer ``precision``, or ``None``.
 
@@ -51,7 +46,7 @@ def layerwise_precision(deepspeed_config: Mapping[str, Any], precision: str) -> 
     optimizer wrapper (``bf16.enabled``, ``fp16.enabled`` or ZeRO stage >= 1): then DeepSpeed's bf16
     wrapper runs it, as :func:`effective_deepspeed_config` enables it, and this returns ``None``.
     """
-    if str(precision) == "bf16-mixed" and not deepspeed_wraps_optimizer(deepspeed_config):
+    if str(precision) == "bf16-mixed" and not wraps_optimizer(deepspeed_config):
         return BF16_MIXED
     return None
 
@@ -90,7 +85,7 @@ def effective_deepspeed_config(
             f"{', '.join(repr(p) for p in PRECISIONS)}"
         )
     section = PRECISIONS[precision]
-    if precision == "bf16-mixed" and deepspeed_wraps_optimizer(config):
+    if precision == "bf16-mixed" and wraps_optimizer(config):
         section = "bf16"  # deepspeed_config chose a DeepSpeed wrapper: its bf16 mode runs bf16-mixed
     if section is not None:
         other = "fp16" if section == "bf16" else "bf16"

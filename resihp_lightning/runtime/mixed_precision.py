@@ -25,12 +25,14 @@ rank before the commit point), which the layer-wise engine does not have; the st
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from resihp_lightning.errors import invalid_option
+from resihp_lightning.errors import ConfigError, invalid_option
+from resihp_lightning.state.wrapped_state import wraps_optimizer
 
 #: Compute dtypes the layer-wise engine runs under autocast.
 COMPUTE_DTYPES = (torch.bfloat16,)
@@ -52,6 +54,28 @@ class MixedPrecision:
     def __post_init__(self) -> None:
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise invalid_option("precision.compute_dtype", self.compute_dtype, [str(d) for d in COMPUTE_DTYPES])
+
+    def check(self, deepspeed_config: Mapping[str, Any]) -> None:
+        """Refuses DeepSpeed settings this precision cannot run with.
+
+        Raises:
+            ConfigError: a DeepSpeed optimizer wrapper (ZeRO, ``bf16`` / ``fp16`` sections: they own the
+                parameters' dtype and state), or DeepSpeed's activation checkpointing (it recomputes the
+                forward pass during the backward pass, outside the autocast, so the recomputed
+                activations would not be the bf16 ones the forward produced).
+        """
+        if wraps_optimizer(deepspeed_config):
+            raise ConfigError(
+                "precision='bf16-mixed' of the layer-wise engine cannot run under a DeepSpeed optimizer wrapper "
+                "(ZeRO / bf16 / fp16 in deepspeed_config); use one or the other"
+            )
+        interval = (deepspeed_config.get("pipeline") or {}).get("activation_checkpoint_interval")
+        if interval:
+            raise invalid_option(
+                "deepspeed_config.pipeline.activation_checkpoint_interval", interval,
+                "0 with precision='bf16-mixed' (DeepSpeed recomputes checkpointed layers outside the autocast); "
+                "use precision='32-true', or DeepSpeed's bf16 through deepspeed_config={'bf16': {'enabled': True}}",
+            )
 
     def autocast(self, device: torch.device | str) -> contextlib.AbstractContextManager[Any]:
         """The autocast context of a forward pass on ``device``."""

@@ -799,9 +799,8 @@ class PipelineRuntime:
         # Plain fp32: the layer-wise reduction (any bounds; exact gradient clipping). ZeRO / bf16 / fp16
         # keep DeepSpeed's own (the strategy then requires shared bounds).
         layerwise = self._carrier.per_replica_bounds
-        if self.config.precision is not None and not layerwise:
-            raise ConfigError("bf16 mixed precision of the layer-wise engine cannot run under a DeepSpeed optimizer "
-                              "wrapper (ZeRO / bf16 / fp16 in deepspeed_config); use one or the other")
+        if self.config.precision is not None:
+            self.config.precision.check(config)
         if layerwise and self.mixed_degrees:
             grid = self._pipe._grid
             self._reducer = MixedDegreeReducer(

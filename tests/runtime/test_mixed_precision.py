@@ -39,3 +39,11 @@ def test_autocast_computes_in_bf16_and_keeps_fp32_parameters_and_gradients():
     assert out.dtype == torch.bfloat16 and loss.dtype == torch.float32
     for p in layer.parameters():
         assert p.dtype == torch.float32 and p.grad.dtype == torch.float32
+
+
+def test_deepspeed_settings_it_cannot_run_with_are_refused_by_name():
+    BF16_MIXED.check({"communication_data_type": "bf16", "pipeline": {"activation_checkpoint_interval": 0}})
+    with pytest.raises(ConfigError, match="DeepSpeed optimizer wrapper"):
+        BF16_MIXED.check({"zero_optimization": {"stage": 1}})
+    with pytest.raises(ConfigError, match=r"activation_checkpoint_interval.*outside the autocast"):
+        BF16_MIXED.check({"pipeline": {"activation_checkpoint_interval": 1}})

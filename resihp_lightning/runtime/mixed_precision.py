@@ -24,7 +24,6 @@ rank before the commit point), which the layer-wise engine does not have; the st
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -77,7 +76,7 @@ class MixedPrecision:
                 "use precision='32-true', or DeepSpeed's bf16 through deepspeed_config={'bf16': {'enabled': True}}",
             )
 
-    def autocast(self, device: torch.device | str) -> contextlib.AbstractContextManager[Any]:
+    def autocast(self, device: torch.device | str) -> torch.autocast:
         """The autocast context of a forward pass on ``device``."""
         device_type = torch.device(device).type
         return torch.autocast(device_type=device_type, dtype=self.compute_dtype)

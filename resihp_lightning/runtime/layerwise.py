@@ -40,6 +40,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from resihp_lightning.errors import ConfigError, PlanError, invalid_option
 from resihp_lightning.placement import holder_sets, layer_holders, position
 from resihp_lightning.plan import Plan
+from resihp_lightning.runtime.mixed_precision import MixedPrecision
 from resihp_lightning.torch_utils.collectives import release_process_groups
 from resihp_lightning.torch_utils.shards import split_dim
 
@@ -403,6 +404,7 @@ def _layerwise_class(base: type) -> type:
             _resihp_layerwise = True
             _resihp_reducer: LayerwiseReducer
             _resihp_commit: Any = None
+            _resihp_precision: Any = None  # a MixedPrecision: forward passes (and the loss) under autocast
             _resihp_loss: Any = None
             _resihp_norm: Any = None
 
@@ -434,7 +436,18 @@ def _layerwise_class(base: type) -> type:
                 loss, self._resihp_loss = self._resihp_loss, None
                 return loss if loss is not None else _aggregate_loss(self, base)
 
-            _INSTRUCTION_MAP = {**base._INSTRUCTION_MAP, schedule.OptimizerStep: _committed_optimizer_step}
+            def _mixed_forward_pass(self, buffer_id: int) -> None:
+                # The backward pass runs outside autocast (it follows the forward's dtypes), as torch asks.
+                if self._resihp_precision is None:
+                    return base._exec_forward_pass(self, buffer_id)
+                with self._resihp_precision.autocast(self.device):
+                    return base._exec_forward_pass(self, buffer_id)
+
+            _INSTRUCTION_MAP = {
+                **base._INSTRUCTION_MAP,
+                schedule.OptimizerStep: _committed_optimizer_step,
+                schedule.ForwardPass: _mixed_forward_pass,
+            }
 
         LayerwisePipelineEngine.__name__ = LayerwisePipelineEngine.__qualname__ = f"Layerwise{base.__name__}"
         _CLASSES[base] = LayerwisePipelineEngine
@@ -448,8 +461,12 @@ def _aggregate_loss(engine: Any, base: type) -> Any:
     return aggregate(engine) if aggregate is not None else base._aggregate_total_loss(engine)
 
 
-def install(engine: Any, reducer: LayerwiseReducer) -> Any:
+def install(engine: Any, reducer: LayerwiseReducer, precision: MixedPrecision | None = None) -> Any:
     """Makes ``engine`` (a built ``PipelineEngine``) reduce gradients with ``reducer``; returns the engine.
+
+    With ``precision`` (:mod:`~resihp_lightning.runtime.mixed_precision`) every forward pass of the
+    schedule, the last stage's loss included, runs under its autocast: bf16 compute over the fp32
+    parameters, whose gradients and optimizer state stay fp32 and per parameter.
 
     The engine's class is swapped for a subclass that overrides three DeepSpeed methods:
 
@@ -503,5 +520,6 @@ def install(engine: Any, reducer: LayerwiseReducer) -> Any:
     reducer.predivide = float(engine.gradient_predivide_factor())
     reducer.communication_dtype = engine.communication_data_type
     engine._resihp_reducer = reducer
+    engine._resihp_precision = precision
     engine.__class__ = _layerwise_class(type(engine))
     return engine

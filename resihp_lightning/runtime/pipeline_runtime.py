@@ -53,6 +53,7 @@ from resihp_lightning.plan import Plan
 from resihp_lightning.torch_utils.shards import gather_shards, shard_of, split_dim
 from resihp_lightning.runtime import batching, engine as engines
 from resihp_lightning.runtime.layerwise import LayerwiseReducer, install
+from resihp_lightning.runtime.mixed_precision import MixedPrecision
 from resihp_lightning.runtime.mixed_reduction import MixedDegreeReducer
 from resihp_lightning.runtime.tensor_grid import TensorGrid
 from resihp_lightning.state.migration import migrate
@@ -89,6 +90,9 @@ class RuntimeConfig:
             process holds that is still on meta when a pipe is built. ``None``: such a layer is refused.
         tensor: tensor parallelism (plans name groups; this process holds its member's shard of its
             group's layers, split from a copy of each); ``None``: none.
+        precision: bf16 mixed precision run by the layer-wise engine (forward under autocast, fp32
+            parameters and optimizer state; :mod:`~resihp_lightning.runtime.mixed_precision`); ``None``:
+            the parameters' own dtype (fp32, or DeepSpeed's bf16 / fp16 wrapper from ``deepspeed_config``).
     """
 
     layers: Sequence[Any]
@@ -100,6 +104,7 @@ class RuntimeConfig:
     commit: Callable[[], None] | None = None
     load_layer: Callable[[int, nn.Module, torch.device], None] | None = None
     tensor: TensorParallelism | None = None
+    precision: MixedPrecision | None = None
 
 
 class PipelineRuntime:
@@ -794,6 +799,8 @@ class PipelineRuntime:
         # Plain fp32: the layer-wise reduction (any bounds; exact gradient clipping). ZeRO / bf16 / fp16
         # keep DeepSpeed's own (the strategy then requires shared bounds).
         layerwise = self._carrier.per_replica_bounds
+        if self.config.precision is not None:
+            self.config.precision.check(config)
         if layerwise and self.mixed_degrees:
             grid = self._pipe._grid
             self._reducer = MixedDegreeReducer(
@@ -813,7 +820,7 @@ class PipelineRuntime:
         if self._reducer is not None:
             if broadcast:
                 self._reducer.broadcast()
-            install(self._engine, self._reducer)
+            install(self._engine, self._reducer, precision=self.config.precision)
             self._engine._resihp_commit = self.config.commit
         self._profiler.attach(self._engine, self.local_layers())
 

@@ -3,8 +3,9 @@
 Two implementations of one interface, picked once from the DeepSpeed config by :func:`carrier_for`:
 
 * :class:`PlainStateCarrier` — the user's optimizer steps the model parameters itself and keeps its
-  state in ``optimizer.state`` (fp32, no ZeRO). Parameters and their state objects simply move.
-* :class:`WrappedStateCarrier` — DeepSpeed wraps the optimizer (ZeRO-1, bf16): fp32 masters and
+  state in ``optimizer.state`` (fp32, no ZeRO; also ``precision="bf16-mixed"`` under the layer-wise
+  engine, whose fp32 parameters are the masters). Parameters and their state objects simply move.
+* :class:`WrappedStateCarrier` — DeepSpeed wraps the optimizer (ZeRO-1, DeepSpeed's bf16): fp32 masters and
   moments live in flat partitions; they are read and written per parameter through
   :mod:`~resihp_lightning.state.wrapped_state`.
 

@@ -1,5 +1,8 @@
 """Per-parameter optimizer state under DeepSpeed's optimizer wrappers (ZeRO-1, bf16), for layer moves.
 
+(``Trainer(precision="bf16-mixed")`` does not come here unless ``deepspeed_config`` asks for a wrapper:
+the layer-wise engine runs it over fp32 parameters, :mod:`~resihp_lightning.runtime.mixed_precision`.)
+
 With ZeRO stage 1 or ``bf16`` DeepSpeed wraps the user's optimizer (``DeepSpeedZeroOptimizer`` /
 ``BF16_Optimizer``): the fp32 master weights and the optimizer's moments live in one flat partition
 per parameter group and data-parallel rank, and the user's optimizer only sees those flat tensors.

@@ -71,7 +71,7 @@ from resihp_lightning.strategy.tensor_modes import SplitLayers, TensorMode, Whol
 from resihp_lightning.strategy.tensor_setup import check_tensor_groups, check_tensor_parallel_job, create_tensor_groups
 from resihp_lightning.tensor.tensor_groups import TensorGroups, TensorParallelism
 from resihp_lightning.torch_utils.wait_clock import TENSOR_PARALLEL_WAIT
-from resihp_lightning.strategy.trainer_options import effective_deepspeed_config, refuse_unsupported
+from resihp_lightning.strategy.trainer_options import effective_deepspeed_config, layerwise_precision, refuse_unsupported
 from resihp_lightning.telemetry import LayerCost, LinkSample, StepStats
 
 
@@ -542,6 +542,7 @@ class ResiHPStrategyMixin:
             commit=self._membership.commit,
             load_layer=getattr(module, "pipeline_load_layer", None),
             tensor=self._tensor.parallelism,
+            precision=layerwise_precision(self.options.deepspeed_config, self.precision_plugin.precision),
         )
         ranks = self._tensor.runtime_ranks(self._membership.rank_map())
         runtime = PipelineRuntime(config, plan, self.device_id, ranks=ranks, reuse=reuse, profiler=profiler)

@@ -3,7 +3,8 @@
 The pipeline engine runs the forward, backward and optimizer step itself, so Lightning's own
 precision plugin, gradient clipping and backward hooks never see them. Rather than ignore those
 options silently, :func:`effective_deepspeed_config` turns them into the DeepSpeed entries that do
-the same thing (as Lightning's own ``DeepSpeedStrategy`` does for precision), and
+the same thing (as Lightning's own ``DeepSpeedStrategy`` does for precision), or, for
+``precision="bf16-mixed"``, :func:`layerwise_precision` hands it to the layer-wise engine; and
 :func:`refuse_unsupported` names what cannot work and what to use instead.
 """
 
@@ -13,19 +14,41 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
-#: Trainer ``precision`` values and the DeepSpeed section each enables (``None``: fp32, nothing to add).
+from resihp_lightning.runtime.mixed_precision import BF16_MIXED, MixedPrecision
+from resihp_lightning.state.wrapped_state import wraps_optimizer
+
+#: Trainer ``precision`` values and the DeepSpeed section each enables (``None``: nothing to add; fp32,
+#: or ``bf16-mixed`` run by the layer-wise engine: see :func:`layerwise_precision`).
 PRECISIONS: dict[str, str | None] = {
     "32-true": None,
     "32": None,
-    "bf16-mixed": "bf16",
+    "bf16-mixed": None,
     "bf16-true": "bf16",
-    "16-mixed": "fp16",
-    "16-true": "fp16",
+}
+#: Trainer precisions refused, with the reason and what to use instead.
+REFUSED_PRECISIONS: dict[str, str] = {
+    p: "the layer-wise engine has no fp16 loss scaling; use precision='bf16-mixed' (bf16 needs none), or DeepSpeed's "
+    "fp16 wrapper through deepspeed_config={'fp16': {'enabled': True}} (shared stage bounds, no in-process "
+    "recovery, accelerators only)"
+    for p in ("16-mixed", "16-true", "16")
 }
 
 
 def _enabled(config: Mapping[str, Any], section: str) -> bool:
     return bool((config.get(section) or {}).get("enabled", False))
+
+
+def layerwise_precision(deepspeed_config: Mapping[str, Any], precision: str) -> MixedPrecision | None:
+    """The mixed precision the layer-wise engine runs for a Trainer ``precision``, or ``None``.
+
+    ``precision="bf16-mixed"`` is bf16 autocast over fp32 parameters and per-parameter optimizer state
+    (:mod:`~resihp_lightning.runtime.mixed_precision`), unless ``deepspeed_config`` asks for a DeepSpeed
+    optimizer wrapper (``bf16.enabled``, ``fp16.enabled`` or ZeRO stage >= 1): then DeepSpeed's bf16
+    wrapper runs it, as :func:`effective_deepspeed_config` enables it, and this returns ``None``.
+    """
+    if str(precision) == "bf16-mixed" and not wraps_optimizer(deepspeed_config):
+        return BF16_MIXED
+    return None
 
 
 def effective_deepspeed_config(
@@ -36,6 +59,10 @@ def effective_deepspeed_config(
     error: type[Exception],
 ) -> dict[str, Any]:
     """The strategy's DeepSpeed entries with the Trainer's precision and gradient clipping folded in.
+
+    ``precision="bf16-mixed"`` adds nothing (the layer-wise engine runs it, :func:`layerwise_precision`)
+    unless ``deepspeed_config`` asks for a DeepSpeed optimizer wrapper, whose bf16 mode it then enables;
+    ``"bf16-true"`` enables DeepSpeed's bf16 mode; fp16 precisions are refused.
 
     Args:
         deepspeed_config: ``ResiHPStrategy(deepspeed_config=...)``.
@@ -50,12 +77,16 @@ def effective_deepspeed_config(
     """
     config = copy.deepcopy(dict(deepspeed_config))
     precision = str(precision)
+    if precision in REFUSED_PRECISIONS:
+        raise error(f"Trainer(precision={precision!r}) is not supported by ResiHPStrategy: {REFUSED_PRECISIONS[precision]}")
     if precision not in PRECISIONS:
         raise error(
             f"Trainer(precision={precision!r}) is not supported by ResiHPStrategy; allowed: "
-            f"{', '.join(repr(p) for p in PRECISIONS)} (the pipeline engine's bf16 / fp16 modes)"
+            f"{', '.join(repr(p) for p in PRECISIONS)}"
         )
     section = PRECISIONS[precision]
+    if precision == "bf16-mixed" and wraps_optimizer(config):
+        section = "bf16"  # deepspeed_config chose a DeepSpeed wrapper: its bf16 mode runs bf16-mixed
     if section is not None:
         other = "fp16" if section == "bf16" else "bf16"
         if _enabled(config, other):

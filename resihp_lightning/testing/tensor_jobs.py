@@ -45,23 +45,25 @@ def packed_batches(steps: int, rows: int = 4, seq_len: int = 20) -> list[dict]:
 
 
 def unsplit_reference(
-    steps: int, clip: float | None = None, rows: int = 4, seq_len: int = 20
+    steps: int, clip: float | None = None, autocast: torch.dtype | None = None, rows: int = 4, seq_len: int = 20
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process trains the unsplit :func:`tensor_parallel_llama` on :func:`packed_batches` (of ``rows`` x
     ``seq_len``): the loss of every step and the final weights (with ``clip``: global-norm clipping, which
-    must bind every step)."""
+    must bind every step; with ``autocast``: each row's forward and loss under ``torch.autocast`` of that
+    dtype, as ``bf16-mixed``)."""
     module = tensor_parallel_llama()
     layers = module.pipeline_layers()
     optimizer = module.configure_optimizers()
     losses = []
     for batch in packed_batches(steps, rows, seq_len):
-        rows = batch["input_ids"].shape[0]
+        count = batch["input_ids"].shape[0]
         loss = torch.zeros(())
-        for row in range(rows):
+        for row in range(count):
             outputs, labels, _ = module.pipeline_batch({k: v[row:row + 1] for k, v in batch.items()})
-            for layer in layers:
-                outputs = layer(outputs)
-            loss = loss + module.pipeline_loss(outputs, labels) / rows
+            with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+                for layer in layers:
+                    outputs = layer(outputs)
+                loss = loss + module.pipeline_loss(outputs, labels) / count
         optimizer.zero_grad()
         loss.backward()
         if clip is not None:

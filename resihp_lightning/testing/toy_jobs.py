@@ -112,8 +112,13 @@ def reference_run(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, params
 
 
-def reference_fit(steps: int, clip: float | None) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+def reference_fit(
+    steps: int, clip: float | None, autocast: torch.dtype | None = None
+) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
     """One process, within the first epoch, optionally clipping the gradients' global norm to ``clip``.
+
+    ``autocast``: run each micro-batch's forward and loss under ``torch.autocast`` of that dtype (fp32
+    parameters and optimizer, as Lightning's ``precision="bf16-mixed"``).
 
     Returns:
         The loss of every step, the last step's per-micro-batch losses, and the final parameters keyed
@@ -131,10 +136,11 @@ def reference_fit(steps: int, clip: float | None) -> tuple[list[float], list[flo
         opt.zero_grad()
         micro = []
         for k in range(M):
-            out = xb[k * MBS : (k + 1) * MBS]
-            for layer in layers:
-                out = layer(out)
-            loss = F.mse_loss(out, yb[k * MBS : (k + 1) * MBS])
+            with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+                out = xb[k * MBS : (k + 1) * MBS]
+                for layer in layers:
+                    out = layer(out)
+                loss = F.mse_loss(out, yb[k * MBS : (k + 1) * MBS])
             (loss / M).backward()
             micro.append(float(loss.detach()))
         if clip:

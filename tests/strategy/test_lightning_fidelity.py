@@ -1,8 +1,8 @@
 """Trainer features under ResiHPStrategy as a Lightning user meets them (4 real gloo processes).
 
 The trained model comes back (in the LightningModule after fit, and through a plain single-process
-``load_from_checkpoint``), ``gradient_clip_val`` clips by the exact global norm, ``precision="bf16-mixed"``
-is DeepSpeed's bf16 mode, ``self.log`` inside ``pipeline_loss`` reaches ``callback_metrics``, and a
+``load_from_checkpoint``), ``gradient_clip_val`` clips by the exact global norm, ``precision="bf16-true"``
+is DeepSpeed's bf16 mode (``"bf16-mixed"``, the layer-wise engine's, is tested in ``tests/failstop/test_bf16_recovery.py``), ``self.log`` inside ``pipeline_loss`` reaches ``callback_metrics``, and a
 short last batch is refused before the first step.
 """
 
@@ -56,9 +56,9 @@ def _fidelity_rank(rank: int, world: int, ckpt_dir: str) -> dict:
     out["logged"] = float(trainer.callback_metrics["mse_in_pipeline"])
     out["module_state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
 
-    # 2. Trainer(precision="bf16-mixed") is DeepSpeed's bf16: the same losses as deepspeed_config bf16.
+    # 2. Trainer(precision="bf16-true") is DeepSpeed's bf16: the same losses as deepspeed_config bf16.
     runs = {}
-    for name, precision, config in (("trainer", "bf16-mixed", {}), ("deepspeed", "32-true", {"bf16": {"enabled": True}})):
+    for name, precision, config in (("trainer", "bf16-true", {}), ("deepspeed", "32-true", {"bf16": {"enabled": True}})):
         recorder = make_recorder()
         trainer = pl.Trainer(strategy=ResiHPStrategy(pipeline_degree=2, micro_batch_size=MBS, deepspeed_config=config),
                              max_steps=3, precision=precision, callbacks=[recorder], enable_checkpointing=False, **common)
@@ -145,8 +145,14 @@ def test_trainer_options_map_onto_deepspeed_or_are_refused():
     def effective(config, precision="32-true", clip=None, algorithm=None):
         return effective_deepspeed_config(config, precision, clip, algorithm, MisconfigurationException)
 
-    assert effective({}, "bf16-mixed")["bf16"] == {"enabled": True}
+    # bf16-mixed is the layer-wise engine's (nothing for DeepSpeed) unless deepspeed_config picks a wrapper.
+    assert "bf16" not in effective({}, "bf16-mixed")
+    assert effective({"bf16": {"enabled": True}}, "bf16-mixed")["bf16"] == {"enabled": True}
+    assert effective({"zero_optimization": {"stage": 1}}, "bf16-mixed")["bf16"] == {"enabled": True}
     assert effective({}, "bf16-true")["bf16"] == {"enabled": True}
+    for precision in ("16-mixed", "16-true"):
+        with pytest.raises(MisconfigurationException, match=rf"precision='{precision}'.*no fp16 loss scaling.*bf16-mixed"):
+            effective({}, precision)
     assert effective({"zero_optimization": {"stage": 1}}, clip=0.5)["gradient_clipping"] == 0.5
     assert "bf16" not in effective({}) and "gradient_clipping" not in effective({})
     with pytest.raises(MisconfigurationException, match=r"precision='64-true'.*allowed"):

@@ -153,6 +153,9 @@ class Heartbeat:
             reported by every rank, also with ``monitor="rank0"``.
         detector: a running detector to report on (it is neither started nor stopped here, and
             ``on_failure`` does not apply); ``None`` starts an own one.
+        identity: this process as an own detector's peers know it (default: the current process; tests
+            that run several ranks in one process give each a machine of its own,
+            :meth:`~resihp_lightning.resilience.procs.ProcessIdentity.simulated`).
     """
 
     def __init__(
@@ -166,8 +169,10 @@ class Heartbeat:
         on_dead: Callable[[list[int]], None] | None = None,
         store_host_rank: int = 0,
         detector: FailureDetector | None = None,
+        identity: ProcessIdentity | None = None,
     ) -> None:
         self.config = config or HeartbeatConfig()
+        self.identity = identity
         if detector is not None:
             self.rank = detector.rank
         else:
@@ -273,12 +278,14 @@ class Heartbeat:
             self.store = self._open_store()
         scoped = dist.PrefixStore(KEY_NAMESPACE, self.store)
         # Peers on this machine see this process's exit at once instead of after timeout_s of silence.
-        scoped.set(proc_key(self.rank), ProcessIdentity.current().to_json())
+        identity = self.identity or ProcessIdentity.current()
+        scoped.set(proc_key(self.rank), identity.to_json())
         detector = FailureDetector(
             self.config.detector_config(),
             rank=self.rank,
             connect=lambda: scoped,
             on_store_lost=self._store_lost,
+            identity=identity,
         )
         detector.start()
         if self.monitoring:

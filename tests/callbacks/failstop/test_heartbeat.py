@@ -21,6 +21,7 @@ from resihp_lightning.callbacks.events import EventLog, read_events
 from resihp_lightning.callbacks.failstop.heartbeat import STORE_UNREACHABLE, Heartbeat, HeartbeatConfig
 from resihp_lightning.errors import ConfigError
 from resihp_lightning.resilience.failure_detector import HUNG, SILENT, Failure, FailureDetector
+from resihp_lightning.resilience.procs import ProcessIdentity
 
 INTERVAL, TIMEOUT = 0.2, 1.0
 
@@ -187,12 +188,14 @@ def test_a_rank_that_stopped_on_purpose_is_not_reported(tmp_path):
 
 def test_with_monitor_rank0_the_others_report_only_the_store_host(tmp_path):
     """Ranks 1 and 2 do not report each other; rank 0 reports rank 2, and rank 1 reports rank 0 when its
-    store goes (its beats keep the test's store, so the host's loss is a silence here)."""
+    store goes (its beats keep the test's store, so the host's loss is a silence here). The ranks share
+    this process, so each runs on a simulated machine of its own: a stopped detector is then a machine
+    gone silent (on one machine, a process that still runs is never silent)."""
     server = _server()
     config = HeartbeatConfig(interval_s=0.05, timeout_s=1.0)
     events = EventLog(tmp_path, rank=1)
-    hearts = [Heartbeat(config, rank=r, world_size=3, store=server, events=events if r == 1 else None)
-              for r in range(3)]
+    hearts = [Heartbeat(config, rank=r, world_size=3, store=server, events=events if r == 1 else None,
+                        identity=ProcessIdentity.simulated(f"m{r}")) for r in range(3)]
     for heart in hearts:
         heart.start()
     try:

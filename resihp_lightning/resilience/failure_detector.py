@@ -463,7 +463,9 @@ class FailureDetector:
                        and self.board.stamp_age() > max(2 * self.config.interval_s, self.config.timeout_s / 2))
         self._check_marker(watch, from_store=self.board is None or self._monitor or standing_in)
         values = self._read_beats({r: peers[r] for r in unplaced})
-        board = self.board.read_beats() if self.board is not None else {}
+        # The board's beats: for this machine's beat, and the local steps of the hang check.
+        reads_board = self._monitor or standing_in or self.config.progress_timeout_s is not None
+        board = self.board.read_beats() if self.board is not None and reads_board else {}
         machines = self._machines(watch, remote)
         full_view = not machines or self._monitor  # sees every member's step (for the hang check)
         machine_beats: dict[str, bytes] = {}

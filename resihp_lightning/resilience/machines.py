@@ -1,8 +1,9 @@
 """The two levels of failure detection: a board per machine, one heartbeat per machine across the network.
 
 **Level 1, on a machine.** The processes of one machine (those whose pids can be probed through
-``/proc``, :mod:`.procs`) share a directory, the machine's :class:`LocalBoard` (under the temporary
-directory, named by a token the job's first detector puts in the store, and by the machine). Each
+``/proc``, :mod:`.procs`) share a directory, the machine's :class:`LocalBoard` (in ``/dev/shm``, else
+the temporary directory, named by a token the job's first detector puts in the store, and by the
+machine). Each
 process writes its beat there (``beat-<rank>``: ``"<counter>:<step>:<waiting>:<generation>"``, or
 :data:`GOODBYE`); nothing of it crosses the network. A local peer's liveness is read from ``/proc``:
 gone or a zombie is ``exited`` at once, stopped (``T``) for the silence timeout is ``silent``, and a
@@ -77,8 +78,11 @@ def decode_machine_beat(value: bytes) -> MachineBeat | None:
 
 
 def board_root() -> Path:
-    """Where the boards of this user's jobs live."""
-    return Path(tempfile.gettempdir()) / f"resihp-{os.getuid()}" / "boards"
+    """Where the boards of this user's jobs live: in memory (``/dev/shm``) where there is one, else the
+    temporary directory (on a disk, each beat's ``os.replace`` can cost milliseconds: a journal commit)."""
+    shm = Path("/dev/shm")
+    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+    return base / f"resihp-{os.getuid()}" / "boards"
 
 
 class LocalBoard:

@@ -20,7 +20,9 @@ a hung step with ``progress_timeout_s``) is the detector's: see
 
 A report is recorded in :attr:`Heartbeat.dead` and :attr:`Heartbeat.reports`, logged as
 ``fail_stop_detected`` in the event log (written even when the reporter is not rank 0, since rank 0
-may be the dead one) and passed to the ``on_dead`` hook. With its own detector, ``on_failure`` then
+may be the dead one) and passed to the ``on_dead`` hook. A whole machine found lost (its machine
+heartbeat stopped: the detector's second level) is, besides, one ``machine_lost`` event naming the
+machine and its ranks. With its own detector, ``on_failure`` then
 decides what happens to this process:
 
 * ``"none"``: nothing; the application decides (the hook may set ``trainer.should_stop``);
@@ -187,7 +189,8 @@ class Heartbeat:
         self.step = 0
         #: Reported ranks: rank -> ``time.time()`` of the report.
         self.dead: dict[int, float] = {}
-        #: Every report in order: ``rank``, ``reason``, ``how`` and ``reporter``.
+        #: Every report in order: ``rank``, ``reason``, ``how`` and ``reporter``; after the ranks of a lost
+        #: machine, ``machine`` and its ``ranks``.
         self.reports: list[dict[str, Any]] = []
         self._server: Any = None
         self._started = False
@@ -242,6 +245,15 @@ class Heartbeat:
                 if self.events is not None:
                     self.events.log("fail_stop_detected", self.step, force=True, rank=failure.rank, how=failure.reason,
                                     reason=reason, reporter=failure.reporter)
+            lost_machines: dict[str, list[int]] = {}
+            for failure in mine:
+                if failure.machine is not None:
+                    lost_machines.setdefault(failure.machine, []).append(failure.rank)
+            for machine, machine_ranks in lost_machines.items():
+                self.reports.append({"machine": machine, "ranks": machine_ranks, "time": stamp})
+                if self.events is not None:
+                    self.events.log("machine_lost", self.step, force=True, machine=machine, ranks=machine_ranks,
+                                    reporter=mine[0].reporter)
         ranks = [f.rank for f in mine]
         log.warning("rank %d reports rank(s) %s dead (%s)", self.rank, ranks, ", ".join(f.reason for f in mine))
         if self.on_dead is not None:

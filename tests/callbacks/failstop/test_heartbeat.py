@@ -206,9 +206,10 @@ def test_with_monitor_rank0_the_others_report_only_the_store_host(tmp_path):
         assert _wait_for(lambda: 0 in hearts[1].dead)
         time.sleep(0.3)
         assert list(hearts[1].dead) == [0] and list(hearts[0].dead) == [2]
-        (event,) = read_events(tmp_path)
+        event, machine = read_events(tmp_path)  # rank 0 was alone on its (simulated) machine
         assert (event["event"], event["rank"], event["how"], event["reason"], event["reporter"]) == (
             "fail_stop_detected", 0, SILENT, "heartbeat timeout", 1)
+        assert (machine["event"], machine["machine"], machine["ranks"]) == ("machine_lost", "m0", [0])
     finally:
         hearts[1].stop()
 
@@ -269,6 +270,24 @@ def test_a_running_detector_is_reported_on_and_left_running(tmp_path):
         heart.stop()
         assert detector.thread is not None  # left running: it is the strategy's
     finally:
+        detector.stop()
+
+
+def test_a_lost_machine_is_one_machine_lost_event_naming_its_ranks(tmp_path):
+    server = _server()
+    detector = FailureDetector(rank=0, connect=lambda: server).start()
+    events = EventLog(tmp_path, rank=0)
+    heart = Heartbeat(HeartbeatConfig(monitor="all"), detector=detector, events=events).start()
+    try:
+        now = time.monotonic()
+        detector.declare([Failure(2, SILENT, 0, now, machine="m1"), Failure(3, SILENT, 0, now, machine="m1"),
+                          Failure(1, "exited", 0, now)])
+        logged = [(e["event"], e.get("rank"), e.get("machine"), e.get("ranks")) for e in read_events(tmp_path)]
+        assert logged == [("fail_stop_detected", 2, None, None), ("fail_stop_detected", 3, None, None),
+                          ("fail_stop_detected", 1, None, None), ("machine_lost", None, "m1", [2, 3])]
+        assert sorted(heart.dead) == [1, 2, 3]
+    finally:
+        heart.stop()
         detector.stop()
 
 

@@ -93,12 +93,11 @@ def measure(ranks: int, machines: int, two_level: bool, rounds: int, warmup: int
     for _ in range(rounds):
         for detector in detectors:
             detector._tick()
-    seconds = (time.perf_counter() - started) / rounds
-    failed = sum(len(d.failed) for d in detectors)
+    row = {"ops": CountingStore.totals["ops"] / rounds, "bytes": CountingStore.totals["bytes"] / rounds,
+           "seconds": (time.perf_counter() - started) / rounds, "failed": sum(len(d.failed) for d in detectors)}
     for detector in detectors:
         detector.stop(goodbye=True)
-    return {"ops": CountingStore.totals["ops"] / rounds, "bytes": CountingStore.totals["bytes"] / rounds,
-            "seconds": seconds, "failed": failed}
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:

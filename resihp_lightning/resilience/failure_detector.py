@@ -393,7 +393,8 @@ class FailureDetector:
         if goodbye and self.board is not None:
             try:
                 self.board.write_beat(self.rank, GOODBYE)
-                self.board.remove_if_done()
+                own = self.identity.namespace
+                self.board.remove_if_done([self.rank, *(r for r, i in self.identities.items() if i.namespace == own)])
             except OSError as err:
                 log.debug("rank %d could not say goodbye on its machine's board: %s", self.rank, err)
         if goodbye and self.store is not None:

@@ -32,6 +32,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,7 +106,11 @@ class LocalBoard:
 
     def _write(self, name: str, data: bytes) -> None:
         tmp = self.path / f".{name}.{os.getpid()}.{id(self)}"
-        tmp.write_bytes(data)
+        try:
+            tmp.write_bytes(data)
+        except FileNotFoundError:  # removed under us (everyone else said goodbye); this process still runs
+            self.path.mkdir(parents=True, exist_ok=True)
+            tmp.write_bytes(data)
         os.replace(tmp, self.path / name)
 
     def _read(self, name: str) -> bytes | None:
@@ -152,8 +157,11 @@ class LocalBoard:
     def marker(self, generation: int) -> bytes | None:
         return self._read(f"abort-{generation}")
 
-    def remove_if_done(self) -> None:
-        """Removes the board when every process on it said goodbye (the job ended here)."""
+    def remove_if_done(self, ranks: Iterable[int]) -> bool:
+        """Removes the board when ``ranks`` (every process known to run on this machine) and every other
+        process with a beat here said goodbye (the job ended here). Returns whether it did."""
         beats = self.read_beats()
-        if beats and all(beat == GOODBYE for beat in beats.values()):
-            shutil.rmtree(self.path, ignore_errors=True)
+        if any(beats.get(rank) != GOODBYE for rank in ranks) or any(beat != GOODBYE for beat in beats.values()):
+            return False
+        shutil.rmtree(self.path, ignore_errors=True)
+        return True

@@ -211,7 +211,9 @@ def test_goodbyes_reach_the_board_and_the_last_one_removes_it(server):
     detectors = _machines(server, {"a": [0, 1]}, seen, {})
     board: LocalBoard = detectors[0].board
     assert board.path.is_dir()
+    _wait_for(lambda: all(d.identities for d in detectors.values()))  # they know each other
     detectors[1].stop(goodbye=True)
+    assert board.path.is_dir()  # rank 0 is still here
     _wait_for(lambda: detectors[0].left == {1})
     assert board.read_beat(1) == GOODBYE
     detectors[0].stop(goodbye=True)

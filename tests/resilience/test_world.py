@@ -222,14 +222,16 @@ def test_a_live_rank_whose_heartbeat_cannot_run_is_not_evicted():
     assert set(_deaths(outcome)) == {1}  # it did hold the GIL (and lived)
 
 
+MACHINES = {0: "m0", 1: "m0", 2: "m1", 3: "m1"}  # two simulated machines (RESIHP_MACHINE_ID)
+
+
 @pytest.mark.multiprocess
 def test_a_lost_machine_is_found_by_the_other_machine_and_named_once():
-    """Two simulated machines (ranks 0-1 on m0, 2-3 on m1; RESIHP_MACHINE_ID): both ranks of m1 stop.
-    No process of m0 can see m1's through /proc; m1's machine beat stops and m0's monitor loses ranks
-    2 and 3 together, named as machine m1's; rank 1 (no monitor) learns it from the abort marker."""
-    machines = {0: "m0", 1: "m0", 2: "m1", 3: "m1"}
+    """Both ranks of m1 stop. No process of m0 can see m1's through /proc; m1's machine beat stops and
+    m0's monitor loses ranks 2 and 3 together, as machine m1's; rank 1 (no monitor) learns it from the
+    abort marker, which its monitor relays through m0's board."""
     outcome = run_job(_train, 4, timeout=60, wait_for=[0, 1], mode="all_reduce",
-                      failures=[(2, 15, "stop"), (3, 15, "stop")], steps=30, machines=machines)
+                      failures=[(2, 15, "stop"), (3, 15, "stop")], steps=30, machines=MACHINES)
     values = _survivors(outcome, [0, 1])
     stopped = max(_deaths(outcome).values())
     for value in values.values():
@@ -238,6 +240,21 @@ def test_a_lost_machine_is_found_by_the_other_machine_and_named_once():
         assert 0.8 < event["released"] - stopped < 3.5
         assert set(event["failed"]) == {2, 3}
     assert all(why.startswith("silent") for why in values[0]["events"][0]["failed"].values())
+
+
+@pytest.mark.multiprocess
+def test_a_rank_killed_on_another_machine_is_found_by_its_neighbour_and_learned_from_the_marker():
+    """Rank 3 (on m1) is killed: rank 2 sees it exit through /proc at once; m0's ranks cannot, and learn
+    it from the abort marker (rank 0 from the store, rank 1 from m0's board), long before any silence."""
+    outcome = run_job(_train, 4, timeout=60, wait_for=[0, 1, 2], mode="all_reduce",
+                      failures=[(3, 15, "kill")], steps=30, machines=MACHINES)
+    values = _survivors(outcome, [0, 1, 2])
+    killed = _deaths(outcome)[3]
+    for value in values.values():
+        (event,) = value["events"]
+        assert event["members"] == [0, 1, 2] and event["sum"] == _sum_of([0, 1, 2])
+        assert event["released"] - killed < 0.8  # under the silence timeout: not found by silence
+    assert values[2]["events"][0]["failed"][3] == "exited"
 
 
 @pytest.mark.multiprocess

@@ -52,7 +52,7 @@ still abort the generation, so that nobody hangs; the regroup that follows raise
 :class:`~resihp_lightning.resilience.failures.StoreUnavailable`).
 
 A process that ends on purpose can say goodbye (``stop(goodbye=True)``: its beat, on the board and in
-the store, becomes :data:`GOODBYE`); its peers then stop judging it (:attr:`FailureDetector.left`). One
+the store, becomes :data:`~resihp_lightning.resilience.machines.GOODBYE`); its peers then stop judging it (:attr:`FailureDetector.left`). One
 detector runs per process: a strategy with ``fail_stop`` offers its elastic world's as
 ``strategy.failure_detector`` (:class:`~resihp_lightning.contract.Survivable`), so that a reporting
 callback uses it instead of starting a second one.
@@ -98,7 +98,6 @@ DEFAULT_COMM_FRAMES = (
 _NOT_COMM_FRAMES = (f"torch{_SEP}distributed{_SEP}elastic{_SEP}", f"torch{_SEP}distributed{_SEP}run.py")
 
 EXITED, SILENT, HUNG = "exited", "silent", "hung"
-__all__ = ["EXITED", "GOODBYE", "HUNG", "SILENT", "Failure", "FailureDetector", "FailureDetectorConfig", "abort_key"]
 
 def abort_key(generation: int) -> str:
     """The job key that marks ``generation`` as aborted (value: JSON with ``by``, ``reason``, ``failed``)."""
@@ -383,7 +382,7 @@ class FailureDetector:
         """Stops the thread; peers will see this process go silent unless it has left.
 
         Args:
-            goodbye: write :data:`GOODBYE` as this process's beat, so that peers stop judging it (a
+            goodbye: write :data:`~resihp_lightning.resilience.machines.GOODBYE` as this process's beat, so that peers stop judging it (a
                 process that ends on purpose; never raises, the store may be gone already).
         """
         self._stop.set()

@@ -28,7 +28,12 @@ from dataclasses import asdict, dataclass
 #: Environment variable that names this process's machine (simulated machines on one host).
 MACHINE_ENV = "RESIHP_MACHINE_ID"
 _MACHINE_SEP = "|machine="
-RUNNING, STOPPED, GONE = "running", "stopped", "gone"
+#: :meth:`ProcessIdentity.status` of a live process that is not stopped (running, sleeping, in I/O).
+RUNNING = "running"
+#: :meth:`ProcessIdentity.status` of a stopped process (SIGSTOP, or held by a tracer).
+STOPPED = "stopped"
+#: :meth:`ProcessIdentity.status` of a process that exited, is a zombie, or whose pid was recycled.
+GONE = "gone"
 
 
 def _read(path: str) -> str | None:

@@ -104,15 +104,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layouts", default="1024x128,64x8,4x1", help="RANKSxMACHINES, comma-separated")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--modes", default="all-to-all,two-level", help="which detection to measure")
     args = parser.parse_args(argv)
     print("| ranks | machines | detection | store ops / round | ops / s at 0.2 s | payload KB / round | MB / s | "
           "poll round s (1 process) | verdicts |")
     print("|---|---|---|---|---|---|---|---|---|")
     for layout in args.layouts.split(","):
         ranks, machines = (int(x) for x in layout.split("x"))
-        for two_level in (False, True):
+        for mode in args.modes.split(","):
+            two_level = mode == "two-level"
             row = measure(ranks, machines, two_level, args.rounds)
-            print(f"| {ranks} | {machines} | {'two-level' if two_level else 'all-to-all'} | {row['ops']:.0f} | "
+            print(f"| {ranks} | {machines} | {mode} | {row['ops']:.0f} | "
                   f"{row['ops'] / INTERVAL_S:.0f} | {row['bytes'] / 1e3:.1f} | {row['bytes'] / INTERVAL_S / 1e6:.2f} | "
                   f"{row['seconds']:.2f} | {row['failed']} |", flush=True)
     return 0

@@ -529,7 +529,9 @@ class FailureDetector:
     def _write_machine_beat(self, board: Mapping[int, bytes], ranks: Iterable[int]) -> None:
         """This machine's beat: the local beats of its processes (those with one on the board)."""
         self._machine_counter += 1
-        vouched = {r: board[r] for r in ranks if r in board}
+        # The ranks' steps only matter to the hang check; without it a rank is vouched for by name alone.
+        with_steps = self.config.progress_timeout_s is not None
+        vouched = {r: board[r] if with_steps or board[r] == GOODBYE else b"" for r in ranks if r in board}
         self.store.set(machine_beat_key(self.identity.machine_key),
                        encode_machine_beat(self.rank, self._machine_counter, vouched))
 
@@ -599,7 +601,7 @@ class FailureDetector:
                 if entry == GOODBYE:
                     with self._lock:
                         self._left.add(rank)
-                elif entry is not None:
+                elif entry:
                     self._observe(peers[rank], entry, now, late)
         if not (machine.beat is not None or watch.judge_unseen) or now - machine.changed <= self.config.timeout_s:
             return []

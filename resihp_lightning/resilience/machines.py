@@ -13,17 +13,18 @@ failure). The beats only carry the step and the "waiting in communication" flag 
 
 **Level 2, across machines.** One process per machine, its *monitor* (the lowest-ranked local process
 that runs), writes the machine's beat to the store, ``mb/<machine key>`` (:func:`encode_machine_beat`:
-who wrote it, a counter, and the local beats of the machine's processes, which it vouches for), reads
-the other machines' beats in one ``multi_get``, and relays the current generation's abort marker to
-the board (``abort-<generation>``), where the other local processes read it. A machine whose beat has
-not changed for the silence timeout is lost, and with it all its ranks (one verdict naming them). If
-the monitor's thread falls behind (its stamp on the board older than half the silence timeout, and
-at least two intervals), any other local
-process writes the machine's beat and reads the store's marker in its place for as long, so a machine
-goes silent only when none of its processes gets to run, or when it is cut off.
+who wrote it, a counter, and the ranks of the machine's processes it vouches for, with their local
+beats when the hang check needs their steps), reads the other machines' beats in one ``multi_get``,
+and relays the current generation's abort marker to the board (``abort-<generation>``), where the
+other local processes read it. A machine whose beat has not changed for the silence timeout is lost,
+and with it all its ranks (one verdict naming them). If the monitor's thread falls behind (its stamp
+on the board older than half the silence timeout, and at least two intervals), any other local
+process writes the machine's beat and reads the store's marker in its place for as long, so a
+machine goes silent only when none of its processes gets to run, or when it is cut off.
 
-Per interval the store sees three operations per machine (beat, read of the others, marker check),
-whatever the number of processes; a job on one machine writes no machine beat at all.
+Per interval the store sees at most three operations per machine (its beat, the read of the other
+machines' beats, the marker check), whatever the number of processes; on one machine, two (the beat,
+which is also the store host's sign of life from the machine, and the marker check).
 """
 
 from __future__ import annotations

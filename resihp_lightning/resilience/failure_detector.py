@@ -579,12 +579,13 @@ class FailureDetector:
                     self._left.add(rank)
                 return []
             return [Failure(rank, EXITED, self.rank, now)]
-        if status != STOPPED or late:
+        if status != STOPPED or late or peer.stopped_since is None:
             peer.stopped_since = now if status == STOPPED else None
             return []
-        if peer.stopped_since is None:
-            peer.stopped_since = now
-        if now - peer.stopped_since > self.config.timeout_s:
+        # Seen stopped at two polls in a row (not a tracer's brief stop): it has been stopped since its
+        # last beat at least, which is when its silence began (as for any peer: as fast as a beat's).
+        since_beat = self.board.beat_age(rank) if self.board is not None else 0.0
+        if max(now - peer.stopped_since, since_beat) > self.config.timeout_s:
             return [Failure(rank, SILENT, self.rank, now)]
         return []
 

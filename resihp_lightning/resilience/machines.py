@@ -140,6 +140,13 @@ class LocalBoard:
     def read_beat(self, rank: int) -> bytes | None:
         return self._read(f"beat-{rank}")
 
+    def beat_age(self, rank: int) -> float:
+        """Seconds since ``rank`` last wrote its beat here (0 when it never did: no evidence)."""
+        try:
+            return max(time.time() - (self.path / f"beat-{rank}").stat().st_mtime, 0.0)
+        except OSError:
+            return 0.0
+
     def stamp(self) -> None:
         """Records that the monitor ran now (``time.monotonic()``: one clock per machine)."""
         self._write(_STAMP, repr(time.monotonic()).encode())

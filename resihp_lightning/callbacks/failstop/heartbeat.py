@@ -4,7 +4,8 @@
 either runs a detector of its own or uses one that is already running:
 
 * **its own** (a job without ``fail_stop``): a detector over a ``torch.distributed`` store, keys
-  under ``resihp/`` (beats ``resihp/hb/<rank>``, process identities ``resihp/proc/<rank>``). By
+  under ``resihp/`` (process identities ``resihp/proc/<rank>``, one beat per machine
+  ``resihp/mb/<machine>``; a process's own beat stays on its machine's board). By
   default rank 0 opens a new ``TCPStore`` on ``MASTER_ADDR`` (port: ``port``, or a free port that
   rank 0 broadcasts over the default process group, or ``MASTER_PORT + 1`` without one) and the
   others connect to it; any ``torch.distributed.Store`` can be passed instead. Monitoring ranks watch
@@ -67,7 +68,7 @@ log = get_logger(__name__)
 
 MONITORS = ("rank0", "all")
 ON_FAILURE = ("none", "exit", "interrupt")
-#: The prefix of this callback's keys in the store (beats are ``resihp/hb/<rank>``).
+#: The prefix of this callback's keys in the store (machine beats are ``resihp/mb/<machine>``).
 KEY_NAMESPACE = "resihp"
 #: The reason of a store host reported because its store stopped answering.
 STORE_UNREACHABLE = "store unreachable"

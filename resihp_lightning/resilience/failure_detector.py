@@ -15,7 +15,7 @@ How it learns about a peer depends on where the peer runs (:mod:`.machines` has 
 * **on another machine**: through that machine's beat, which one process per machine (its monitor)
   writes to the store and which vouches for the machine's live processes. Only monitors read the
   other machines' beats; a machine silent for ``timeout_s`` is lost with all its ranks, one verdict
-  naming them (:attr:`Failure.machine`). A rank that dies on a machine that lives is found there, by
+  naming them (``machine`` of the :class:`Failure`). A rank that dies on a machine that lives is found there, by
   its neighbours, and the others learn it from the abort marker;
 * **unplaced** (no registered identity, or ``probe_local_pids`` off): as before the two levels, through
   its own beat in the store, ``hb/<rank>``, read by every process (``silent`` after ``timeout_s``).

@@ -215,7 +215,7 @@ def test_a_live_rank_whose_heartbeat_cannot_run_is_not_evicted():
     """Rank 1 holds the GIL for 3 s inside a C call (its detector thread cannot beat, as when a CPU hog
     starves it): before the local /proc check, its peers found it silent after 1 s and evicted and
     killed it. A live, running process on the same machine is not silent: nobody is lost."""
-    outcome = run_job(_train, 4, timeout=60, mode="all_reduce", failures=[(1, 10, "gil")], steps=30)
+    outcome = run_job(_train, 4, timeout=90, mode="all_reduce", failures=[(1, 10, "gil")], steps=30)
     values = _survivors(outcome, [0, 1, 2, 3])
     for value in values.values():
         assert value["events"] == [] and value["generation"] == 0 and value["sum"] == _sum_of([0, 1, 2, 3])

@@ -389,13 +389,16 @@ class FailureDetector:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.config.interval_s * 5 + 1)
         self._thread = None
-        if goodbye and self.board is not None:
+        if self.board is not None:
             try:
-                self.board.write_beat(self.rank, GOODBYE)
+                if goodbye:
+                    self.board.write_beat(self.rank, GOODBYE)
+                else:
+                    self.board.remove_beat(self.rank)
                 own = self.identity.namespace
                 self.board.remove_if_done([self.rank, *(r for r, i in self.identities.items() if i.namespace == own)])
             except OSError as err:
-                log.debug("rank %d could not say goodbye on its machine's board: %s", self.rank, err)
+                log.debug("rank %d could not leave its machine's board: %s", self.rank, err)
         if goodbye and self.store is not None:
             try:
                 self.store.set(beat_key(self.rank), GOODBYE)

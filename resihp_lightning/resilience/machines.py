@@ -165,11 +165,15 @@ class LocalBoard:
     def marker(self, generation: int) -> bytes | None:
         return self._read(f"abort-{generation}")
 
+    def remove_beat(self, rank: int) -> None:
+        """Removes ``rank``'s beat (it stopped without a goodbye; its neighbours judge it by ``/proc``)."""
+        (self.path / f"beat-{rank}").unlink(missing_ok=True)
+
     def remove_if_done(self, ranks: Iterable[int]) -> bool:
-        """Removes the board when ``ranks`` (every process known to run on this machine) and every other
-        process with a beat here said goodbye (the job ended here). Returns whether it did."""
+        """Removes the board when none of ``ranks`` (every process known to run on this machine) nor any
+        other process still beats here: each said goodbye or stopped. Returns whether it did."""
         beats = self.read_beats()
-        if any(beats.get(rank) != GOODBYE for rank in ranks) or any(beat != GOODBYE for beat in beats.values()):
+        if any(beats.get(rank, GOODBYE) != GOODBYE for rank in ranks) or any(b != GOODBYE for b in beats.values()):
             return False
         shutil.rmtree(self.path, ignore_errors=True)
         return True

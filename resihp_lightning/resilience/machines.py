@@ -176,4 +176,8 @@ class LocalBoard:
         if any(beats.get(rank, GOODBYE) != GOODBYE for rank in ranks) or any(b != GOODBYE for b in beats.values()):
             return False
         shutil.rmtree(self.path, ignore_errors=True)
+        try:
+            self.path.parent.rmdir()  # the job's directory, once no machine of it is left here
+        except OSError:
+            pass
         return True

@@ -16,6 +16,8 @@ slow_link_recovered        rank, link_speed
 fault_struck               kind, rank, at (a kill / hang fault fired inside the step; monotonic time)
 fail_stop_detected         rank, how (exited, silent = heartbeat, hung = progress, left out), at (FailStopReporter);
                            or rank, reason, how, reporter (HeartbeatMonitor)
+machine_lost               machine, ranks, reporter (a whole machine's heartbeat stopped; HeartbeatMonitor, after its ranks'
+                           fail_stop_detected)
 recovery_started           generation, members (the survivors), failed
 recovery_finished          generation, members, spares (idle), abort_s, regroup_s, plan_s, restore_s, redo_s, total_s, bytes_moved
 fail_stop_unrecoverable    reason, exit_code
@@ -56,6 +58,7 @@ EVENT_NAMES = (
     "slow_link_detected",
     "slow_link_recovered",
     "fail_stop_detected",
+    "machine_lost",
     "fault_struck",
     "recovery_started",
     "recovery_finished",

@@ -18,7 +18,9 @@ class FailStopConfig:
     """Options of in-process fail-stop recovery.
 
     Attributes:
-        detect_timeout_s: a rank whose heartbeat is silent this long is dead (> 2 x ``interval_s``).
+        detect_timeout_s: a rank stopped this long on its machine (SIGSTOP), or a machine whose heartbeat
+            is silent this long, is lost (>= 2 x ``interval_s``); a live process that is not stopped is
+            never lost for silence (a hang is ``progress_timeout_s``'s).
         interval_s: seconds between heartbeats and checks.
         progress_timeout_s: a rank whose training step has not advanced for this long is evicted as
             hung (``None``: only silent ranks; set it above the longest step, evaluation and

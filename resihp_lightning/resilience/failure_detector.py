@@ -1,46 +1,61 @@
-"""Failure detection over the rendezvous store: every process watches every other one.
+"""Failure detection over the rendezvous store, in two levels: processes on a machine, machines on the network.
 
 Each process runs one daemon thread. Every ``interval_s`` (0.2 s) it writes its beat,
-``hb/<rank>`` = ``"<counter>:<step>:<waiting>:<generation>"``, reads every peer's beat in one
-``multi_get``, checks the current generation's abort marker, and decides, on *its own monotonic
-clock* (so clock skew between machines does not matter), who failed:
+``"<counter>:<step>:<waiting>:<generation>"``, checks the current generation's abort marker, and
+decides, on *its own monotonic clock* (so clock skew between machines does not matter), who failed.
+How it learns about a peer depends on where the peer runs (:mod:`.machines` has the layout):
 
-* ``exited``: a peer on the same machine (same pid namespace) whose process is gone or a zombie.
-  This is what makes a ``kill -9`` visible within one poll instead of after the silence timeout;
-* ``silent``: a peer whose beat has not changed for ``timeout_s`` (1 s): a dead process on another
-  machine, a SIGSTOPped one, a lost machine;
-* ``hung`` (with ``progress_timeout_s``): a peer whose *step* (:meth:`FailureDetector.progress`) has
-  not moved for that long, whose main thread is not inside a communication call, while another
-  member is waiting in one or is ahead. The condition on the others is what makes the right rank
-  take the blame: when one rank is stuck in its step, the others stop advancing too, blocked in the
-  next collective; a bare "no progress" rule would evict all of them. Each process sets ``waiting``
-  in its own beat by looking at its main thread's innermost Python frames (``comm_frames``:
-  ``torch.distributed``, ``deepspeed.comm``, DeepSpeed's pipeline p2p, this package). When every
-  member is stalled and nobody waits (a long evaluation or checkpoint everywhere), nobody is blamed.
+* **on its machine** (same pid namespace, found from the peer's registered
+  :class:`~.procs.ProcessIdentity`): through ``/proc``. ``exited``: the process is gone or a zombie
+  (seen within one poll: this is what makes a ``kill -9`` visible at once); ``silent``: it has been
+  stopped (SIGSTOP, state ``T``) for ``timeout_s``. A process that lives and is not stopped is never
+  ``silent``, however late its beat: a beat thread starved of CPU or of the GIL under load is no
+  failure (before, such a healthy rank was evicted and SIGKILLed). Its beat goes to the machine's
+  board (local files) and only feeds the hang check;
+* **on another machine**: through that machine's beat, which one process per machine (its monitor)
+  writes to the store and which vouches for the machine's live processes. Only monitors read the
+  other machines' beats; a machine silent for ``timeout_s`` is lost with all its ranks, one verdict
+  naming them (``machine`` of the :class:`Failure`). A rank that dies on a machine that lives is found there, by
+  its neighbours, and the others learn it from the abort marker;
+* **unplaced** (no registered identity, or ``probe_local_pids`` off): as before the two levels, through
+  its own beat in the store, ``hb/<rank>``, read by every process (``silent`` after ``timeout_s``).
+
+``hung`` (with ``progress_timeout_s``): a peer whose *step* (:meth:`FailureDetector.progress`) has
+not moved for that long, whose main thread is not inside a communication call, while another member
+is waiting in one or is ahead. The condition on the others is what makes the right rank take the
+blame: when one rank is stuck in its step, the others stop advancing too, blocked in the next
+collective; a bare "no progress" rule would evict all of them. Each process sets ``waiting`` in its
+own beat by looking at its main thread's innermost Python frames (``comm_frames``:
+``torch.distributed``, ``deepspeed.comm``, DeepSpeed's pipeline p2p, this package). When every member
+is stalled and nobody waits (a long evaluation or checkpoint everywhere), nobody is blamed. The check
+runs in every process that sees every member's step: on one machine all of them, on several the
+monitors. It is also what finds a process that lives but has stopped working (a deadlock).
 
 Every process reaches its verdicts by itself, so every survivor learns of a failure, not only rank 0,
 and a failure of rank 0 is no special case. Verdicts are final: a rank found failed is never
 reinstated (the survivors will regroup without it). A verdict is handed to ``on_failures`` (the
 world aborts the generation and publishes ``gen<g>/abort``); peers that see the marker abort at their
 next poll and adopt the failures it names, so after the first detection everyone aborts within about
-one interval. Every failure this process learns of, its own verdicts and the ones declared to it, also
-goes to the listeners of :meth:`FailureDetector.subscribe` (reporting, e.g. the heartbeat callback).
+one interval (a process that is not its machine's monitor reads the marker from the board, where the
+monitor relays it: one interval more). Every failure this process learns of, its own verdicts and the
+ones declared to it, also goes to the listeners of :meth:`FailureDetector.subscribe` (reporting, e.g.
+the heartbeat callback).
 
 Silence is judged only over a view without gaps: when more than half of ``timeout_s`` passed between
-two successful reads of the beats (this thread not scheduled, its process's GIL held, the store slow
-or unreachable for a while), the poll only refreshes the peers' clocks. A late observer must not blame
-punctual peers, and the beats it reads after a stall of the store are as old as the stall.
+two polls (this thread not scheduled, its process's GIL held, the store slow or unreachable for a
+while), the poll only refreshes the peers' clocks. A late observer must not blame punctual peers, and
+the beats it reads after a stall of the store are as old as the stall.
 If the store cannot be reached for ``store_grace_s``, :attr:`FailureDetector.store_lost` is set and
 logged (or handed to ``on_store_lost``); training may go on (gloo needs no store after its groups
 exist) but no regroup is possible, and from then on the thread only watches for local exits (which
 still abort the generation, so that nobody hangs; the regroup that follows raises
 :class:`~resihp_lightning.resilience.failures.StoreUnavailable`).
 
-A process that ends on purpose can say goodbye (``stop(goodbye=True)``: its beat becomes
-:data:`GOODBYE`); its peers then stop judging it (:attr:`FailureDetector.left`). One detector runs
-per process: a strategy with ``fail_stop`` offers its elastic world's as ``strategy.failure_detector``
-(:class:`~resihp_lightning.contract.Survivable`), so that a reporting callback uses it instead of starting
-a second one.
+A process that ends on purpose can say goodbye (``stop(goodbye=True)``: its beat, on the board and in
+the store, becomes :data:`~resihp_lightning.resilience.machines.GOODBYE`); its peers then stop judging it (:attr:`FailureDetector.left`). One
+detector runs per process: a strategy with ``fail_stop`` offers its elastic world's as
+``strategy.failure_detector`` (:class:`~resihp_lightning.contract.Survivable`), so that a reporting
+callback uses it instead of starting a second one.
 """
 
 from __future__ import annotations
@@ -50,13 +65,22 @@ import os
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from resihp_lightning._logging import get_logger
 from resihp_lightning.errors import invalid_option
-from resihp_lightning.resilience.procs import ProcessIdentity
+from resihp_lightning.resilience.machines import (
+    BOARD_TOKEN_KEY,
+    GOODBYE,
+    LocalBoard,
+    decode_machine_beat,
+    encode_machine_beat,
+    machine_beat_key,
+)
+from resihp_lightning.resilience.procs import GONE, RUNNING, STOPPED, ProcessIdentity
 from resihp_lightning.resilience.store import beat_key, proc_key
 
 log = get_logger(__name__)
@@ -74,8 +98,6 @@ DEFAULT_COMM_FRAMES = (
 _NOT_COMM_FRAMES = (f"torch{_SEP}distributed{_SEP}elastic{_SEP}", f"torch{_SEP}distributed{_SEP}run.py")
 
 EXITED, SILENT, HUNG = "exited", "silent", "hung"
-#: The beat of a process that stopped on purpose (never judged again).
-GOODBYE = b"done"
 
 def abort_key(generation: int) -> str:
     """The job key that marks ``generation`` as aborted (value: JSON with ``by``, ``reason``, ``failed``)."""
@@ -92,7 +114,9 @@ class FailureDetectorConfig:
         progress_timeout_s: a peer stuck in its step for this long has failed (``hung``); None
             turns the check off. Must exceed the longest legitimate gap between two
             :meth:`FailureDetector.progress` calls on one rank while others wait for it.
-        probe_local_pids: check peers on this machine through ``/proc`` (detects exits at once).
+        probe_local_pids: watch peers on this machine through ``/proc`` (exits seen at once, a live process
+            never found silent) and other machines through one beat each; off: every peer through its
+            own beat in the store.
         store_grace_s: store errors for this long set :attr:`FailureDetector.store_lost`.
         comm_frames: path fragments of modules whose frames mean "waiting in communication".
         comm_frame_depth: how many innermost frames of the main thread are looked at (few: the
@@ -131,12 +155,15 @@ class Failure:
     """One verdict: ``rank`` (original) failed for ``reason``, decided by ``reporter`` at ``at``.
 
     ``at`` is the reporter's ``time.monotonic()`` (comparable across processes of one machine).
+    ``machine`` names the machine when the verdict is that whole machine's loss (every rank of it
+    gets one, from the same poll).
     """
 
     rank: int
     reason: str
     reporter: int
     at: float
+    machine: str | None = None
 
 
 @dataclass
@@ -146,6 +173,17 @@ class _Peer:
     step: int = -1
     step_changed: float = 0.0
     waiting: bool = False
+    stopped_since: float | None = None  # a local peer: since when it has been seen stopped
+
+
+@dataclass
+class _Machine:
+    """Another machine as its peers see it: its beat and when it last changed (this process's clock)."""
+
+    key: str
+    name: str
+    beat: bytes | None = None
+    changed: float = 0.0
 
 
 @dataclass
@@ -155,6 +193,7 @@ class _Watch:
     peers: dict[int, _Peer] = field(default_factory=dict)
     marker_seen: bool = False
     judge_unseen: bool = True
+    machines: dict[str, _Machine] = field(default_factory=dict)
 
 
 def main_thread_waiting(thread_id: int, fragments: Iterable[str], depth: int) -> bool:
@@ -183,6 +222,8 @@ class FailureDetector:
             generation, with the generation and the marker's payload.
         on_store_lost: called from the thread once, when :attr:`store_lost` is set (instead of
             logging an error).
+        identity: this process as its peers know it (default: :meth:`~.procs.ProcessIdentity.current`);
+            benchmarks simulate many processes in one.
     """
 
     def __init__(
@@ -194,8 +235,12 @@ class FailureDetector:
         on_failures: Callable[[list[Failure]], None] | None = None,
         on_abort_marker: Callable[[int, dict[str, Any]], None] | None = None,
         on_store_lost: Callable[[], None] | None = None,
+        identity: ProcessIdentity | None = None,
     ) -> None:
         self.config = config or FailureDetectorConfig()
+        self.identity = identity or ProcessIdentity.current()
+        #: This machine's board (two-level detection; None with ``probe_local_pids`` off).
+        self.board: LocalBoard | None = None
         self.rank = rank
         self._connect = connect
         self.on_failures = on_failures
@@ -218,6 +263,8 @@ class FailureDetector:
         self._thread: threading.Thread | None = None
         self._last_read = 0.0  # monotonic time of the last successful read of the beats
         self._errors_since: float | None = None
+        self._machine_counter = 0
+        self._monitor = False  # whether this process was its machine's monitor at the last poll
 
     # --------------------------------------------------------------------------- public
     @property
@@ -252,7 +299,12 @@ class FailureDetector:
         if self._thread is not None:
             return self
         self.store = self._connect()
-        self._beat()
+        if self.config.probe_local_pids:
+            self.store.set(proc_key(self.rank), self.identity.to_json())  # peers place this process by it
+            token = self.store.compare_set(BOARD_TOKEN_KEY, "", uuid.uuid4().hex)
+            self.board = LocalBoard.for_job(token.decode() if isinstance(token, bytes) else token,
+                                            self.identity.machine_key)
+        self.store.set(beat_key(self.rank), self._beat_value())  # that it exists; later beats: see _beat
         self._last_read = time.monotonic()
         self._thread = threading.Thread(target=self._run, name=f"resihp-detector-{self.rank}", daemon=True)
         self._thread.start()
@@ -330,13 +382,23 @@ class FailureDetector:
         """Stops the thread; peers will see this process go silent unless it has left.
 
         Args:
-            goodbye: write :data:`GOODBYE` as this process's beat, so that peers stop judging it (a
+            goodbye: write :data:`~resihp_lightning.resilience.machines.GOODBYE` as this process's beat, so that peers stop judging it (a
                 process that ends on purpose; never raises, the store may be gone already).
         """
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.config.interval_s * 5 + 1)
         self._thread = None
+        if self.board is not None:
+            try:
+                if goodbye:
+                    self.board.write_beat(self.rank, GOODBYE)
+                else:
+                    self.board.remove_beat(self.rank)
+                own = self.identity.namespace
+                self.board.remove_if_done([self.rank, *(r for r, i in self.identities.items() if i.namespace == own)])
+            except OSError as err:
+                log.debug("rank %d could not leave its machine's board: %s", self.rank, err)
         if goodbye and self.store is not None:
             try:
                 self.store.set(beat_key(self.rank), GOODBYE)
@@ -366,12 +428,21 @@ class FailureDetector:
                         except Exception:  # noqa: BLE001 - local exits are still watched
                             log.exception("on_store_lost hook failed")
 
-    def _beat(self) -> None:
-        self._counter += 1
+    def _beat_value(self) -> str:
         waiting = main_thread_waiting(self._main_id, self.config.comm_frames, self.config.comm_frame_depth)
         with self._lock:
             generation = self._watch.generation
-        self.store.set(beat_key(self.rank), f"{self._counter}:{self._step}:{int(waiting)}:{generation}")
+        return f"{self._counter}:{self._step}:{int(waiting)}:{generation}"
+
+    def _beat(self) -> bytes:
+        """Writes this process's beat: to the board (two levels) or to the store (unplaced peers read it)."""
+        self._counter += 1
+        value = self._beat_value().encode()
+        if self.board is not None:
+            self.board.write_beat(self.rank, value)
+        else:
+            self.store.set(beat_key(self.rank), value)
+        return value
 
     def _tick(self) -> None:
         if self.store_lost:
@@ -380,48 +451,185 @@ class FailureDetector:
                 watch = self._watch
             self._notify(watch, self._record(self._exits(watch.peers)))
             return
-        self._beat()
+        own_beat = self._beat()
         with self._lock:
             watch = self._watch
-        self._check_marker(watch)
         failed, left = self.failed, self.left
         peers = {r: p for r, p in watch.peers.items() if r not in failed and r not in left}
-        values = self._read_beats(peers)
+        local, remote, unplaced = self._place(peers)
+        statuses = {r: self._identities[r].status() for r in local}
+        # The machine's monitor: its lowest-ranked process that runs (every local process agrees on it).
+        self._monitor = self.board is not None and all(r > self.rank for r in local if statuses[r] == RUNNING)
+        # A monitor that fell behind (its thread starved) is stood in for, so that its machine's beat and
+        # the abort marker keep coming.
+        standing_in = (self.board is not None and not self._monitor
+                       and self.board.stamp_age() > max(2 * self.config.interval_s, self.config.timeout_s / 2))
+        self._check_marker(watch, from_store=self.board is None or self._monitor or standing_in)
+        values = self._read_beats({r: peers[r] for r in unplaced})
+        # The board's beats: for this machine's beat, and the local steps of the hang check.
+        reads_board = self._monitor or standing_in or self.config.progress_timeout_s is not None
+        board = self.board.read_beats() if self.board is not None and reads_board else {}
+        machines = self._machines(watch, remote)
+        full_view = not machines or self._monitor  # sees every member's step (for the hang check)
+        machine_beats: dict[str, bytes] = {}
+        if self._monitor or standing_in:
+            # Also on one machine: it is the store host's sign of life from this machine, and the store
+            # operation whose failures tell that the store is lost.
+            self._write_machine_beat({**board, self.rank: own_beat}, sorted(local | {self.rank}))
+        if machines and self._monitor:
+            machine_beats = self._read_machine_beats(machines)
+        if self._monitor:
+            # After the store operations: when the store fails, the stamp ages and every local process
+            # stands in (and meets the store's errors itself, which is how each one learns it is lost).
+            self.board.stamp()  # type: ignore[union-attr]
         now = time.monotonic()
         # A gap in this process's view (its thread or its whole machine not scheduled, the store slow
         # or unreachable: the beats read now may be as old as the gap) is no evidence against a peer.
         late = now - self._last_read > self.config.timeout_s / 2
         self._last_read = now
         new: list[Failure] = []
-        for rank, peer in peers.items():
-            beat = values.get(rank)
-            if beat == GOODBYE:
-                with self._lock:
-                    self._left.add(rank)
-                continue
-            if beat != peer.beat or late:
-                if beat != peer.beat and beat is not None:
-                    self._parse(peer, beat, now)
-                peer.beat, peer.changed = beat, now
-                if late:
-                    peer.step_changed = now
-            if self.config.probe_local_pids and self._exited(rank):
-                if not self._said_goodbye(rank):  # it may have said it after this poll's read
-                    new.append(Failure(rank, EXITED, self.rank, now))
-            elif (peer.beat is not None or watch.judge_unseen) and now - peer.changed > self.config.timeout_s:
-                new.append(Failure(rank, SILENT, self.rank, now))
-        if not late:
+        for rank in unplaced:
+            new.extend(self._judge_unplaced(watch, rank, peers[rank], values.get(rank), now, late))
+        for rank in local:
+            new.extend(self._judge_local(rank, peers[rank], board.get(rank), statuses[rank], now, late))
+        if self._monitor:
+            for machine in machines.values():
+                new.extend(self._judge_machine(watch, machine, remote, peers, machine_beats.get(machine.key), now, late))
+        if not late and full_view:
             new.extend(self._hung(watch, peers, {f.rank for f in new}, now))
         if new:
             self._report(watch, new)
 
-    def _check_marker(self, watch: _Watch) -> None:
+    def _place(self, peers: Mapping[int, _Peer]) -> tuple[set[int], dict[int, str], list[int]]:
+        """Splits the peers into those on this machine, those elsewhere (rank -> machine key) and
+        unplaced ones (no identity registered yet, or two levels off)."""
+        if self.board is None:
+            return set(), {}, list(peers)
+        with self._lock:
+            known = dict(self._identities)
+        missing = [r for r in peers if r not in known]
+        if missing:
+            present = [r for r in missing if self.store.check([proc_key(r)])]
+            if present:
+                read = {r: ProcessIdentity.from_json(v)
+                        for r, v in zip(present, self.store.multi_get([proc_key(r) for r in present]))}
+                self.know(read)
+                known.update(read)
+        own = self.identity.namespace
+        local = {r for r in peers if r in known and known[r].namespace == own}
+        remote = {r: known[r].machine_key for r in peers if r in known and known[r].namespace != own}
+        return local, remote, [r for r in peers if r not in known]
+
+    def _machines(self, watch: _Watch, remote: Mapping[int, str]) -> dict[str, _Machine]:
+        """The other machines of the watched peers, with their clocks (kept for the watch's length)."""
+        now = time.monotonic()
+        for rank, key in remote.items():
+            if key not in watch.machines:
+                name = self._identities[rank].machine or key
+                watch.machines[key] = _Machine(key, name, changed=now)
+        return {k: m for k, m in watch.machines.items() if k in set(remote.values())}
+
+    def _write_machine_beat(self, board: Mapping[int, bytes], ranks: Iterable[int]) -> None:
+        """This machine's beat: the local beats of its processes (those with one on the board)."""
+        self._machine_counter += 1
+        # The ranks' steps only matter to the hang check; without it a rank is vouched for by name alone.
+        with_steps = self.config.progress_timeout_s is not None
+        vouched = {r: board[r] if with_steps or board[r] == GOODBYE else b"" for r in ranks if r in board}
+        self.store.set(machine_beat_key(self.identity.machine_key),
+                       encode_machine_beat(self.rank, self._machine_counter, vouched))
+
+    def _read_machine_beats(self, machines: Mapping[str, _Machine]) -> dict[str, bytes]:
+        keys = [k for k, m in machines.items() if m.beat is not None or self.store.check([machine_beat_key(k)])]
+        if not keys:
+            return {}
+        return dict(zip(keys, self.store.multi_get([machine_beat_key(k) for k in keys])))
+
+    @staticmethod
+    def _observe(peer: _Peer, beat: bytes | None, now: float, late: bool) -> None:
+        """Takes a peer's beat as read now; a late poll refreshes its clocks instead of judging them."""
+        if beat != peer.beat or late:
+            if beat != peer.beat and beat is not None:
+                FailureDetector._parse(peer, beat, now)
+            peer.beat, peer.changed = beat, now
+            if late:
+                peer.step_changed = now
+
+    def _judge_unplaced(self, watch: _Watch, rank: int, peer: _Peer, beat: bytes | None, now: float,
+                        late: bool) -> list[Failure]:
+        """A peer seen only through its own beat in the store."""
+        if beat == GOODBYE:
+            with self._lock:
+                self._left.add(rank)
+            return []
+        self._observe(peer, beat, now, late)
+        if (peer.beat is not None or watch.judge_unseen) and now - peer.changed > self.config.timeout_s:
+            return [Failure(rank, SILENT, self.rank, now)]
+        return []
+
+    def _judge_local(self, rank: int, peer: _Peer, beat: bytes | None, status: str, now: float,
+                     late: bool) -> list[Failure]:
+        """A peer on this machine: exited when its process is gone, silent when stopped for ``timeout_s``;
+        a live, running process is never silent (its beat only feeds the hang check)."""
+        if beat == GOODBYE:
+            with self._lock:
+                self._left.add(rank)
+            return []
+        self._observe(peer, beat, now, late)
+        if status == GONE:
+            # It may have said goodbye after this poll's read of the board.
+            if self.board is not None and self.board.read_beat(rank) == GOODBYE or self._said_goodbye(rank):
+                with self._lock:
+                    self._left.add(rank)
+                return []
+            return [Failure(rank, EXITED, self.rank, now)]
+        if status != STOPPED or late or peer.stopped_since is None:
+            peer.stopped_since = now if status == STOPPED else None
+            return []
+        # Seen stopped at two polls in a row (not a tracer's brief stop): it has been stopped since its
+        # last beat at least, which is when its silence began (as for any peer: as fast as a beat's).
+        since_beat = self.board.beat_age(rank) if self.board is not None else 0.0
+        if max(now - peer.stopped_since, since_beat) > self.config.timeout_s:
+            return [Failure(rank, SILENT, self.rank, now)]
+        return []
+
+    def _judge_machine(self, watch: _Watch, machine: _Machine, remote: Mapping[int, str],
+                       peers: Mapping[int, _Peer], beat: bytes | None, now: float, late: bool) -> list[Failure]:
+        """Another machine, through its beat: its ranks' steps, and its loss when the beat stops."""
+        if beat != machine.beat or late:
+            machine.beat, machine.changed = beat, now
+        ranks = sorted(r for r, key in remote.items() if key == machine.key)
+        decoded = decode_machine_beat(beat) if beat is not None else None
+        if decoded is not None:
+            for rank in ranks:
+                entry = decoded.ranks.get(rank)
+                if entry == GOODBYE:
+                    with self._lock:
+                        self._left.add(rank)
+                elif entry:
+                    self._observe(peers[rank], entry, now, late)
+        if not (machine.beat is not None or watch.judge_unseen) or now - machine.changed <= self.config.timeout_s:
+            return []
+        lost = [r for r in ranks if r not in self.left and not self._said_goodbye(r)]
+        if lost:
+            log.warning("rank %d: machine %s is silent; its ranks %s are lost", self.rank, machine.name, lost)
+        return [Failure(r, SILENT, self.rank, now, machine=machine.name) for r in lost]
+
+    def _check_marker(self, watch: _Watch, *, from_store: bool = True) -> None:
+        """Looks for the current generation's abort marker: in the store (and relays it to the board), or
+        on the board, where this machine's monitor relays it."""
         if watch.marker_seen or self.on_abort_marker is None:
             return
         key = abort_key(watch.generation)
-        if self.store.check([key]):
+        payload = None
+        if not from_store and self.board is not None:
+            payload = self.board.marker(watch.generation)
+        elif self.store.check([key]):
+            payload = self.store.get(key)
+            if self.board is not None:
+                self.board.relay_marker(watch.generation, payload)
+        if payload is not None:
             watch.marker_seen = True
-            self.on_abort_marker(watch.generation, json.loads(self.store.get(key)))
+            self.on_abort_marker(watch.generation, json.loads(payload))
 
     def _read_beats(self, peers: Mapping[int, _Peer]) -> dict[int, bytes]:
         # multi_get waits for missing keys; only ask for beats known to exist.
@@ -462,17 +670,6 @@ class FailureDetector:
             if rank not in left
             and (identity := known.get(rank)) is not None and identity.comparable() and not identity.alive()
         ]
-
-    def _exited(self, rank: int) -> bool:
-        with self._lock:
-            identity = self._identities.get(rank)
-        if identity is None:
-            key = proc_key(rank)
-            if not self.store.check([key]):
-                return False
-            identity = ProcessIdentity.from_json(self.store.get(key))
-            self.know({rank: identity})
-        return identity.comparable() and not identity.alive()
 
     def _hung(self, watch: _Watch, peers: Mapping[int, _Peer], dead: set[int], now: float) -> list[Failure]:
         timeout = self.config.progress_timeout_s

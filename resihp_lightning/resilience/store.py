@@ -16,8 +16,8 @@ own, :mod:`resihp_lightning.resilience.store_host`, which belongs to no training
   where other machines cannot read the file) it is ``(host, port)``;
 * **when it ends**: every worker registers (pid, start time, pid namespace). The host checks them
   every 0.2 s on its own machine through ``/proc`` (a killed worker, zombie or gone, is dead at once;
-  a SIGSTOPped one is alive) and, for members on other machines, by whether their heartbeat key
-  still changes. It exits ``linger_s`` (2 s) after the last member is gone, left (``close``) or was
+  a SIGSTOPped one is alive) and, for members on other machines, by whether their machine's heartbeat
+  key still changes. It exits ``linger_s`` (2 s) after the last member is gone, left (``close``) or was
   evicted by the survivors, or when nobody registered within ``startup_timeout_s``. It takes the
   lock before it exits, so a worker cannot register with a host that is going away. It never
   outlives its job by more than ``linger_s`` plus a poll.
@@ -64,6 +64,7 @@ from typing import Any
 from resihp_lightning._logging import get_logger
 from resihp_lightning.errors import invalid_option
 from resihp_lightning.resilience.failures import StoreUnavailable
+from resihp_lightning.resilience.machines import machine_beat_key
 from resihp_lightning.resilience.procs import ProcessIdentity
 
 log = get_logger(__name__)
@@ -343,7 +344,8 @@ class RendezvousStore:
         registration = {
             "rank": self.rank,
             "identity": json.loads(identity.to_json()),
-            "beat_key": f"{self.namespace}/{beat_key(self.rank)}",
+            # The host's sign of life from a member on another machine: its machine's beat.
+            "beat_key": f"{self.namespace}/{machine_beat_key(identity.machine_key)}",
         }
         self._raw.set(host_key(f"member/{self.member_id}"), json.dumps(registration))
         self.control.set(f"member/{self.rank}", str(self.member_id))

@@ -40,6 +40,11 @@ def _fail(run_dir: str, rank: int, kind: str) -> None:
         return  # resumed (SIGCONT) after its peers went on without it
     elif kind == "hang":  # stuck in compute: the heartbeat thread keeps beating
         time.sleep(120)
+    elif kind == "gil":  # healthy, but a long C call holds the GIL: the heartbeat thread cannot beat
+        import ctypes
+
+        ctypes.PyDLL(None).sleep(3)  # libc sleep(3) through PyDLL: the GIL stays held
+        return
     raise AssertionError(f"rank {rank} outlived its failure ({kind})")
 
 
@@ -76,7 +81,12 @@ def _exact_sum(world) -> float:
 
 
 def _train(rank, world_size, run_dir, *, mode, failures, steps, progress_timeout_s=None, dies_after_joining=None,
-           resume=None, stall=None, join_timeout_s=10.0):
+           resume=None, stall=None, join_timeout_s=10.0, machines=None):
+    if machines is not None:  # this rank's simulated machine
+        from resihp_lightning.resilience.procs import MACHINE_ENV, pid_namespace
+
+        os.environ[MACHINE_ENV] = machines[rank]
+        pid_namespace.cache_clear()
     import torch
     import torch.distributed as dist
 
@@ -198,6 +208,53 @@ def test_a_stopped_rank_is_evicted_the_others_go_on_and_it_learns_so_when_resume
     # Who saw it first names the cause; the others adopted it or learned it from the member list.
     reasons = [value["events"][0]["failed"][1] for value in values.values()]
     assert any(reason.startswith("silent") for reason in reasons), reasons
+
+
+@pytest.mark.multiprocess
+def test_a_live_rank_whose_heartbeat_cannot_run_is_not_evicted():
+    """Rank 1 holds the GIL for 3 s inside a C call (its detector thread cannot beat, as when a CPU hog
+    starves it): before the local /proc check, its peers found it silent after 1 s and evicted and
+    killed it. A live, running process on the same machine is not silent: nobody is lost."""
+    outcome = run_job(_train, 4, timeout=90, mode="all_reduce", failures=[(1, 10, "gil")], steps=30)
+    values = _survivors(outcome, [0, 1, 2, 3])
+    for value in values.values():
+        assert value["events"] == [] and value["generation"] == 0 and value["sum"] == _sum_of([0, 1, 2, 3])
+    assert set(_deaths(outcome)) == {1}  # it did hold the GIL (and lived)
+
+
+MACHINES = {0: "m0", 1: "m0", 2: "m1", 3: "m1"}  # two simulated machines (RESIHP_MACHINE_ID)
+
+
+@pytest.mark.multiprocess
+def test_a_lost_machine_is_found_by_the_other_machine_and_named_once():
+    """Both ranks of m1 stop. No process of m0 can see m1's through /proc; m1's machine beat stops and
+    m0's monitor loses ranks 2 and 3 together, as machine m1's; rank 1 (no monitor) learns it from the
+    abort marker, which its monitor relays through m0's board."""
+    outcome = run_job(_train, 4, timeout=60, wait_for=[0, 1], mode="all_reduce",
+                      failures=[(2, 15, "stop"), (3, 15, "stop")], steps=30, machines=MACHINES)
+    values = _survivors(outcome, [0, 1])
+    stopped = max(_deaths(outcome).values())
+    for value in values.values():
+        (event,) = value["events"]
+        assert event["members"] == [0, 1] and event["sum"] == _sum_of([0, 1])
+        assert 0.8 < event["released"] - stopped < 3.5
+        assert set(event["failed"]) == {2, 3}
+    assert all(why.startswith("silent") for why in values[0]["events"][0]["failed"].values())
+
+
+@pytest.mark.multiprocess
+def test_a_rank_killed_on_another_machine_is_found_by_its_neighbour_and_learned_from_the_marker():
+    """Rank 3 (on m1) is killed: rank 2 sees it exit through /proc at once; m0's ranks cannot, and learn
+    it from the abort marker (rank 0 from the store, rank 1 from m0's board), long before any silence."""
+    outcome = run_job(_train, 4, timeout=60, wait_for=[0, 1, 2], mode="all_reduce",
+                      failures=[(3, 15, "kill")], steps=30, machines=MACHINES)
+    values = _survivors(outcome, [0, 1, 2])
+    killed = _deaths(outcome)[3]
+    for value in values.values():
+        (event,) = value["events"]
+        assert event["members"] == [0, 1, 2] and event["sum"] == _sum_of([0, 1, 2])
+        assert event["released"] - killed < 0.8  # under the silence timeout: not found by silence
+    assert values[2]["events"][0]["failed"][3] == "exited"
 
 
 @pytest.mark.multiprocess

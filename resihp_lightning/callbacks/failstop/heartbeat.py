@@ -4,7 +4,8 @@
 either runs a detector of its own or uses one that is already running:
 
 * **its own** (a job without ``fail_stop``): a detector over a ``torch.distributed`` store, keys
-  under ``resihp/`` (beats ``resihp/hb/<rank>``, process identities ``resihp/proc/<rank>``). By
+  under ``resihp/`` (process identities ``resihp/proc/<rank>``, one beat per machine
+  ``resihp/mb/<machine>``; a process's own beat stays on its machine's board). By
   default rank 0 opens a new ``TCPStore`` on ``MASTER_ADDR`` (port: ``port``, or a free port that
   rank 0 broadcasts over the default process group, or ``MASTER_PORT + 1`` without one) and the
   others connect to it; any ``torch.distributed.Store`` can be passed instead. Monitoring ranks watch
@@ -20,7 +21,9 @@ a hung step with ``progress_timeout_s``) is the detector's: see
 
 A report is recorded in :attr:`Heartbeat.dead` and :attr:`Heartbeat.reports`, logged as
 ``fail_stop_detected`` in the event log (written even when the reporter is not rank 0, since rank 0
-may be the dead one) and passed to the ``on_dead`` hook. With its own detector, ``on_failure`` then
+may be the dead one) and passed to the ``on_dead`` hook. A whole machine found lost (its machine
+heartbeat stopped: the detector's second level) is, besides, one ``machine_lost`` event naming the
+machine and its ranks. With its own detector, ``on_failure`` then
 decides what happens to this process:
 
 * ``"none"``: nothing; the application decides (the hook may set ``trainer.should_stop``);
@@ -65,7 +68,7 @@ log = get_logger(__name__)
 
 MONITORS = ("rank0", "all")
 ON_FAILURE = ("none", "exit", "interrupt")
-#: The prefix of this callback's keys in the store (beats are ``resihp/hb/<rank>``).
+#: The prefix of this callback's keys in the store (machine beats are ``resihp/mb/<machine>``).
 KEY_NAMESPACE = "resihp"
 #: The reason of a store host reported because its store stopped answering.
 STORE_UNREACHABLE = "store unreachable"
@@ -153,6 +156,9 @@ class Heartbeat:
             reported by every rank, also with ``monitor="rank0"``.
         detector: a running detector to report on (it is neither started nor stopped here, and
             ``on_failure`` does not apply); ``None`` starts an own one.
+        identity: this process as an own detector's peers know it (default: the current process; tests
+            that run several ranks in one process give each a machine of its own,
+            :meth:`~resihp_lightning.resilience.procs.ProcessIdentity.simulated`).
     """
 
     def __init__(
@@ -166,8 +172,10 @@ class Heartbeat:
         on_dead: Callable[[list[int]], None] | None = None,
         store_host_rank: int = 0,
         detector: FailureDetector | None = None,
+        identity: ProcessIdentity | None = None,
     ) -> None:
         self.config = config or HeartbeatConfig()
+        self.identity = identity
         if detector is not None:
             self.rank = detector.rank
         else:
@@ -182,7 +190,8 @@ class Heartbeat:
         self.step = 0
         #: Reported ranks: rank -> ``time.time()`` of the report.
         self.dead: dict[int, float] = {}
-        #: Every report in order: ``rank``, ``reason``, ``how`` and ``reporter``.
+        #: Every report in order: ``rank``, ``reason``, ``how`` and ``reporter``; after the ranks of a lost
+        #: machine, ``machine`` and its ``ranks``.
         self.reports: list[dict[str, Any]] = []
         self._server: Any = None
         self._started = False
@@ -237,6 +246,15 @@ class Heartbeat:
                 if self.events is not None:
                     self.events.log("fail_stop_detected", self.step, force=True, rank=failure.rank, how=failure.reason,
                                     reason=reason, reporter=failure.reporter)
+            lost_machines: dict[str, list[int]] = {}
+            for failure in mine:
+                if failure.machine is not None:
+                    lost_machines.setdefault(failure.machine, []).append(failure.rank)
+            for machine, machine_ranks in lost_machines.items():
+                self.reports.append({"machine": machine, "ranks": machine_ranks, "time": stamp})
+                if self.events is not None:
+                    self.events.log("machine_lost", self.step, force=True, machine=machine, ranks=machine_ranks,
+                                    reporter=mine[0].reporter)
         ranks = [f.rank for f in mine]
         log.warning("rank %d reports rank(s) %s dead (%s)", self.rank, ranks, ", ".join(f.reason for f in mine))
         if self.on_dead is not None:
@@ -273,12 +291,14 @@ class Heartbeat:
             self.store = self._open_store()
         scoped = dist.PrefixStore(KEY_NAMESPACE, self.store)
         # Peers on this machine see this process's exit at once instead of after timeout_s of silence.
-        scoped.set(proc_key(self.rank), ProcessIdentity.current().to_json())
+        identity = self.identity or ProcessIdentity.current()
+        scoped.set(proc_key(self.rank), identity.to_json())
         detector = FailureDetector(
             self.config.detector_config(),
             rank=self.rank,
             connect=lambda: scoped,
             on_store_lost=self._store_lost,
+            identity=identity,
         )
         detector.start()
         if self.monitoring:

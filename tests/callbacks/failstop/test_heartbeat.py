@@ -21,6 +21,7 @@ from resihp_lightning.callbacks.events import EventLog, read_events
 from resihp_lightning.callbacks.failstop.heartbeat import STORE_UNREACHABLE, Heartbeat, HeartbeatConfig
 from resihp_lightning.errors import ConfigError
 from resihp_lightning.resilience.failure_detector import HUNG, SILENT, Failure, FailureDetector
+from resihp_lightning.resilience.procs import ProcessIdentity
 
 INTERVAL, TIMEOUT = 0.2, 1.0
 
@@ -187,12 +188,14 @@ def test_a_rank_that_stopped_on_purpose_is_not_reported(tmp_path):
 
 def test_with_monitor_rank0_the_others_report_only_the_store_host(tmp_path):
     """Ranks 1 and 2 do not report each other; rank 0 reports rank 2, and rank 1 reports rank 0 when its
-    store goes (its beats keep the test's store, so the host's loss is a silence here)."""
+    store goes (its beats keep the test's store, so the host's loss is a silence here). The ranks share
+    this process, so each runs on a simulated machine of its own: a stopped detector is then a machine
+    gone silent (on one machine, a process that still runs is never silent)."""
     server = _server()
     config = HeartbeatConfig(interval_s=0.05, timeout_s=1.0)
     events = EventLog(tmp_path, rank=1)
-    hearts = [Heartbeat(config, rank=r, world_size=3, store=server, events=events if r == 1 else None)
-              for r in range(3)]
+    hearts = [Heartbeat(config, rank=r, world_size=3, store=server, events=events if r == 1 else None,
+                        identity=ProcessIdentity.simulated(f"m{r}")) for r in range(3)]
     for heart in hearts:
         heart.start()
     try:
@@ -203,9 +206,10 @@ def test_with_monitor_rank0_the_others_report_only_the_store_host(tmp_path):
         assert _wait_for(lambda: 0 in hearts[1].dead)
         time.sleep(0.3)
         assert list(hearts[1].dead) == [0] and list(hearts[0].dead) == [2]
-        (event,) = read_events(tmp_path)
+        event, machine = read_events(tmp_path)  # rank 0 was alone on its (simulated) machine
         assert (event["event"], event["rank"], event["how"], event["reason"], event["reporter"]) == (
             "fail_stop_detected", 0, SILENT, "heartbeat timeout", 1)
+        assert (machine["event"], machine["machine"], machine["ranks"]) == ("machine_lost", "m0", [0])
     finally:
         hearts[1].stop()
 
@@ -266,6 +270,24 @@ def test_a_running_detector_is_reported_on_and_left_running(tmp_path):
         heart.stop()
         assert detector.thread is not None  # left running: it is the strategy's
     finally:
+        detector.stop()
+
+
+def test_a_lost_machine_is_one_machine_lost_event_naming_its_ranks(tmp_path):
+    server = _server()
+    detector = FailureDetector(rank=0, connect=lambda: server).start()
+    events = EventLog(tmp_path, rank=0)
+    heart = Heartbeat(HeartbeatConfig(monitor="all"), detector=detector, events=events).start()
+    try:
+        now = time.monotonic()
+        detector.declare([Failure(2, SILENT, 0, now, machine="m1"), Failure(3, SILENT, 0, now, machine="m1"),
+                          Failure(1, "exited", 0, now)])
+        logged = [(e["event"], e.get("rank"), e.get("machine"), e.get("ranks")) for e in read_events(tmp_path)]
+        assert logged == [("fail_stop_detected", 2, None, None), ("fail_stop_detected", 3, None, None),
+                          ("fail_stop_detected", 1, None, None), ("machine_lost", None, "m1", [2, 3])]
+        assert sorted(heart.dead) == [1, 2, 3]
+    finally:
+        heart.stop()
         detector.stop()
 
 

@@ -52,7 +52,7 @@ still abort the generation, so that nobody hangs; the regroup that follows raise
 :class:`~resihp_lightning.resilience.failures.StoreUnavailable`).
 
 A process that ends on purpose can say goodbye (``stop(goodbye=True)``: its beat, on the board and in
-the store, becomes :data:`~resihp_lightning.resilience.machines.GOODBYE`); its peers then stop judging it (:attr:`FailureDetector.left`). One
+the store, becomes :data:`~resihp_lightning.resilience.machine_board.GOODBYE`); its peers then stop judging it (:attr:`FailureDetector.left`). One
 detector runs per process: a strategy with ``fail_stop`` offers its elastic world's as
 ``strategy.failure_detector`` (:class:`~resihp_lightning.contract.Survivable`), so that a reporting
 callback uses it instead of starting a second one.
@@ -72,7 +72,7 @@ from typing import Any
 
 from resihp_lightning._logging import get_logger
 from resihp_lightning.errors import invalid_option
-from resihp_lightning.resilience.machines import (
+from resihp_lightning.resilience.machine_board import (
     BOARD_TOKEN_KEY,
     GOODBYE,
     LocalBoard,
@@ -382,7 +382,7 @@ class FailureDetector:
         """Stops the thread; peers will see this process go silent unless it has left.
 
         Args:
-            goodbye: write :data:`~resihp_lightning.resilience.machines.GOODBYE` as this process's beat, so that peers stop judging it (a
+            goodbye: write :data:`~resihp_lightning.resilience.machine_board.GOODBYE` as this process's beat, so that peers stop judging it (a
                 process that ends on purpose; never raises, the store may be gone already).
         """
         self._stop.set()

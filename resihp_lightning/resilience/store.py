@@ -64,7 +64,7 @@ from typing import Any
 from resihp_lightning._logging import get_logger
 from resihp_lightning.errors import invalid_option
 from resihp_lightning.resilience.failures import StoreUnavailable
-from resihp_lightning.resilience.machines import machine_beat_key
+from resihp_lightning.resilience.machine_board import machine_beat_key
 from resihp_lightning.resilience.procs import ProcessIdentity
 
 log = get_logger(__name__)

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from resihp_lightning.resilience.failure_detector import EXITED, SILENT, Failure, FailureDetector, FailureDetectorConfig
-from resihp_lightning.resilience.machines import (
+from resihp_lightning.resilience.machine_board import (
     GOODBYE,
     LocalBoard,
     decode_machine_beat,

@@ -13,7 +13,8 @@ Not a test (CI does not run it). Two tables, each printed as markdown:
 
 Usage::
 
-    OMP_NUM_THREADS=1 python benchmarks/tensor_planner.py [--only 256] [--kinds slow,dead,mixed] [--shared] [--count-proof]
+    OMP_NUM_THREADS=1 python benchmarks/tensor_planner.py [--only 256] [--kinds slow,dead,mixed] [--shared]
+        [--count-proof]
     OMP_NUM_THREADS=1 python benchmarks/tensor_planner.py --deep
 """
 

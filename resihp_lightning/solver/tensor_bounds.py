@@ -17,6 +17,11 @@ below a limit, and that count has a tight upper bound that needs no plan of the 
   holds an odd device), the other D - a' replicas share ``n_K - a' P`` devices of K and the odd
   devices: a small knapsack over their k's.
 
+The mixed replicas are ordered by their best odd device's rank, so the t-th fits into K^k and
+W_t, W_{t+1}, ... To keep each count cheap its odd slots are taken as at most two kinds (W_t, then
+W_{t+1} for the others; W_t for all of them first, and always past :data:`CHEAP_STAGES`): more
+dominating devices only loosen the bound.
+
 When ``a' c_K + max sum V(k_r) < M`` for every a' and every shape (P, D) the cheaper bounds leave
 open, no plan on the grouping beats the limit (plus the all-reduce): the grouping is closed without
 a solve. The counts depend on the kinds and the limit only, so groupings with equal odd envelopes
@@ -138,7 +143,8 @@ class DominantKindBound:
             for d in shapes:
                 limit = cutoff * (1 - 1e-12)
                 if d > 1:
-                    limit -= problem.allreduce_ms * (slowdowns[min(p * d, n) - 1] if problem.allow_exclude else slowdowns[-1])
+                    slowest = slowdowns[min(p * d, n) - 1] if problem.allow_exclude else slowdowns[-1]
+                    limit -= problem.allreduce_ms * slowest
                 if limit <= 0:
                     continue
                 # Coarse first (the t-th mixed replica's odd slots all W_t: two kinds, a cheap count),
@@ -200,4 +206,4 @@ class DominantKindBound:
         return best
 
 
-__all__ = ["COUNT_BUDGET", "COUNTS_PER_PROOF", "DominantKindBound", "dominates_kind", "rank_envelope"]
+__all__ = ["CHEAP_STAGES", "COUNT_BUDGET", "COUNTS_PER_PROOF", "DominantKindBound", "dominates_kind", "rank_envelope"]

@@ -80,9 +80,10 @@ PROBE_BUDGET = 20_000
 
 #: Whether the best-first loop also tries the replica-count proof of
 #: :class:`~resihp_lightning.solver.tensor_bounds.DominantKindBound` before solving a grouping. Off:
-#: the proof is tight (at 256 GPUs with 3 slow GPUs it closes 80 of the 81 groupings left open at
-#: the optimum) but its exact replica counts cost 2-45 ms each at P = 5-14, so the search was
-#: measured slower with it than with the solves it saves (benchmarks/README.md).
+#: the proof is tight (at 256 GPUs with 3 slow GPUs it closes 61 of the 81 groupings solved today,
+#: asked at the optimum) but its exact replica counts cost 2-45 ms each at P = 5-14, so the search
+#: was measured slower with it than with the solves it saves, and one proof does not stop at
+#: ``time_limit_s`` (benchmarks/README.md).
 COUNT_PROOF = False
 
 #: The search refuses spaces with more distinct combinations than this (many affected domains with

@@ -82,8 +82,8 @@ PROBE_BUDGET = 20_000
 #: :class:`~resihp_lightning.solver.tensor_bounds.DominantKindBound` before solving a grouping. Off:
 #: the proof is tight (at 256 GPUs with 3 slow GPUs it closes 61 of the 81 groupings solved today,
 #: asked at the optimum) but its exact replica counts cost 2-45 ms each at P = 5-14, so the search
-#: was measured slower with it than with the solves it saves, and one proof does not stop at
-#: ``time_limit_s`` (benchmarks/README.md).
+#: was measured slower with it than with the solves it saves (benchmarks/README.md). It runs only
+#: while the search has time (with ``"exact"``: first-pass solves or retries) left.
 COUNT_PROOF = False
 
 #: The search refuses spaces with more distinct combinations than this (many affected domains with
@@ -481,14 +481,15 @@ class _Search:
             return None
         return max(bound, plan.iteration_ms * (1 - plan.gap) if plan.gap is not None else bound)
 
-    def can_beat(self, key: tuple) -> bool:
+    def can_beat(self, key: tuple, counts: bool = True) -> bool:
         """False when these devices are proven not to beat the incumbent without a solve: by the
-        counting proof of :class:`GroupingBound` and, with :data:`COUNT_PROOF`, the replica counts of
+        counting proof of :class:`GroupingBound` and, with :data:`COUNT_PROOF` and ``counts`` (the
+        search has time or work left), the replica counts of
         :class:`~resihp_lightning.solver.tensor_bounds.DominantKindBound` on the shapes its cheap
         bounds leave open."""
         if not self.bounder.can_beat(key, self.best_value):
             return False
-        if not COUNT_PROOF:
+        if not (COUNT_PROOF and counts):
             return True
         limit = self.best_value * (1 - 1e-12)
         open_degrees = {p for p, _, value in self.bounder.shape_bounds(key, replicas=True) if value < limit}
@@ -586,13 +587,14 @@ def solve_tensor(problem: TensorProblem, config: PlannerConfig | None = None) ->
             break  # sorted: every later bound is at least as high
         if key in solved or (closed_degrees is not None and combination.healthy_degree in closed_degrees):
             continue
-        if not search.can_beat(key):
+        if not search.can_beat(key, time.perf_counter() < deadline if milp else first_solves > 0):
             continue  # proven: no plan on these devices beats the incumbent
         settle(combination.groups, key, bound)
         if closed_degrees is None and search.best_plan is not None:
             closed_degrees = _closed_degrees(problem, search)
     for bound, key, groups in sorted(pending, key=lambda row: row[:2]):
-        if bound >= search.best_value * (1 - 1e-12) or not search.can_beat(key):
+        counts = time.perf_counter() < deadline if milp else retries > 0
+        if bound >= search.best_value * (1 - 1e-12) or not search.can_beat(key, counts):
             continue  # the incumbent found since settles it
         left = deadline - time.perf_counter()
         if (milp and left > 0) or (not milp and retries > 0):

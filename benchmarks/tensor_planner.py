@@ -8,11 +8,13 @@ Not a test (CI does not run it). Two tables, each printed as markdown:
   partitions. Run it against another checkout (``PYTHONPATH=../other``) for a before / after.
 * the default: :func:`resihp_lightning.solver.tensor_search.solve_tensor` on 64 / 256 / 1024 GPUs in
   TP-4 domains (LLaMA2-70B per GPU, 8K tokens) with 1-4 slow or dead GPUs, against ResiHP's rule and
-  the best fixed degree (:mod:`resihp_lightning.solver.tensor_search`).
+  the best fixed degree (:mod:`resihp_lightning.solver.tensor_search`). ``solve s`` is wall time,
+  ``cpu s`` the process's CPU time (what a shared, loaded machine distorts less).
 
 Usage::
 
     OMP_NUM_THREADS=1 python benchmarks/tensor_planner.py [--only 256] [--kinds slow,dead,mixed] [--shared]
+        [--count-proof]
     OMP_NUM_THREADS=1 python benchmarks/tensor_planner.py --deep
 """
 
@@ -96,9 +98,9 @@ def run_tp(gpus: int, failures: int, kind: str, shared: bool, config: PlannerCon
     from resihp_lightning.solver.tensor_search import best_fixed_degree, resihp_rule, solve_tensor
 
     problem = tp_job(gpus, failures, kind, shared)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     found = solve_tensor(problem, config)
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     try:
         rule = resihp_rule(problem, 4, config).iteration_ms
     except InfeasibleError:
@@ -114,6 +116,7 @@ def run_tp(gpus: int, failures: int, kind: str, shared: bool, config: PlannerCon
         "solved": str(found.search.solved),
         "relaxations": str(found.search.relaxations),
         "solve s": f"{seconds:.2f}",
+        "cpu s": f"{cpu:.2f}",
         "status": found.status,
         "gap": f"{100 * (found.gap or 0.0):.2f}%",
         "P x D": f"{found.plan.pipeline_degree}x{found.plan.data_degree}",
@@ -138,8 +141,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-limit", type=float, default=10.0, help="seconds per search (default 10)")
     parser.add_argument("--kinds", default="slow,dead,mixed", help="failure kinds (default slow,dead,mixed)")
     parser.add_argument("--shared", action="store_true", help="one stage partition for every replica")
+    parser.add_argument("--count-proof", action="store_true",
+                        help="turn on the replica-count proof (tensor_search.COUNT_PROOF) for a comparison")
     args = parser.parse_args(argv)
     config = PlannerConfig(time_limit_s=args.time_limit)
+    if args.count_proof:
+        from resihp_lightning.solver import tensor_search
+
+        tensor_search.COUNT_PROOF = True
     if args.deep:
         print(markdown(run_deep(config)))
         return 0

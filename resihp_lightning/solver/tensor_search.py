@@ -29,6 +29,9 @@ proven, in these steps:
    :class:`~resihp_lightning.solver.exact.NoBetterPlan`), until a bound is not below the incumbent:
    that one and all after it are pruned.
 
+With :data:`COUNT_PROOF` (off: measured slower), a grouping is first tried against the incumbent
+by the replica-count proof of :mod:`resihp_lightning.solver.tensor_bounds`.
+
 The result is ``"optimal"`` only when every grouping was solved to a proof, closed or pruned;
 otherwise ``"feasible"`` with the gap to the least bound left open.
 
@@ -50,6 +53,7 @@ from resihp_lightning.errors import InfeasibleError, PlanError
 from resihp_lightning.plan import Device, Problem, link_slowdown
 from resihp_lightning.solver.bounds import Fleet, fleet_bound
 from resihp_lightning.solver.exact import NoBetterPlan, relative_gap, solve_exact
+from resihp_lightning.solver.tensor_bounds import DominantKindBound
 from resihp_lightning.tensor_plan import (
     SearchStats,
     TensorGroup,
@@ -73,6 +77,14 @@ EXACT_RETRIES_PER_S = 4
 #: Work units (about 5 us each) of a relaxation's probe (``_Search.closes``): a probe that cannot close
 #: its groupings this fast leaves them to be solved one by one.
 PROBE_BUDGET = 20_000
+
+#: Whether the best-first loop also tries the replica-count proof of
+#: :class:`~resihp_lightning.solver.tensor_bounds.DominantKindBound` before solving a grouping. Off:
+#: the proof is tight (at 256 GPUs with 3 slow GPUs it closes 61 of the 81 groupings solved today,
+#: asked at the optimum) but its exact replica counts cost 2-45 ms each at P = 5-14, so the search
+#: was measured slower with it than with the solves it saves (benchmarks/README.md). It runs only
+#: while the search has time (with ``"exact"``: first-pass solves or retries) left.
+COUNT_PROOF = False
 
 #: The search refuses spaces with more distinct combinations than this (many affected domains with
 #: many kinds of GPU); the error names the count.
@@ -248,10 +260,14 @@ class GroupingBound:
 
     def bound(self, devices: Sequence[tuple[float, float, float]], *, replicas: bool = False) -> float:
         """The bound for devices given as (speed, memory_mb, link_speed) (inf: no shape can fit)."""
+        return min((value for _, _, value in self.shape_bounds(devices, replicas=replicas)), default=math.inf)
+
+    def shape_bounds(self, devices: Sequence[tuple[float, float, float]], *, replicas: bool = False):
+        """``(P, D, bound)`` for every shape the devices allow (see the class docstring), lazily."""
         problem = self.problem
         n, m, layers = len(devices), problem.micro_batches, problem.num_layers
         if n == 0:
-            return math.inf
+            return
         speeds = sorted((d[0] for d in devices), reverse=True)
         slowdowns = sorted(link_slowdown(link) for _, _, link in devices)
         fleet = Fleet(self.compute, speeds, slowdowns, self._layers.layers, self._layers.cheap_sums)
@@ -259,9 +275,8 @@ class GroupingBound:
         least_p = self.fewest_stages(max(d[1] for d in devices))
         spread = _Spread(speeds, sorted((self.held(d[1]) for d in devices), reverse=True), self.compute) if replicas else None
         if spread is not None and spread.least_sum is None:
-            return math.inf  # all devices together hold less than the model
+            return  # all devices together hold less than the model
         allowed = problem.pipeline_degrees if problem.pipeline_degrees is not None else range(1, n + 1)
-        best = math.inf
         for p in sorted(set(allowed)):
             if p > n or p > layers // problem.min_layers_per_stage or p < least_p:
                 continue
@@ -287,8 +302,7 @@ class GroupingBound:
                 if d > 1:
                     least = slowdowns[min(p * d, n) - 1] if problem.allow_exclude else slowdowns[-1]
                     value += problem.allreduce_ms * least
-                best = min(best, value)
-        return best
+                yield p, d, value
 
     def can_beat(self, devices: Sequence[tuple[float, float, float]], cutoff: float) -> bool:
         """False when no plan on these devices is faster than ``cutoff`` (a proof); True: maybe.
@@ -430,6 +444,7 @@ class _Search:
 
     problem: TensorProblem
     bounder: GroupingBound
+    counter: DominantKindBound
     best_plan: object = None
     best_groups: tuple = ()
     best_value: float = math.inf
@@ -465,6 +480,20 @@ class _Search:
         if plan.status == "optimal":
             return None
         return max(bound, plan.iteration_ms * (1 - plan.gap) if plan.gap is not None else bound)
+
+    def can_beat(self, key: tuple, counts: bool = True) -> bool:
+        """False when these devices are proven not to beat the incumbent without a solve: by the
+        counting proof of :class:`GroupingBound` and, with :data:`COUNT_PROOF` and ``counts`` (the
+        search has time or work left), the replica counts of
+        :class:`~resihp_lightning.solver.tensor_bounds.DominantKindBound` on the shapes its cheap
+        bounds leave open."""
+        if not self.bounder.can_beat(key, self.best_value):
+            return False
+        if not (COUNT_PROOF and counts):
+            return True
+        limit = self.best_value * (1 - 1e-12)
+        open_degrees = {p for p, _, value in self.bounder.shape_bounds(key, replicas=True) if value < limit}
+        return bool(open_degrees) and not self.counter.closes(key, self.best_value, open_degrees)
 
     def closes(self, key: tuple) -> bool:
         """Whether no plan on these devices (a relaxation: a fleet every grouping it stands for fits
@@ -518,7 +547,7 @@ def solve_tensor(problem: TensorProblem, config: PlannerConfig | None = None) ->
     start = time.perf_counter()
     config = config or PlannerConfig()
     problem = _with_config(problem, config)
-    search = _Search(problem, GroupingBound(problem.problem))
+    search = _Search(problem, GroupingBound(problem.problem), DominantKindBound(problem.problem))
     distinct = combinations(problem)
     ranked = sorted(((search.bounder.bound(c.key, replicas=True), c.key, c) for c in distinct), key=lambda row: row[:2])
     closed_degrees: set[int | None] | None = None
@@ -558,13 +587,14 @@ def solve_tensor(problem: TensorProblem, config: PlannerConfig | None = None) ->
             break  # sorted: every later bound is at least as high
         if key in solved or (closed_degrees is not None and combination.healthy_degree in closed_degrees):
             continue
-        if not search.bounder.can_beat(key, search.best_value):
+        if not search.can_beat(key, time.perf_counter() < deadline if milp else first_solves > 0):
             continue  # proven: no plan on these devices beats the incumbent
         settle(combination.groups, key, bound)
         if closed_degrees is None and search.best_plan is not None:
             closed_degrees = _closed_degrees(problem, search)
     for bound, key, groups in sorted(pending, key=lambda row: row[:2]):
-        if bound >= search.best_value * (1 - 1e-12) or not search.bounder.can_beat(key, search.best_value):
+        counts = time.perf_counter() < deadline if milp else retries > 0
+        if bound >= search.best_value * (1 - 1e-12) or not search.can_beat(key, counts):
             continue  # the incumbent found since settles it
         left = deadline - time.perf_counter()
         if (milp and left > 0) or (not milp and retries > 0):

@@ -444,6 +444,14 @@ class Evaluation:
         return not self.over_memory
 
 
+def layout_label(pipeline_degree: int, data_degree: int, micro_batches: Sequence[int] = ()) -> str:
+    """``"2x2"`` (P x D), or ``"2x2 [3,5]"`` when the replicas run different micro-batch counts."""
+    label = f"{pipeline_degree}x{data_degree}"
+    if len(set(micro_batches)) > 1:
+        label += " [" + ",".join(str(m) for m in micro_batches) + "]"
+    return label
+
+
 def validate(problem: Problem, plan: Plan, *, check_memory: bool = True) -> None:
     """Checks that ``plan`` is a legal layout for ``problem``.
 

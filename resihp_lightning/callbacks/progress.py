@@ -46,7 +46,7 @@ from typing_extensions import override
 
 from resihp_lightning.contract import MigrationRecord, Replannable, require
 from resihp_lightning.errors import ConfigError
-from resihp_lightning.plan import Plan
+from resihp_lightning.plan import Plan, layout_label
 
 STEPS_FILE = "steps.jsonl"
 
@@ -57,11 +57,7 @@ def _plan_fields(plan: Plan) -> dict[str, Any]:
 
 def plan_label(record: dict[str, Any]) -> str:
     """``"2x2"``, or ``"2x2 [3,5]"`` when the replicas run different micro-batch counts."""
-    label = f"{record['P']}x{record['D']}"
-    micro = record.get("micro") or []
-    if len(set(micro)) > 1:
-        label += " [" + ",".join(str(m) for m in micro) + "]"
-    return label
+    return layout_label(record["P"], record["D"], record.get("micro") or [])
 
 
 class StepRecorder(Callback):

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from resihp_lightning.errors import ConfigError
+from resihp_lightning.plan import layout_label
 
 STEPS_FILE = "steps.jsonl"
 EVENTS_FILE = "events.jsonl"
@@ -61,11 +62,7 @@ def load_run(run_dir: str | os.PathLike[str]) -> Run:
 
 def step_plan_label(record: dict[str, Any]) -> str:
     """A step record's plan: ``2x2``, or ``1x4 [2,2,3,1]`` when the replicas run different micro-batch counts."""
-    label = f"{record.get('P', 1)}x{record.get('D', 1)}"
-    micro = record.get("micro") or []
-    if len(set(micro)) > 1:
-        label += " [" + ",".join(str(m) for m in micro) + "]"
-    return label
+    return layout_label(record.get("P", 1), record.get("D", 1), record.get("micro") or [])
 
 
 def event_plan_label(plan: dict[str, Any]) -> str:
@@ -73,8 +70,4 @@ def event_plan_label(plan: dict[str, Any]) -> str:
     replicas = plan.get("replicas") or []
     if not replicas:
         return "?"
-    label = f"{len(replicas[0]['devices'])}x{len(replicas)}"
-    micro = [r.get("micro_batches") for r in replicas]
-    if len(set(micro)) > 1:
-        label += " [" + ",".join(str(m) for m in micro) + "]"
-    return label
+    return layout_label(len(replicas[0]["devices"]), len(replicas), [r.get("micro_batches") for r in replicas])

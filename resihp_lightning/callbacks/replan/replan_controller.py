@@ -459,15 +459,10 @@ class ReplanController(Callback):
         same_groups = groups == in_force
         moved = moved_mb(current, plan, static) if same_groups else regroup.regroup_moved_mb(layout, groups, plan, static)
         migration = self._overhead_s + moved / self._bandwidth
-        since = None if self._last_change_step is None else step - self._last_change_step
-        decision = decide(current_ms, result.iteration_ms, same_plan=same_groups and plan.layout_key() == current.layout_key(),
-                          remaining_steps=self._remaining(trainer, step), migration_s=migration,
-                          steps_since_change=since, config=self.config, current_breaks=breaks)
-        self.decisions.append(decision)
+        decision, held = self._judge(trainer, step, current_ms, result.iteration_ms, migration,
+                                     same_groups and plan.layout_key() == current.layout_key(), breaks)
         if not decision.apply:
-            self._log("plan_rejected", step, reason=decision.reason, predicted_ms=result.iteration_ms,
-                      current_ms=current_ms)
-            return None if decision.retry_after_steps is None else {"retry_at": step + decision.retry_after_steps}
+            return held
         change = "" if same_groups else f" with tensor-parallel groups {groups} (were {in_force})"
         user_info(f"re-planning at step {step}{change}: {decision.reason}")
         return {"plan": plan.to_dict()} if same_groups else {"plan": plan.to_dict(), "tensor_groups": groups}
@@ -492,17 +487,26 @@ class ReplanController(Callback):
         static = [layer.static_mb for layer in problem.layers]
         migration = estimate_migration_s(current, plan, static, overhead_s=self._overhead_s,
                                          bandwidth_mb_s=self._bandwidth)
-        since = None if self._last_change_step is None else step - self._last_change_step
-        decision = decide(current_ms, plan.iteration_ms, same_plan=plan.layout_key() == current.layout_key(),
-                          remaining_steps=self._remaining(trainer, step), migration_s=migration,
-                          steps_since_change=since, config=self.config, current_breaks=breaks)
-        self.decisions.append(decision)
+        decision, held = self._judge(trainer, step, current_ms, plan.iteration_ms, migration,
+                                     plan.layout_key() == current.layout_key(), breaks)
         if not decision.apply:
-            self._log("plan_rejected", step, reason=decision.reason, predicted_ms=plan.iteration_ms,
-                      current_ms=current_ms)
-            return None if decision.retry_after_steps is None else {"retry_at": step + decision.retry_after_steps}
+            return held
         user_info(f"re-planning at step {step}: {decision.reason}")
         return {"plan": plan.to_dict()}
+
+    def _judge(self, trainer: Any, step: int, current_ms: float, new_ms: float, migration_s: float, same_plan: bool,
+               breaks: str | None) -> tuple[Decision, dict[str, Any] | None]:
+        """Rank 0: :func:`~.replan_policy.decide` on a computed plan, recorded; a rejection is logged, and comes
+        with the verdict to broadcast (``{"retry_at": step}`` when only the cooldown held it back, else None)."""
+        since = None if self._last_change_step is None else step - self._last_change_step
+        decision = decide(current_ms, new_ms, same_plan=same_plan, remaining_steps=self._remaining(trainer, step),
+                          migration_s=migration_s, steps_since_change=since, config=self.config,
+                          current_breaks=breaks)
+        self.decisions.append(decision)
+        if decision.apply:
+            return decision, None
+        self._log("plan_rejected", step, reason=decision.reason, predicted_ms=new_ms, current_ms=current_ms)
+        return decision, None if decision.retry_after_steps is None else {"retry_at": step + decision.retry_after_steps}
 
     def _note_applied(self, strategy: Replannable, step: int) -> None:
         if self._awaiting is None:

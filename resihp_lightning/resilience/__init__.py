@@ -4,7 +4,7 @@ The pieces, one job each:
 
 * :mod:`.store` / :mod:`.store_host`: a rendezvous store in a process of its own, so that no
   worker's death (rank 0's included) takes it down;
-* :mod:`.failure_detector`: failure detection in two levels (:mod:`.machines`): processes on a machine
+* :mod:`.failure_detector`: failure detection in two levels (:mod:`.machine_board`): processes on a machine
   through ``/proc`` (:mod:`.procs`) and a board of local files, machines through one heartbeat each in
   that store; progress (hangs) from the beats;
 * :mod:`.sockets`: which TCP connections belong to a generation's groups; cutting them releases a

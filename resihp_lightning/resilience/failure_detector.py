@@ -3,7 +3,7 @@
 Each process runs one daemon thread. Every ``interval_s`` (0.2 s) it writes its beat,
 ``"<counter>:<step>:<waiting>:<generation>"``, checks the current generation's abort marker, and
 decides, on *its own monotonic clock* (so clock skew between machines does not matter), who failed.
-How it learns about a peer depends on where the peer runs (:mod:`.machines` has the layout):
+How it learns about a peer depends on where the peer runs (:mod:`.machine_board` has the layout):
 
 * **on its machine** (same pid namespace, found from the peer's registered
   :class:`~.procs.ProcessIdentity`): through ``/proc``. ``exited``: the process is gone or a zombie

@@ -74,12 +74,13 @@ from resihp_lightning.callbacks.replan.replan_policy import (
     device_conditions,
     estimate_migration_s,
     moved_mb,
+    price_plan_in_force,
 )
 from resihp_lightning.torch_utils.collectives import all_gather_objects, broadcast_from_zero
 from resihp_lightning.config import PlannerConfig, config_from_dict
 from resihp_lightning.contract import MemoryGauge, Replannable, Survivable, provides, require, tensor_degree_of
 from resihp_lightning.errors import ConfigError, PlanError, ResiHPError
-from resihp_lightning.plan import Plan, Problem, evaluate, validate
+from resihp_lightning.plan import Plan, Problem, evaluate
 from resihp_lightning.solver import solve
 from resihp_lightning.telemetry import LayerCost
 from resihp_lightning.tensor_plan import TensorPlan, TensorProblem
@@ -534,22 +535,6 @@ class ReplanController(Callback):
     def _log(self, event: str, step: int, **fields: Any) -> None:
         if self.rank == 0 and self.events is not None:
             self.events.log(event, step, **fields)
-
-
-def price_plan_in_force(problem: Problem, plan: Plan) -> tuple[float, str | None]:
-    """The plan in force's predicted iteration time on ``problem``, and why it breaks the problem's rules
-    (``None`` when it keeps them). A plan the job runs has a time even when it breaks a rule the planner
-    was given later (e.g. a 3 x 1 start with ``planner.min_data_degree: 2``); it is ``inf`` only when it
-    cannot be priced at all (a device the problem does not have)."""
-    try:
-        validate(problem, plan, check_memory=False)
-        breaks = None
-    except PlanError as err:
-        breaks = str(err)
-    try:
-        return evaluate(problem, plan, check=False).iteration_ms, breaks
-    except (KeyError, IndexError, ValueError):
-        return float("inf"), breaks
 
 
 #: What rank 0 broadcasts while the background solve is still running.

@@ -22,9 +22,9 @@ from typing import Any
 
 from resihp_lightning.config import PlannerConfig, config_from_dict
 from resihp_lightning.contract import DeviceConditions
-from resihp_lightning.errors import invalid_option
+from resihp_lightning.errors import PlanError, invalid_option
 from resihp_lightning.placement import plan_transfers
-from resihp_lightning.plan import Plan, Problem
+from resihp_lightning.plan import Plan, Problem, evaluate, validate
 from resihp_lightning.problem_builder import problem_from_costs
 from resihp_lightning.telemetry import LayerCost
 
@@ -278,6 +278,22 @@ def estimate_migration_s(
 ) -> float:
     """Fixed rebuild cost plus moved bytes over the bandwidth."""
     return overhead_s + moved_mb(old, new, static_mb) / bandwidth_mb_s
+
+
+def price_plan_in_force(problem: Problem, plan: Plan) -> tuple[float, str | None]:
+    """The plan in force's predicted iteration time on ``problem``, and why it breaks the problem's rules
+    (``None`` when it keeps them). A plan the job runs has a time even when it breaks a rule the planner
+    was given later (e.g. a 3 x 1 start with ``planner.min_data_degree: 2``); it is ``inf`` only when it
+    cannot be priced at all (a device the problem does not have)."""
+    try:
+        validate(problem, plan, check_memory=False)
+        breaks = None
+    except PlanError as err:
+        breaks = str(err)
+    try:
+        return evaluate(problem, plan, check=False).iteration_ms, breaks
+    except (KeyError, IndexError, ValueError):
+        return float("inf"), breaks
 
 
 def calibrate(last_seconds: float, last_mb: float, overhead_s: float, bandwidth_mb_s: float) -> tuple[float, float]:

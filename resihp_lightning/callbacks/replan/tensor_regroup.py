@@ -30,8 +30,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from resihp_lightning.plan import Plan, Problem, Replica, evaluate, validate
-from resihp_lightning.errors import PlanError
+from resihp_lightning.callbacks.replan.replan_policy import price_plan_in_force
+from resihp_lightning.plan import Plan, Problem, Replica
 from resihp_lightning.tensor_plan import TensorCost, TensorGroup, TensorPlan, TensorProblem
 from resihp_lightning.telemetry import LayerCost
 
@@ -133,16 +133,7 @@ def price_in_force(problem: TensorProblem, groups: Mapping[int, Sequence[int]], 
     """The plan in force (over device ids = group indices) priced on ``problem``, and the rule it breaks (or None)."""
     tensor_groups = groups_in_force(groups)
     by_id = tensor_plan_of(plan, tensor_groups)
-    group_problem = problem.group_problem(tensor_groups)
-    try:
-        validate(group_problem, by_id, check_memory=False)
-        breaks = None
-    except PlanError as err:
-        breaks = str(err)
-    try:
-        return evaluate(group_problem, by_id, check=False).iteration_ms, breaks
-    except (KeyError, IndexError, ValueError):
-        return float("inf"), breaks
+    return price_plan_in_force(problem.group_problem(tensor_groups), by_id)
 
 
 def tensor_plan_of(plan: Plan, groups: Sequence[TensorGroup]) -> Plan:

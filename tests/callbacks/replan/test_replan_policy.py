@@ -97,7 +97,7 @@ def test_a_plan_in_force_that_breaks_the_planners_rules_is_priced_and_left():
     """A 3 x 1 start with planner.min_data_degree 2: the plan in force has a real predicted time (it used to
     be priced at inf, logged as "saves inf ms per step (nan%)"), and the decision names the broken rule and
     applies the planner's plan even for a small gain; the cooldown still holds it back."""
-    from resihp_lightning.callbacks.replan.replan_controller import price_plan_in_force
+    from resihp_lightning.callbacks.replan.replan_policy import price_plan_in_force
     from resihp_lightning.solver import solve
 
     problem = build_problem(_profile(6), {1: 0.5}, [0, 1, 2], 8, CFG, PlannerConfig(min_data_degree=2))

@@ -72,3 +72,37 @@ def unsplit_reference(
         optimizer.step()
         losses.append(float(loss.detach()))
     return losses, {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def kill_inside_step(rank: int, victim: int, at_step: int, run_dir: str) -> Any:
+    """A callback that records every step's loss (``.losses``) and SIGKILLs rank ``victim`` at the forward of
+    its 2nd micro-batch of step ``at_step`` (its last words go to ``run_dir`` first)."""
+    import os
+    import signal
+    import time
+
+    import lightning.pytorch as pl
+
+    from resihp_lightning.testing.harness import last_words
+
+    class KillInsideStep(pl.Callback):
+        def __init__(self) -> None:
+            self.losses: list[float] = []
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            if rank != victim or trainer.global_step != at_step:
+                return
+            seen = [0]
+
+            def die(module: Any, args: Any) -> None:
+                seen[0] += 1
+                if seen[0] == 2:
+                    last_words(run_dir, rank, died_at=time.monotonic())
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+            next(iter(trainer.strategy.local_layers().values())).register_forward_pre_hook(die)
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            self.losses.append(float(outputs["loss"]))
+
+    return KillInsideStep()

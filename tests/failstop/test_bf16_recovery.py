@@ -199,33 +199,12 @@ def _tensor_job(rank: int, world: int, run_dir: str) -> dict:
 
     from resihp_lightning.failstop.fail_stop_config import FailStopConfig
     from resihp_lightning.strategy.strategy import ResiHPStrategy
-    from resihp_lightning.testing.harness import last_words
-    from resihp_lightning.testing.tensor_jobs import packed_batches, tensor_parallel_llama
+    from resihp_lightning.testing.tensor_jobs import kill_inside_step, packed_batches, tensor_parallel_llama
 
     warnings.filterwarnings("ignore")
 
-    class KillInsideStep(pl.Callback):
-        def __init__(self) -> None:
-            self.losses: list[float] = []
-
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            if rank != TP_VICTIM or trainer.global_step != TP_AT_STEP:
-                return
-            seen = [0]
-
-            def die(module, args):
-                seen[0] += 1
-                if seen[0] == 2:
-                    last_words(run_dir, rank, died_at=time.monotonic())
-                    os.kill(os.getpid(), signal.SIGKILL)
-
-            next(iter(trainer.strategy.local_layers().values())).register_forward_pre_hook(die)
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            self.losses.append(float(outputs["loss"]))
-
     module = tensor_parallel_llama()
-    recorder = KillInsideStep()
+    recorder = kill_inside_step(rank, TP_VICTIM, TP_AT_STEP, run_dir)
     strategy = ResiHPStrategy(tensor_degree=2, pipeline_degree=1, micro_batch_size=1, micro_batches=4,
                               gather_weights="all", fail_stop=FailStopConfig())
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=TP_STEPS, precision="bf16-mixed",

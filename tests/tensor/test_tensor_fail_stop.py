@@ -10,16 +10,13 @@ loss ends the job with the restart status, no hang.
 
 from __future__ import annotations
 
-import os
-import signal
-import time
-
 import pytest
 import torch
 
 from resihp_lightning.testing.tensor_jobs import (
     LOSS_ATOL,
     WEIGHT_ATOL,
+    kill_inside_step,
     packed_batches,
     tensor_parallel_llama,
     unsplit_reference,
@@ -37,35 +34,11 @@ def _job(rank: int, world: int, run_dir: str, data_degree: int) -> dict:
 
     from resihp_lightning.failstop.fail_stop_config import FailStopConfig
     from resihp_lightning.strategy.strategy import ResiHPStrategy
-    from resihp_lightning.testing.harness import last_words
 
     warnings.filterwarnings("ignore")
 
-    class KillInsideStep(pl.Callback):
-        """The victim dies at the forward of its 2nd micro-batch of step ``AT_STEP``."""
-
-        def __init__(self) -> None:
-            self.losses: list[float] = []
-
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            if rank != VICTIM or trainer.global_step != AT_STEP:
-                return
-            layer = next(iter(trainer.strategy.local_layers().values()))
-            seen = [0]
-
-            def die(module, args):
-                seen[0] += 1
-                if seen[0] == 2:
-                    last_words(run_dir, rank, died_at=time.monotonic())
-                    os.kill(os.getpid(), signal.SIGKILL)
-
-            layer.register_forward_pre_hook(die)
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            self.losses.append(float(outputs["loss"]))
-
     module = tensor_parallel_llama()
-    recorder = KillInsideStep()
+    recorder = kill_inside_step(rank, VICTIM, AT_STEP, run_dir)
     strategy = ResiHPStrategy(tensor_degree=2, pipeline_degree=1, micro_batch_size=1, micro_batches=4,
                               gather_weights="all", fail_stop=FailStopConfig(min_data_degree=data_degree))
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, logger=False,

@@ -192,7 +192,11 @@ def test_the_readme_tensor_parallel_command_trains(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     steps = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == list(range(6)) and all(math.isfinite(s["loss"]) for s in steps)
-    assert all(s["P"] * s["D"] == 2 for s in steps)  # the plan places 2 groups
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    # The plan starts with 2 groups; the injected slow member may be dropped from its group (a regroup
+    # is a plan change on the record) if the detector names it within the 6 steps.
+    assert steps[0]["P"] * steps[0]["D"] == 2
+    if any(s["P"] * s["D"] != 2 for s in steps):
+        assert any(e["event"] == "plan_applied" for e in events), [(s["P"], s["D"]) for s in steps]
     assert [(e["rank"], e["factor"]) for e in events if e["event"] == "fault_injected"] == [(1, 2.0)]  # the config's
     assert "on 4 processes (2 tensor-parallel groups of 2)" in result.stdout

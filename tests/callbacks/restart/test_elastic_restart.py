@@ -35,7 +35,7 @@ from resihp_lightning.testing.multiproc import free_port, run_distributed
 ROOT = Path(__file__).resolve().parents[3]
 JOB = ROOT / "resihp_lightning" / "testing" / "elastic_job.py"
 TORCHRUN = Path(sys.executable).with_name("torchrun")
-STEPS, EVERY, KILL_AFTER_STEP = 24, 4, 9
+STEPS, EVERY, KILL_AFTER_STEP = 14, 4, 9
 ROWS_PER_STEP = 24  # elastic_job: M x micro-batch size
 
 
@@ -147,7 +147,10 @@ def test_a_lost_machine_restarts_the_job_on_three_from_its_checkpoint(tmp_path):
     before = [r for r in steps if r["world"] == 4]
     after = [r for r in steps if r["world"] == 3]
     assert before and after and after[-1]["step"] == STEPS - 1, [(r["step"], r["world"]) for r in steps]
-    assert all(r["restart"] >= 1 for r in after)
+    # No restart before the kill. After it, rank 0's count says nothing: torchrun counts a restart only on
+    # an agent whose own workers failed, an agent restarted for the new rendezvous round keeps 0 (the
+    # job_restarted event below is the restart's evidence).
+    assert {r["restart"] for r in before} == {0}
 
     events = _jsonl(run_dir / "events.jsonl")
     names = [e["event"] for e in events]

@@ -8,17 +8,19 @@ measured times and what is still wrong).
 
 The heartbeat timeout is 3 s (``DETECT_S``). Asserted:
 
-* every process of machine 1 killed, or SIGSTOPped: the workers of machines 0 and 2 recover
-  in-process (torchrun's agents there never notice: an agent only watches its own workers) and
-  finish on 4 processes with the one-process reference's losses and weights (1e-6). Their agents
-  then wait in torchrun's exit barrier for the lost agent (300 s, fixed in torch) before they exit 0;
+* machine 1 killed (every process), then machine 2 SIGSTOPped: each time the survivors recover
+  in-process (torchrun's agents never notice: an agent only watches its own workers) and machine 0's
+  two workers finish with the one-process reference's losses and weights (1e-6). Its agent then waits
+  in torchrun's exit barrier for the lost agents (300 s, fixed in torch) before it exits 0;
 * machine 0's link cut (it hosts the rendezvous, node rank 0 and the fail-stop store): machine 0's two
   workers, which keep the store, evict the four others and finish alone, exactly; the other two
   machines, the majority, make no further step (they stall in a collective with machine 0);
-* one worker of machine 1 killed: its agent restarts its worker group (the healthy local worker with
-  it) and every other agent restarts its workers at the next rendezvous round;
 * the same under torchft's launch pattern (one ``torchrun --standalone`` agent per process, ranks from
   the job's own store): the five others finish exactly, in-process, and every command ends.
+
+What one dead worker does under one agent per machine (its agent restarts its worker group, and every
+other agent its own at the next rendezvous round) is torch's behaviour, measured by hand and written
+down in ``docs/machines.md``, not asserted here.
 
 Never hangs: each wait has a deadline and the machines' clean-up SIGKILLs every agent and worker.
 """
@@ -75,48 +77,54 @@ def _assert_exact(results: dict[str, dict]) -> None:
             assert torch.allclose(torch.tensor(result["state"][key]), want, atol=1e-6, rtol=0), (tag, key)
 
 
-def _survivors_recover_in_process(job: TorchrunJob, fault_at: float, lost_host: str) -> None:
-    """Machines 0 and 2 finish on 4 processes, exactly, with one recovery that names the lost machine's ranks."""
-    results = job.wait_for(lambda: _results(job, 4), 120, "the four survivors' results")
-    assert {r["host"] for r in results.values()} == {"node0", "node2"}
-    assert all(tag.startswith("r0-") for tag in results), "no torchrun restart"
-    _assert_exact(results)
-    lost = _ranks_of(job, lost_host)
-    for result in results.values():
-        recovery = result["recovery"]
-        assert recovery["step"] == 3 and sorted(map(int, recovery["failed"])) == lost, recovery
-        # Across machines only the heartbeat tells (no pid to watch): silent, or left out once another was.
-        assert all(how.startswith(("silent", "left out")) for how in recovery["failed"].values()), recovery
-        assert sorted(recovery["members"]) == sorted(set(range(6)) - set(lost)) and result["world"] == 4
-        assert 0 < recovery["detected_at"] - fault_at < DETECT_S + 3.0, "found within the heartbeat timeout and a step"
+def _recovered_from(recovery: dict, lost: list[int], fault_at: float) -> None:
+    """A recovery that names exactly ``lost`` as failed, found within the heartbeat timeout and a step."""
+    assert sorted(map(int, recovery["failed"])) == lost, recovery
+    # Across machines only the heartbeat tells (no pid to watch): silent, or left out once another was.
+    assert all(how.startswith(("silent", "left out")) for how in recovery["failed"].values()), recovery
+    assert 0 < recovery["detected_at"] - fault_at < DETECT_S + 3.0, "found within the heartbeat timeout and a step"
 
 
 def _agents_wait_in_the_exit_barrier(job: TorchrunJob, indices: list[int]) -> None:
     """The survivors' agents outlive their finished workers: torchrun's exit barrier waits for the lost agent."""
     job.wait_for(lambda: all(EXIT_BARRIER_LOG in job.agent_log(i) for i in indices), 30, "the exit barrier")
-    time.sleep(5)
+    time.sleep(2)
     assert [job.agents[i].poll() for i in indices] == [None] * len(indices)
 
 
 @pytest.mark.timeout(420)
-def test_killing_every_process_of_machine_1_costs_one_step_but_the_agents_wait_300_s_at_exit(tmp_path):
+def test_a_killed_machine_then_a_frozen_one_each_cost_one_step_and_the_agents_wait_300_s_at_exit(tmp_path):
+    """Machine 1 killed inside step 2 (agent and workers), then machine 2 SIGSTOPped inside step 4: each
+    costs the survivors one step in-process; machine 0's two workers finish exactly. Torchrun's agents never
+    notice (an agent watches only its own workers): machine 0's waits in the exit barrier for the others."""
     with Machines(3) as machines, TorchrunJob(machines, tmp_path / "run", CONFIG) as job:
-        fault_at = _fault_inside_step(job)
-        killed = machines[1].kill()
-        assert len(killed) == 3  # the agent and its two workers
-        _survivors_recover_in_process(job, fault_at, "node1")
-        _agents_wait_in_the_exit_barrier(job, [0, 2])
-
-
-@pytest.mark.timeout(420)
-def test_a_sigstopped_machine_is_evicted_and_the_job_finishes_exactly_without_it(tmp_path):
-    with Machines(3) as machines, TorchrunJob(machines, tmp_path / "run", CONFIG) as job:
-        fault_at = _fault_inside_step(job)
-        assert len(machines[1].stop()) == 3
-        _survivors_recover_in_process(job, fault_at, "node1")
+        killed_at = _fault_inside_step(job, step=2)
+        assert len(machines[1].kill()) == 3  # the agent and its two workers
+        stopped_at = _fault_inside_step(job, step=4)
+        assert len(machines[2].stop()) == 3
+        results = job.wait_for(lambda: _results(job, 2), 120, "machine 0's results")
+        assert {r["host"] for r in results.values()} == {"node0"} and len(results) == 2
+        assert all(tag.startswith("r0-") for tag in results), "no torchrun restart"
+        _assert_exact(results)
+        node0, node1, node2 = (_ranks_of(job, f"node{i}") for i in range(3))
+        steps = job.steps()
+        # The step a lost machine never finished is the one the survivors redid.
+        last_of = {i: max((r["step"] for tag, rows in steps.items() if int(tag.split("-")[1]) in ranks for r in rows),
+                          default=-1) for i, ranks in ((1, node1), (2, node2))}
+        assert last_of[1] >= 1 and last_of[2] > last_of[1], last_of
+        for result in results.values():
+            recovery = result["recovery"]  # the last one: machine 2's
+            assert recovery["step"] == last_of[2] + 1 and sorted(recovery["members"]) == node0, recovery
+            assert result["world"] == 2
+            _recovered_from(recovery, node2, stopped_at)
+        first = [e for e in job.events() if e["event"] == "recovery_started" and sorted(map(int, e["failed"])) == node1]
+        assert first and all(e["step"] == last_of[1] + 1 and sorted(e["members"]) == sorted(node0 + node2)
+                             for e in first), job.events()
+        assert all(rows[-1]["world"] == 4 for tag, rows in steps.items() if int(tag.split("-")[1]) in node2)
         # Nobody kills a frozen machine's processes (fail_stop.kill_evicted acts on the leader's machine only).
-        assert len(machines[1].pids()) == 3
-        _agents_wait_in_the_exit_barrier(job, [0, 2])
+        assert len(machines[2].pids()) == 3
+        _agents_wait_in_the_exit_barrier(job, [0])
+        assert killed_at < stopped_at
 
 
 @pytest.mark.timeout(420)
@@ -132,7 +140,7 @@ def test_cutting_machine_0s_link_today_lets_machine_0_finish_alone_while_the_maj
         _assert_exact(results)
         for result in results.values():
             assert sorted(map(int, result["recovery"]["failed"])) == [2, 3, 4, 5] and result["world"] == 2
-        time.sleep(20)
+        time.sleep(10)
         majority = {tag: rows for tag, rows in job.steps().items() if int(tag.split("-")[1]) >= 2}
         assert len(majority) == 4 and all(rows[-1]["monotonic"] < fault_at for rows in majority.values()), majority
         assert len(job.results()) == 2
@@ -144,27 +152,6 @@ def _kill_one_worker(machines: Machines, job: TorchrunJob, host_index: int, loca
     start = next(s for s in job.starts() if s["host"] == f"node{host_index}" and s["local_rank"] == local_rank)
     os.kill(machines[host_index].host_pid(start["pid"]), signal.SIGKILL)
     return int(start["tag"].split("-")[1])
-
-
-@pytest.mark.timeout(420)
-def test_one_dead_worker_makes_every_torchrun_agent_tear_down_its_healthy_workers(tmp_path):
-    """Today's launch (one agent per machine): the dead worker's agent restarts its worker group, killing
-    the healthy local worker, and its new rendezvous round makes every other agent restart its workers
-    too ("Detected 1 new nodes"), whatever the survivors were doing in-process."""
-    # Killed inside step 1 of 6, 4 s steps: the survivors are still training when the new round is called
-    # (with little training left they may finish in-process first and wait in the exit barrier instead).
-    config = TorchrunJobConfig(detect_timeout_s=DETECT_S, step_s=4.0)
-    with Machines(3) as machines, TorchrunJob(machines, tmp_path / "run", config) as job:
-        _fault_inside_step(job, step=1)
-        _kill_one_worker(machines, job, 1, 0)
-        job.wait_for(lambda: "Worker group FAILED" in job.agent_log(1) and "will restart worker group" in job.agent_log(1),
-                     60, "machine 1's agent to restart its worker group")
-        # Either the new round reaches them while their workers train ("Detected 1 new nodes"), or the
-        # healthy local worker that machine 1's agent SIGTERMed breaks the survivors' regroup first, their
-        # workers fail and they restart for that ("Worker group FAILED"): both tear the survivors down.
-        job.wait_for(lambda: all(any(line in job.agent_log(i) for line in ("Detected 1 new nodes", "Worker group FAILED"))
-                                 for i in (0, 2)), 60, "the other agents to restart theirs")
-        assert job.results() == {}, "torn down before the end of training"
 
 
 @pytest.mark.timeout(420)

@@ -16,15 +16,12 @@ demo: setup
 plan-demo: setup
 	$(VENV)/bin/resihp plan examples/problems/two_slow_of_sixteen.json
 
-# Two tests at a time (pytest-xdist), then the files whose assertions rest on measured time or speed
-# on their own (tests/timing_files.txt): both runs always run; either one failing fails the target.
+# scripts/test_suite.sh: the files that measure compute speed alone, then the files that measure
+# timeouts beside the rest of the suite (two tests at a time, pytest-xdist, at the lowest CPU priority);
+# every part always runs; any one failing fails the target (tests/timing_files.txt lists which is which).
 TEST_WORKERS ?= 2
-TIMING_FILES := $(shell grep -v '^\#' tests/timing_files.txt)
 test: setup
-	@status=0; \
-	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) $(addprefix --ignore=,$(TIMING_FILES)) || status=$$?; \
-	OMP_NUM_THREADS=1 $(PY) -m pytest -p no:xdist $(TIMING_FILES) || status=$$?; \
-	exit $$status
+	@TEST_WORKERS=$(TEST_WORKERS) PY=$(PY) bash scripts/test_suite.sh
 
 # Skips the multi-process gloo tests (CI runs everything).
 test-fast: setup

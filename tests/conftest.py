@@ -13,10 +13,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from resihp_lightning.testing.multiproc import free_port, run_distributed, start_rank_server  # noqa: E402
 
-#: Test files whose assertions rest on measured time or speed, which ``make test`` runs serially after
-#: the rest (the list and why: tests/timing_files.txt). They carry the ``timing`` marker.
+#: Test files whose assertions rest on measured time or speed, which ``make test`` runs apart from the
+#: rest (the list, and how each runs: tests/timing_files.txt, ``<speed|timeout> <path>``). They carry
+#: the ``timing`` marker.
 TIMING_FILES = {
-    line.strip() for line in (Path(__file__).parent / "timing_files.txt").read_text().splitlines()
+    line.split()[-1] for line in (Path(__file__).parent / "timing_files.txt").read_text().splitlines()
     if line.strip() and not line.startswith("#")
 }
 

@@ -165,7 +165,7 @@ def _deaths(outcome):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("mode", ["all_reduce", "p2p"])
 def test_sigkill_of_rank_two_releases_the_survivors_who_regroup_into_three(mode):
-    outcome = run_job(_train, 4, timeout=45, wait_for=[0, 1, 3], store_host_grace_s=4.0,
+    outcome = run_job(_train, 4, timeout=45, wait_for=[0, 1, 3], store_host_grace_s=8.0,
                       mode=mode, failures=[(2, 20, "kill")], steps=40)
     values = _survivors(outcome, [0, 1, 3])
     died = _deaths(outcome)[2]
@@ -176,7 +176,8 @@ def test_sigkill_of_rank_two_releases_the_survivors_who_regroup_into_three(mode)
         assert event["released"] - died < 2.0, f"rank {rank} released after {event['released'] - died:.2f} s"
         assert event["regrouped"] - died < 4.0
         assert value["rank_of"] == {0: 0, 1: 1, 3: 2}
-    assert outcome.store_host_ended_by_itself, "the store host outlived the job"
+    # It exits linger_s (2 s) after the last member; the rest of the grace is for a loaded machine.
+    assert outcome.store_host_ended_by_itself, "the store host outlived the job by 8 s"
 
 
 @pytest.mark.multiprocess

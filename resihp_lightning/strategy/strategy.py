@@ -51,6 +51,7 @@ from resihp_lightning.failstop.survivors import SurvivingJob
 from resihp_lightning.placement import row_offset
 from resihp_lightning.resilience.failure_detector import FailureDetector
 from resihp_lightning.plan import Plan
+from resihp_lightning.process_ranks import ensure_process_ranks
 from resihp_lightning.runtime import batching, link_probe
 from resihp_lightning.runtime.device_memory import memory_budget_mb
 from resihp_lightning.runtime.engine import init_deepspeed_comm
@@ -124,6 +125,8 @@ class ResiHPStrategyMixin:
                 tensor_degree=tensor_degree,
             )
         self.options = options
+        # One launcher per process (RESIHP_RANKS_AT): the job's ranks before Lightning reads them.
+        ensure_process_ranks()
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

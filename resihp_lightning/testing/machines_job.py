@@ -34,43 +34,6 @@ def _record(path: Path, payload: dict) -> None:
     path.write_text(json.dumps(payload))
 
 
-def assign_ranks(endpoint: str, world: int, local_rank: int, local_world: int, job_id: str, timeout_s: float = 120.0) -> None:
-    """Sets the launcher variables of one process started by its own ``torchrun --standalone`` agent.
-
-    torchft's pattern: every process has an agent of its own (its own rendezvous, world size 1), so an
-    agent restarts or tears down nobody else's process. The job's ranks come from a ``TCPStore`` at
-    ``endpoint`` (``host:port``; hosted by local process 0 of that host): each process registers
-    ``host:local rank``; once ``world`` have, ranks follow the sorted (host, local rank) order and node
-    ranks the sorted hosts. ``MASTER_ADDR`` becomes the first host (where ``fail_stop``'s store host
-    runs), ``TORCHELASTIC_RUN_ID`` the shared ``job_id``.
-    """
-    import datetime
-
-    import torch.distributed as dist
-
-    host, port = endpoint.rsplit(":", 1)
-    me = socket.gethostname()
-    store = dist.TCPStore(host, int(port), None, me == host and local_rank == 0, datetime.timedelta(seconds=timeout_s),
-                          wait_for_workers=False)
-    store.append("members", f"{me}:{local_rank},")
-    count = store.add("count", 1)
-    deadline = time.monotonic() + timeout_s
-    while count < world:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"only {count} of {world} processes registered at {endpoint}")
-        time.sleep(0.05)
-        count = store.add("count", 0)
-    members = sorted((m.rsplit(":", 1)[0], int(m.rsplit(":", 1)[1]))
-                     for m in store.get("members").decode().split(",") if m)[:world]
-    hosts = sorted({h for h, _ in members})
-    os.environ.update(RANK=str(members.index((me, local_rank))), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank),
-                      LOCAL_WORLD_SIZE=str(local_world), GROUP_RANK=str(hosts.index(me)), MASTER_ADDR=hosts[0],
-                      TORCHELASTIC_RUN_ID=job_id)
-    store.set(f"done/{me}:{local_rank}", "1")
-    if me == host and local_rank == 0:  # the host keeps serving until every process has read its rank
-        store.wait([f"done/{h}:{r}" for h, r in members], datetime.timedelta(seconds=timeout_s))
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run-dir", required=True)
@@ -79,11 +42,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--step-s", type=float, default=0.0, help="sleep this long inside each step, in all")
     parser.add_argument("--detect-timeout-s", type=float, default=1.0)
     parser.add_argument("--pipeline-degree", type=int, default=2)
-    parser.add_argument("--own-ranks", default=None, metavar="HOST:PORT",
-                        help="one torchrun --standalone agent per process: take ranks from a store here (assign_ranks)")
-    parser.add_argument("--world", type=int, default=6, help="with --own-ranks: processes in the job")
-    parser.add_argument("--local-rank", type=int, default=0, help="with --own-ranks: this process's index on its machine")
-    parser.add_argument("--local-world", type=int, default=2, help="with --own-ranks: processes per machine")
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="collective timeout (ResiHPStrategy(timeout=...))")
     args = parser.parse_args(argv)
 
@@ -94,12 +52,13 @@ def main(argv: list[str] | None = None) -> None:
     from resihp_lightning.callbacks.failstop.failstop_reporter import FailStopReporter
     from resihp_lightning.failstop.fail_stop_config import FailStopConfig
     from resihp_lightning.launcher_env import launcher_shape, restart_count
+    from resihp_lightning.process_ranks import ensure_process_ranks
     from resihp_lightning.strategy.strategy import ResiHPStrategy
     from resihp_lightning.testing.toy_jobs import M, MBS, build_class, make_data
 
     torch.set_num_threads(1)
-    if args.own_ranks:
-        assign_ranks(args.own_ranks, args.world, args.local_rank, args.local_world, job_id="machines-job")
+    # One torchrun --standalone agent per process (RESIHP_RANKS_AT set): the job's ranks before anything reads them.
+    ensure_process_ranks()
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     # The pid too: after a membership change torchrun restarts the other agents' workers with the same count.

@@ -47,8 +47,8 @@ class TorchrunJobConfig:
         job_args: more arguments of the worker script.
         per_process: torchft's pattern instead: ``nproc_per_node`` agents per machine, each
             ``torchrun --standalone --nproc-per-node 1`` (its own rendezvous, nobody else's workers),
-            the ranks from the job's own store on machine 0 at ``rank_port``
-            (:func:`~.machines_job.assign_ranks`).
+            the ranks from the job's rank store on machine 0 at ``rank_port``
+            (``RESIHP_RANKS_AT``, :mod:`resihp_lightning.process_ranks`).
         rank_port: with ``per_process``, the rank-assignment store's port on machine 0.
     """
 
@@ -98,12 +98,13 @@ class TorchrunJob:
         torchrun = Path(sys.executable).with_name("torchrun")
         job = [str(JOB), "--run-dir", str(self.run_dir), "--store-port", str(cfg.store_port), "--steps", str(cfg.steps),
                "--step-s", str(cfg.step_s), "--detect-timeout-s", str(cfg.detect_timeout_s), *cfg.job_args]
-        if cfg.per_process:
+        if cfg.per_process:  # what examples/torchrun_per_process.sh starts for each process
             world = len(self.machines) * cfg.nproc_per_node
-            return [str(torchrun), "--standalone", "--nnodes", "1", "--nproc-per-node", "1", "--max-restarts",
-                    str(cfg.max_restarts), "--monitor-interval", "0.1", *job, "--own-ranks",
-                    f"{self.machines[0].hostname}:{cfg.rank_port}", "--world", str(world), "--local-rank",
-                    str(local_index), "--local-world", str(cfg.nproc_per_node)]
+            ranks = [f"RESIHP_RANKS_AT={self.machines[0].hostname}:{cfg.rank_port}", f"RESIHP_WORLD_SIZE={world}",
+                     f"RESIHP_NPROC_PER_NODE={cfg.nproc_per_node}", f"RESIHP_LOCAL_INDEX={local_index}",
+                     "RESIHP_JOB_ID=machines-job"]
+            return ["env", *ranks, str(torchrun), "--standalone", "--nnodes", "1", "--nproc-per-node", "1",
+                    "--max-restarts", str(cfg.max_restarts), "--monitor-interval", "0.1", *job]
         return [str(torchrun), "--nnodes", cfg.nnodes, "--nproc-per-node", str(cfg.nproc_per_node),
                 "--max-restarts", str(cfg.max_restarts), "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", f"{self.machines[0].hostname}:{cfg.rdzv_port}", "--rdzv-id", "job",
@@ -114,7 +115,9 @@ class TorchrunJob:
         """This process's environment without a launcher's variables, one thread per worker, torchrun's
         agent logging at INFO (its exit barrier and restarts show in the agents' logs)."""
         env = {k: v for k, v in os.environ.items()
-               if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC", "GROUP_"))}
+               if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC", "GROUP_", "RESIHP_RANKS",
+                                    "RESIHP_WORLD_SIZE", "RESIHP_LOCAL_INDEX", "RESIHP_NPROC_PER_NODE", "RESIHP_JOB_ID",
+                                    "RESIHP_NODE_NAME"))}
         env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", LOGLEVEL="INFO",
                    PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
         return env

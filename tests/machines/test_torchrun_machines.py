@@ -15,8 +15,10 @@ The heartbeat timeout is 3 s (``DETECT_S``). Asserted:
 * machine 0's link cut (it hosts the rendezvous, node rank 0 and the fail-stop store): machine 0's two
   workers, which keep the store, evict the four others and finish alone, exactly; the other two
   machines, the majority, make no further step (they stall in a collective with machine 0);
-* the same under torchft's launch pattern (one ``torchrun --standalone`` agent per process, ranks from
-  the job's own store): the five others finish exactly, in-process, and every command ends.
+* torchft's launch pattern (one ``torchrun --standalone`` agent per process, ranks from the job's rank
+  store, as ``examples/torchrun_per_process.sh`` starts them): one worker killed, then a machine frozen
+  and resumed after the others recovered; the three survivors finish exactly, in-process, the resumed
+  workers learn they were evicted and exit without touching the job, and every command ends.
 
 What one dead worker does under one agent per machine (its agent restarts its worker group, and every
 other agent its own at the next rendezvous round) is torch's behaviour, measured by hand and written
@@ -154,11 +156,18 @@ def _kill_one_worker(machines: Machines, job: TorchrunJob, host_index: int, loca
     return int(start["tag"].split("-")[1])
 
 
+def _recovery_events(job: TorchrunJob, failed: set[int]) -> list[dict]:
+    return [e for e in job.events() if e["event"] == "recovery_started" and failed <= set(map(int, e["failed"]))]
+
+
 @pytest.mark.timeout(420)
-def test_with_one_standalone_agent_per_process_a_dead_worker_costs_one_step_and_every_command_ends(tmp_path):
-    """torchft's pattern (TorchrunJobConfig.per_process): no agent watches another's worker, so the five
-    survivors recover in-process and finish exactly, the dead worker's agent exits 1, the others once their
-    worker ends (no exit barrier: each agent's world is its own process).
+def test_with_one_standalone_agent_per_process_deaths_cost_one_step_and_a_frozen_machine_back_changes_nothing(tmp_path):
+    """torchft's pattern (TorchrunJobConfig.per_process, the agents examples/torchrun_per_process.sh
+    starts): one worker of machine 1 killed inside step 2, then machine 2 SIGSTOPped inside step 4 and
+    SIGCONTed once the others have recovered. No agent watches another's worker, so the three survivors
+    recover in-process twice and finish exactly; machine 2's workers, back in a generation the others
+    left, learn that they were evicted and exit (status 75, no result, the survivors unaffected); every
+    command ends (no exit barrier: each agent's world is its own process).
 
     Known bug, not this launch's (docs/machines.md): a survivor still in its last step's collectives when
     the others finish sees them go silent, evicts them and SIGKILLs the finished ones on its machine
@@ -166,19 +175,37 @@ def test_with_one_standalone_agent_per_process_a_dead_worker_costs_one_step_and_
     for a rank some survivor's last recovery evicted after the last step."""
     config = TorchrunJobConfig(per_process=True, max_restarts=0, detect_timeout_s=DETECT_S)
     with Machines(3) as machines, TorchrunJob(machines, tmp_path / "run", config) as job:
-        fault_at = _fault_inside_step(job)
+        killed_at = _fault_inside_step(job, step=2)
         victim = _kill_one_worker(machines, job, 1, 0)
-        results = job.wait_for(lambda: _results(job, 5), 120, "the five survivors' results")
+        job.wait_for(lambda: _recovery_events(job, {victim}), 60, "the recovery from the killed worker")
+        stopped_at = _fault_inside_step(job, step=4)
+        assert len(machines[2].stop()) == 4  # two agents, two workers
+        frozen = set(_ranks_of(job, "node2"))
+        job.wait_for(lambda: _recovery_events(job, frozen), 60, "the recovery from the frozen machine")
+        machines[2].resume()
+        results = job.wait_for(lambda: _results(job, 3), 120, "the three survivors' results")
         _assert_exact(results)
-        for result in results.values():
-            if result["recovery"]["step"] == 3:  # a rank that idled as a spare may record a later regroup
-                assert list(result["recovery"]["failed"]) == [str(victim)], result["recovery"]
+        survivors = {int(tag.split("-")[1]) for tag in results}
+        assert survivors == {0, 1, 2, 3} - {victim}, results.keys()
         codes = job.wait_agents(range(len(job.agents)), 90)
-        assert None not in codes and time.monotonic() - fault_at < 90, codes
+        assert None not in codes and time.monotonic() - killed_at < 150, codes
         # Ranks follow (host, local index): agent i (machine i // 2, local index i % 2) ran rank i.
         assert all(int(s["tag"].split("-")[1]) == 2 * int(s["host"][-1]) + s["local_rank"] for s in job.starts())
+        # Each recovery redid the step its lost ranks never finished.
+        last_step = {rank: max((r["step"] for tag, rows in job.steps().items() if int(tag.split("-")[1]) == rank
+                                for r in rows), default=-1) for rank in {victim} | frozen}
+        first, second = _recovery_events(job, {victim})[0], _recovery_events(job, frozen)[0]
+        assert set(map(int, first["failed"])) == {victim} and first["step"] == last_step[victim] + 1, (first, last_step)
+        assert set(map(int, second["failed"])) == frozen and second["step"] == max(last_step[r] for r in frozen) + 1, (
+            second, last_step)
+        assert last_step[victim] >= 1 and min(last_step[r] for r in frozen) > last_step[victim], last_step
+        assert all(0 < r["recovery"]["detected_at"] - stopped_at < DETECT_S + 3.0 for r in results.values()
+                   if r["recovery"]["step"] == second["step"])
+        # The frozen machine's workers came back evicted: they wrote no result and their agents failed.
+        assert all(codes[r] != 0 for r in frozen), codes
+        assert {int(tag.split("-")[1]) for tag in job.results()} == survivors
         evicted_at_the_end = {int(r) for res in results.values() if res["recovery"]["step"] >= STEPS
                               for r in res["recovery"]["failed"]}
         assert codes[victim] == 1, codes
-        failed = {rank for rank, code in enumerate(codes) if code != 0} - {victim}
+        failed = {rank for rank, code in enumerate(codes) if code != 0} - {victim} - frozen
         assert failed <= evicted_at_the_end, (codes, evicted_at_the_end)

@@ -29,7 +29,7 @@ def launcher_shape(devices: int, num_nodes: int) -> tuple[int, int]:
     Under torchrun ``devices`` is ``LOCAL_WORLD_SIZE`` (``--nproc-per-node``) and ``num_nodes`` is
     ``WORLD_SIZE / LOCAL_WORLD_SIZE`` (the agents that joined this rendezvous round). With one
     launcher per process (``RESIHP_RANKS_AT`` set) the ranks are taken from the job's rank store
-    first (:func:`~.process_ranks.ensure_process_ranks`, collective).
+    first (:func:`resihp_lightning.process_ranks.ensure_process_ranks`, collective).
     """
     from resihp_lightning.process_ranks import ensure_process_ranks
 

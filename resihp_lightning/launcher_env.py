@@ -2,7 +2,7 @@
 
 * :func:`launcher_shape`: ``Trainer(num_nodes=..., devices=...)`` for the world torchrun formed this
   time (``--nnodes MIN:MAX`` may give fewer nodes after a restart; Lightning requires
-  ``num_nodes * devices == WORLD_SIZE``);
+  ``num_nodes * devices == WORLD_SIZE``), or srun's allocation;
 * :func:`device_identity`: a process's place that survives a restart (host and local rank), since
   global ranks are dealt anew at each rendezvous;
 * :func:`speeds_by_identity` / :func:`speeds_for_ranks`: speeds measured before a restart carried to the
@@ -23,8 +23,18 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def under_srun() -> bool:
+    """Whether this process is a task of ``srun`` (not an interactive allocation, not under torchrun)."""
+    env = os.environ
+    return ("SLURM_NTASKS" in env and "SLURM_PROCID" in env and not under_torchrun()
+            and env.get("SLURM_JOB_NAME") not in ("bash", "interactive"))
+
+
 def launcher_shape(devices: int, num_nodes: int) -> tuple[int, int]:
-    """``(num_nodes, devices)`` for the Trainer: torchrun's world when it started this process, else the given ones.
+    """``(num_nodes, devices)`` for the Trainer: the launcher's world when one started this process, else the given ones.
+
+    Under srun ``devices`` is ``SLURM_NTASKS_PER_NODE`` and ``num_nodes`` is ``SLURM_NNODES`` (what
+    Lightning's SLURM environment checks them against).
 
     Under torchrun ``devices`` is ``LOCAL_WORLD_SIZE`` (``--nproc-per-node``) and ``num_nodes`` is
     ``WORLD_SIZE / LOCAL_WORLD_SIZE`` (the agents that joined this rendezvous round). With one
@@ -34,6 +44,13 @@ def launcher_shape(devices: int, num_nodes: int) -> tuple[int, int]:
     from resihp_lightning.process_ranks import ensure_process_ranks
 
     ensure_process_ranks()
+    if under_srun():
+        env = os.environ
+        per_node = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]  # "2" or "2(x3)"
+        nodes = env.get("SLURM_NNODES", env.get("SLURM_JOB_NUM_NODES", ""))
+        if per_node.isdigit() and nodes.isdigit():
+            return int(nodes), int(per_node)
+        return num_nodes, devices
     if not under_torchrun():
         return num_nodes, devices
     world = int(os.environ["WORLD_SIZE"])

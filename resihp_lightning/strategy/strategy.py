@@ -466,6 +466,10 @@ class ResiHPStrategyMixin:
             )
         self.set_world_ranks()
         self._process_group_backend = self._get_process_group_backend()
+        # As Lightning's own connection does: the cluster environment names the main node (under srun
+        # from SLURM_NODELIST), where the store host runs on several machines.
+        os.environ["MASTER_ADDR"] = self.cluster_environment.main_address
+        os.environ["MASTER_PORT"] = str(self.cluster_environment.main_port)
         job = SurvivingJob(
             self.options.fail_stop, self.global_rank, self.world_size, self._process_group_backend,
             self.options.timeout.total_seconds(), node_rank=self.node_rank,

@@ -9,7 +9,8 @@ forward of the rank's first layer), so that a fault injected from outside lands 
 
 What it writes under ``--run-dir`` (``<tag>`` = ``r<restart>-<rank at start>-<pid>``):
 
-* ``start-<tag>.json``: hostname, node rank (``GROUP_RANK``), local rank, pid, ``MASTER_ADDR``, when;
+* ``start-<tag>.json``: hostname, node rank (``GROUP_RANK``, under srun ``SLURM_NODEID``), local rank, pid,
+  ``MASTER_ADDR``, when;
 * ``steps-<tag>.jsonl``: one line per finished step (step, loss, world size, time);
 * ``result-<tag>.json``: at the end of ``fit``, the losses, the final weights and the last recovery.
 
@@ -62,10 +63,12 @@ def main(argv: list[str] | None = None) -> None:
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     # The pid too: after a membership change torchrun restarts the other agents' workers with the same count.
-    tag = f"r{restart_count()}-{os.environ.get('RANK', '0')}-{os.getpid()}"
+    env = os.environ
+    rank = env.get("RANK", env.get("SLURM_PROCID", "0"))  # torchrun's, or srun's task id
+    tag = f"r{restart_count()}-{rank}-{os.getpid()}"
     _record(run_dir / f"start-{tag}.json", {
-        "host": socket.gethostname(), "node_rank": int(os.environ.get("GROUP_RANK", "0")),
-        "local_rank": int(os.environ.get("LOCAL_RANK", "0")), "pid": os.getpid(),
+        "host": socket.gethostname(), "node_rank": int(env.get("GROUP_RANK", env.get("SLURM_NODEID", "0"))),
+        "local_rank": int(env.get("LOCAL_RANK", env.get("SLURM_LOCALID", "0"))), "pid": os.getpid(),
         "master_addr": os.environ.get("MASTER_ADDR"), "time": time.time(), "monotonic": time.monotonic(),
     })
 

@@ -50,6 +50,12 @@ class TorchrunJobConfig:
             the ranks from the job's rank store on machine 0 at ``rank_port``
             (``RESIHP_RANKS_AT``, :mod:`resihp_lightning.process_ranks`).
         rank_port: with ``per_process``, the rank-assignment store's port on machine 0.
+        srun: srun's layout instead of any torchrun: ``nproc_per_node`` processes per machine started
+            directly with the variables ``srun --nodes N --ntasks-per-node P --kill-on-bad-exit=0``
+            gives each task (``SLURM_PROCID``, ``SLURM_LOCALID``, ``SLURM_NODEID``, ``SLURM_NTASKS``,
+            ``SLURM_NODELIST``, ...); no launcher process outlives or watches them (``agents`` are the
+            tasks themselves). SLURM's ``srun`` is not available here.
+        slurm_job_id: with ``srun``, ``SLURM_JOB_ID`` (Lightning derives ``MASTER_PORT`` from it).
     """
 
     nproc_per_node: int = 2
@@ -64,6 +70,8 @@ class TorchrunJobConfig:
     job_args: Sequence[str] = field(default_factory=tuple)
     per_process: bool = False
     rank_port: int = 29500
+    srun: bool = False
+    slurm_job_id: int = 4242
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -92,12 +100,25 @@ class TorchrunJob:
         self.agent_machines: list[int] = []  # the machine of each agent
         self.started_at = time.monotonic()
 
-    def command(self, local_index: int = 0) -> list[str]:
-        """The command of one agent (``local_index``: its index on its machine, with ``per_process``)."""
+    def slurm_task_env(self, machine_index: int, local_index: int) -> dict[str, str]:
+        """What srun sets for task ``local_index`` of machine ``machine_index`` (the variables Lightning reads)."""
+        cfg, nodes = self.config, len(self.machines)
+        prefix = self.machines[0].hostname.rstrip("0123456789")
+        return {"SLURM_JOB_ID": str(cfg.slurm_job_id), "SLURM_JOB_NAME": "machines-job", "SLURM_NNODES": str(nodes),
+                "SLURM_JOB_NUM_NODES": str(nodes), "SLURM_NTASKS": str(nodes * cfg.nproc_per_node),
+                "SLURM_NTASKS_PER_NODE": str(cfg.nproc_per_node), "SLURM_NODELIST": f"{prefix}[0-{nodes - 1}]",
+                "SLURM_PROCID": str(machine_index * cfg.nproc_per_node + local_index),
+                "SLURM_LOCALID": str(local_index), "SLURM_NODEID": str(machine_index)}
+
+    def command(self, local_index: int = 0, machine_index: int = 0) -> list[str]:
+        """The command of one agent (``local_index``: its index on its machine, with ``per_process`` or ``srun``)."""
         cfg = self.config
         torchrun = Path(sys.executable).with_name("torchrun")
         job = [str(JOB), "--run-dir", str(self.run_dir), "--store-port", str(cfg.store_port), "--steps", str(cfg.steps),
                "--step-s", str(cfg.step_s), "--detect-timeout-s", str(cfg.detect_timeout_s), *cfg.job_args]
+        if cfg.srun:
+            return ["env", *(f"{k}={v}" for k, v in self.slurm_task_env(machine_index, local_index).items()),
+                    sys.executable, *job]
         if cfg.per_process:  # what examples/torchrun_per_process.sh starts for each process
             world = len(self.machines) * cfg.nproc_per_node
             ranks = [f"RESIHP_RANKS_AT={self.machines[0].hostname}:{cfg.rank_port}", f"RESIHP_WORLD_SIZE={world}",
@@ -117,7 +138,7 @@ class TorchrunJob:
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC", "GROUP_", "RESIHP_RANKS",
                                     "RESIHP_WORLD_SIZE", "RESIHP_LOCAL_INDEX", "RESIHP_NPROC_PER_NODE", "RESIHP_JOB_ID",
-                                    "RESIHP_NODE_NAME"))}
+                                    "RESIHP_NODE_NAME", "SLURM_"))}
         env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", LOGLEVEL="INFO",
                    PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
         return env
@@ -125,11 +146,12 @@ class TorchrunJob:
     def start(self) -> TorchrunJob:
         """Starts every machine's agent(s) (machine 0's first: it hosts the rendezvous)."""
         self.started_at = time.monotonic()
-        per_machine = self.config.nproc_per_node if self.config.per_process else 1
+        per_machine = self.config.nproc_per_node if self.config.per_process or self.config.srun else 1
         for machine in self.machines:
             for local_index in range(per_machine):
                 log = open(self.run_dir / f"agent{len(self.agents)}.log", "w")
-                self.agents.append(machine.popen(self.command(local_index), env=self.environment(), cwd=ROOT, stdout=log,
+                command = self.command(local_index, machine.index)
+                self.agents.append(machine.popen(command, env=self.environment(), cwd=ROOT, stdout=log,
                                                  stderr=subprocess.STDOUT))
                 self.agent_machines.append(machine.index)
                 log.close()

@@ -245,3 +245,23 @@ class Survivable(Protocol):
 
     device_conditions: DeviceConditions
     """What a recovery plans the survivors with (healthy by default; the controller keeps it current)."""
+
+
+@runtime_checkable
+class IdleProbes(Protocol):
+    """A strategy whose idle processes (hot spares) report a speed probe to the processes that plan.
+
+    A device that a plan left out for slowness computes nothing, so nothing else measures whether it
+    healed: it times the speed probe between steps and shares the time; the members compare it with
+    their own probe times (:class:`~resihp_lightning.callbacks.failslow.straggler_detector.StragglerDetector`).
+    """
+
+    @property
+    def is_spare(self) -> bool:
+        """Whether the plan in force leaves this process idle."""
+
+    def share_idle_probe(self, step: int, probe_ms: float) -> None:
+        """An idle process: publishes its probe time at ``step`` (the latest one replaces the last)."""
+
+    def idle_probes(self) -> dict[int, tuple[int, float]]:
+        """Device id -> ``(step, probe ms)``: the latest probe of every idle process that shared one."""

@@ -18,7 +18,8 @@ the members' rank 0 announces the new plan for the current generation
 :class:`~resihp_lightning.resilience.failures.PeerFailure` like a member would, and joins the regroup.
 
 Costs while spares exist: one store write (and one delete) per call on the members' rank 0; each
-spare polls the store every ``poll_s``.
+spare polls the store every ``poll_s``. A spare also shares its speed-probe time (:func:`share_idle_probe`,
+one small key per spare) so that the members can tell when a device left out for slowness healed.
 """
 
 from __future__ import annotations
@@ -39,6 +40,27 @@ KEEP_RECORDS = 64
 
 def result_key(call: int) -> str:
     return f"spares/result/{call}"
+
+
+def idle_probe_key(device: int) -> str:
+    return f"spares/probe/{device}"
+
+
+def share_idle_probe(world: Any, device: int, step: int, probe_ms: float) -> None:
+    """A spare: publishes its speed-probe time at ``step`` (replacing its last), for the members' rank 0."""
+    world.store.control.set(idle_probe_key(device), json.dumps({"step": int(step), "ms": float(probe_ms)}))
+
+
+def idle_probes(world: Any, devices: tuple[int, ...]) -> dict[int, tuple[int, float]]:
+    """The latest probe time each of ``devices`` shared: device -> ``(step, ms)`` (those without one left out)."""
+    store = world.store.control
+    out: dict[int, tuple[int, float]] = {}
+    for device in devices:
+        key = idle_probe_key(device)
+        if store.check([key]):
+            record = json.loads(store.get(key))
+            out[device] = (int(record["step"]), float(record["ms"]))
+    return out
 
 
 def reshape_key(generation: int, call: int) -> str:

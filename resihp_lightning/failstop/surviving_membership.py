@@ -22,7 +22,7 @@ from resihp_lightning.plan import Plan
 from resihp_lightning.resilience.failure_detector import FailureDetector
 from resihp_lightning.resilience.failures import PeerFailure
 from resihp_lightning.failstop.recovery_record import RecoveryRecord
-from resihp_lightning.failstop.spares import Reshape
+from resihp_lightning.failstop.spares import Reshape, idle_probes, share_idle_probe
 from resihp_lightning.failstop.survivors import SurvivingJob
 from resihp_lightning.runtime.runtime_state import RuntimeState
 from resihp_lightning.tensor.tensor_groups import TensorGroups, TensorParallelism
@@ -107,6 +107,14 @@ class SurvivingMembership:
     @property
     def is_spare(self) -> bool:
         return self.job.is_spare
+
+    def share_idle_probe(self, step: int, probe_ms: float) -> None:
+        """A spare: publishes its speed-probe time (see :func:`~.spares.share_idle_probe`)."""
+        share_idle_probe(self.job.world, self.job.device_id, step, probe_ms)
+
+    def idle_probes(self) -> dict[int, tuple[int, float]]:
+        """The spares' latest speed-probe times (device id -> ``(step, ms)``)."""
+        return idle_probes(self.job.world, self.job.spares)
 
     @property
     def collectives_interrupted(self) -> bool:

@@ -57,6 +57,14 @@ class Membership(Protocol):
         """Whether the plan in force leaves this process idle (it mirrors the members' calls)."""
         ...
 
+    def share_idle_probe(self, step: int, probe_ms: float) -> None:
+        """A spare: publishes its speed-probe time for the members' rank 0."""
+        ...
+
+    def idle_probes(self) -> dict[int, tuple[int, float]]:
+        """The spares' latest speed-probe times (device id -> ``(step, ms)``; empty without spares)."""
+        ...
+
     @property
     def collectives_interrupted(self) -> bool:
         """Whether this process skips the collectives of the current step."""
@@ -166,6 +174,12 @@ class PlainMembership:
 
     is_spare = False
     collectives_interrupted = False
+
+    def share_idle_probe(self, step: int, probe_ms: float) -> None:
+        """Never called: a plain job has no idle process."""
+
+    def idle_probes(self) -> dict[int, tuple[int, float]]:
+        return {}
     last_recovery = None
     failure_detector = None
     commit = None

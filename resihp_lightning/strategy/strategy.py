@@ -215,6 +215,14 @@ class ResiHPStrategyMixin:
         """The device ids of the job's live processes (hot spares included)."""
         return self._membership.devices_alive
 
+    def share_idle_probe(self, step: int, probe_ms: float) -> None:
+        """An idle process: publishes its speed-probe time (``IdleProbes`` in ``resihp_lightning.contract``)."""
+        self._membership.share_idle_probe(step, probe_ms)
+
+    def idle_probes(self) -> dict[int, tuple[int, float]]:
+        """The idle processes' latest speed-probe times: device id -> ``(step, ms)``."""
+        return self._membership.idle_probes()
+
     @property
     def supports_idle_devices(self) -> bool:
         """Whether a plan may leave live devices idle as hot spares (``fail_stop`` on, plain fp32 optimizer)."""

@@ -119,12 +119,14 @@ class StragglerConfig:
             (busy time minus its wait in the group's all-reduces) is at least this many times its group's
             other members' median (> 1; :mod:`.member_core`).
         member_patience: consecutive steps (after ``warmup_steps``) before a member's flag changes (>= 1).
-        probe_interval_steps: under tensor parallelism, while a member dropped from its group is flagged as
-            a device of its own, every process times the same fixed work this often
-            (:mod:`~resihp_lightning.torch_utils.speed_probe`); the device is cleared when its probe speed
-            is at least ``2 / (1 + member_threshold)`` of the median (where the member core clears a
-            member) for ``patience`` probes in a row (its own model may have been fitted while it was slow,
-            with no peer to compare with). 0: no probes.
+        probe_interval_steps: devices that nothing else measures are timed on the same fixed work this
+            often (:mod:`~resihp_lightning.torch_utils.speed_probe`): under tensor parallelism, while a
+            member dropped from its group is flagged as a device of its own, every process probes; while
+            a flagged device is idle (a hot spare a plan left out for slowness), it probes and shares its
+            time, and the members probe to compare. Such a device is cleared when its probe speed is at
+            least ``2 / (1 + member_threshold)`` of the members' median (where the member core clears a
+            member) for ``patience`` probes in a row; a cleared spare can be taken back by the next plan.
+            0: no probes.
     """
 
     report_time_interval: float | None = None
@@ -355,6 +357,17 @@ class StragglerCore:
         if speed is not None:
             state.flagged, state.speed, state.anchor, state.seeded = True, float(speed), float(speed), True
         self._states[rank] = state
+
+    def clear_idle(self, rank: int, step: int, probe_speed: float) -> dict[str, Any] | None:
+        """An idle device (a hot spare) that its speed probe found healed: unflagged, its history dropped
+        (it is measured afresh when a plan uses it again), and the version bumps, so that a re-plan may
+        take it back. Returns the ``fail_slow_recovered`` event, or ``None`` when it was not flagged."""
+        state = self._states.get(rank)
+        if state is None or not state.flagged:
+            return None
+        self._states[rank] = _RankState(history=deque(maxlen=self._history_len()))
+        self.version += 1
+        return self._event("fail_slow_recovered", step, rank, probe_speed)
 
     @property
     def seeded(self) -> list[int]:

@@ -29,6 +29,8 @@ The list of ``StragglerDetector.detections`` is not saved (the event log keeps t
 
 from __future__ import annotations
 
+import statistics
+
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -47,10 +49,10 @@ from resihp_lightning.callbacks.failslow.straggler_core import (
     StragglerCore,
 )
 from resihp_lightning.torch_utils.collectives import all_gather_objects, broadcast_from_zero
-from resihp_lightning.torch_utils.speed_probe import probe_in_turns, relative_speeds
+from resihp_lightning.torch_utils.speed_probe import PROBE, probe_in_turns, relative_speeds
 from resihp_lightning.config import config_from_options
 from resihp_lightning.contract import (
-    LinkProber, StepStatsSource, Survivable, provides, reports_device, require, tensor_degree_of,
+    IdleProbes, LinkProber, Replannable, StepStatsSource, Survivable, provides, reports_device, require, tensor_degree_of,
 )
 
 log = get_logger(__name__)
@@ -93,6 +95,8 @@ class StragglerDetector(Callback):
         self.last_members: list[MemberSample] = []
         self._reported_device: int | None = None  # the device this process reports for (None: it reports none)
         self._probe_streaks: dict[int, int] = {}  # device -> probes in a row at a healed speed (same on every rank)
+        self._idle_probe_seen: dict[int, int] = {}  # idle device -> the step of its last probe counted
+        self._idle_since_sync = False  # this process was a spare since its state was last synced
         self.detections: list[dict[str, Any]] = []
         self.rank = 0
         self._pending: list[RankSummary] = []
@@ -171,6 +175,11 @@ class StragglerDetector(Callback):
         self.rank = trainer.global_rank  # it changes when lost ranks' survivors regroup
         if self.events is not None:
             self.events.rank = self.rank
+        if getattr(strategy, "is_spare", False):
+            self._idle_since_sync = True  # its cross-rank state stops here (see _resync)
+            if provides(strategy, IdleProbes):
+                self.share_idle_probe(trainer)
+            return  # a spare computes nothing, and joins no collective
         stats = strategy.last_step_stats
         if stats is None or strategy.collectives_interrupted:
             return  # no step measured yet, or the survivors of a lost rank meet again at the next step
@@ -193,6 +202,8 @@ class StragglerDetector(Callback):
             self.report(trainer, stats.step)
         if self._tensor_job:
             self.probe_dropped_members(trainer, stats.step)
+        else:
+            self.probe_idle_devices(trainer, stats.step)
         # Every link_probe_interval_steps; and at the next step while a flag change awaits confirmation
         # (the link core is the same on every rank, so every rank probes at the same step).
         if (self._probe_links and stats.step >= self.config.warmup_steps
@@ -231,6 +242,63 @@ class StragglerDetector(Callback):
             self.events.log(event["event"], step, rank=dev, speed=speed, source="probe")
             user_info(f"straggler: rank {dev} recovered (speed probe {speed:.2f}, step {step})")
             self._clear_lone_member(event)
+
+    def share_idle_probe(self, trainer: Any) -> None:
+        """A spare: every ``probe_interval_steps`` times the speed probe and shares the time (no collective)."""
+        interval = self.config.probe_interval_steps
+        step = trainer.global_step
+        if not interval or step % interval:
+            return
+        strategy = trainer.strategy
+        strategy.share_idle_probe(step, PROBE.measure_ms(getattr(strategy, "root_device", "cpu")))
+
+    def probe_idle_devices(self, trainer: Any, step: int) -> None:
+        """While a flagged device is idle (a spare), every ``probe_interval_steps`` the members time the speed
+        probe (collective) and rank 0 reads the spares' shared times; a flagged spare at ``2 / (1 +
+        member_threshold)`` or more of the members' median for ``patience`` fresh probes in a row is cleared
+        (``fail_slow_recovered``, the version bumps), so that a plan may take it back. The condition and the
+        outcome are the same on every member."""
+        strategy = trainer.strategy
+        interval = self.config.probe_interval_steps
+        if not interval or step % interval or not provides(strategy, IdleProbes) or not provides(strategy, Replannable):
+            return
+        idle = set(strategy.devices_alive) - set(strategy.current_plan.device_ids)
+        flagged = sorted(idle & set(self.core.flagged))
+        for device in set(self._idle_probe_seen) - idle:
+            self._idle_probe_seen.pop(device)  # taken back, or gone: a later spell starts afresh
+            self._probe_streaks.pop(device, None)
+        if not flagged:
+            return
+        device = getattr(strategy, "root_device", "cpu")
+        process = getattr(strategy, "process_id", trainer.global_rank)
+
+        def probe() -> tuple[dict[int, float], dict[int, tuple[int, float]]]:
+            members = probe_in_turns(process, device)
+            return members, broadcast_from_zero(strategy.idle_probes() if trainer.global_rank == 0 else None)
+
+        done, got = strategy.collective(probe)
+        if not done:
+            return
+        members, shared = got
+        median = statistics.median(members.values())
+        threshold = 2.0 / (1.0 + self.config.member_threshold)
+        for dev in flagged:
+            if dev not in shared or shared[dev][0] <= self._idle_probe_seen.get(dev, -1):
+                continue  # no new probe from it since the last one counted
+            probe_step, probe_ms = shared[dev]
+            self._idle_probe_seen[dev] = probe_step
+            speed = median / probe_ms if probe_ms > 0 else 0.0
+            self._probe_streaks[dev] = self._probe_streaks.get(dev, 0) + 1 if speed >= threshold else 0
+            if self._probe_streaks[dev] < self.config.patience:
+                continue
+            del self._probe_streaks[dev]
+            event = self.core.clear_idle(dev, step, speed)
+            if event is None:
+                continue
+            event["source"] = "idle probe"
+            self.detections.append(event)
+            self.events.log(event["event"], step, rank=dev, speed=event["speed"], source="idle probe")
+            user_info(f"straggler: idle rank {dev} recovered (speed probe {speed:.2f}, step {step})")
 
     def probe_links(self, trainer: Any) -> None:
         """Measures the links now and folds the probe in (collective: every rank at the same step)."""
@@ -382,23 +450,27 @@ class StragglerDetector(Callback):
         self._interval = state_dict["interval"]
 
     def _resync(self) -> None:
-        """Inside a fail-stop recovery: every survivor takes the cross-rank state of the new rank 0.
+        """Inside a fail-stop recovery or a reshape: every member takes the cross-rank state of the first
+        member that was not idle (a spare's is stale), the new rank 0 where it was a member.
 
         Survivors can be interrupted at different collectives of a step (one folded step s into its
         core, another did not), so their states may differ; the decisions they take at the same step
         must not. Each keeps its own tracker (its own measurements); pending summaries are dropped.
         """
-        import torch.distributed as dist
-
         mine = {"core": self.core.state_dict(), "links": self.links.state_dict(), "members": self.members.state_dict(),
                 "last_step": self._last_step, "next_report": self._next_report, "interval": self._interval,
-                "layout": self._layout}
-        state = broadcast_from_zero(mine if dist.get_rank() == 0 else None)
+                "layout": self._layout, "idle_probe_seen": self._idle_probe_seen}
+        # A spare taken back (or the lowest survivor, once a spare) knows nothing since it went idle: the
+        # state comes from the first process that was a member all along.
+        gathered = all_gather_objects((self._idle_since_sync, mine))
+        state = next((theirs for idle, theirs in gathered if not idle), gathered[0][1])
+        self._idle_since_sync = False
         self.core.load_state_dict(state["core"])
         self.links.load_state_dict(state["links"])
         self.members.load_state_dict(state["members"])
         self._last_step, self._next_report, self._interval = state["last_step"], state["next_report"], state["interval"]
         self._layout = state["layout"]
+        self._idle_probe_seen = dict(state["idle_probe_seen"])
         self._pending, self._pending_members = [], []
         self._probe_streaks = {}
 

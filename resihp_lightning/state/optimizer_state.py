@@ -71,6 +71,16 @@ class StateCarrier(ABC):
     def capture(self, engine: Any, params: Mapping[str, nn.Parameter]) -> CapturedState:
         """This rank's state before ``engine`` goes (collective over each stage for the wrapped carrier)."""
 
+    def complete(self, captured: CapturedState, holding: Any) -> CapturedState:
+        """Makes ``captured`` whole once the old plan's live processes form the current group, before the
+        transfer (collective for the layer-wise ZeRO-1; default: it is whole already).
+
+        Args:
+            holding: the old plan and who is alive
+                (:class:`~resihp_lightning.state.sharded_moments.OldHolding`).
+        """
+        return captured
+
     def prepare_incoming(self, layers: Iterable[nn.Module]) -> None:
         """Readies freshly built layers to receive migrated values (default: nothing)."""
 
@@ -142,6 +152,16 @@ class WrappedStateCarrier(StateCarrier):
     def capture(self, engine: Any, params: Mapping[str, nn.Parameter]) -> CapturedState:
         return CapturedState(wrapped_state.export_state(engine, params), dict(params), wrapped_state.export_scaler(engine))
 
+    def complete(self, captured: CapturedState, holding: Any) -> CapturedState:
+        """Makes ``captured`` whole once the old plan's live processes form the current group, before the
+        transfer (collective for the layer-wise ZeRO-1; default: it is whole already).
+
+        Args:
+            holding: the old plan and who is alive
+                (:class:`~resihp_lightning.state.sharded_moments.OldHolding`).
+        """
+        return captured
+
     def prepare_incoming(self, layers: Iterable[nn.Module]) -> None:
         # Received values arrive in the sender's dtype (the engine's): cast the fresh layers first.
         wrapped_state.cast_parameters(layers, self.param_dtype)
@@ -182,6 +202,12 @@ class WrappedStateCarrier(StateCarrier):
 
 
 def carrier_for(bound: BoundOptimizer | None, deepspeed_config: Mapping[str, Any]) -> StateCarrier:
-    """The carrier for a DeepSpeed config: wrapped when DeepSpeed wraps the optimizer (ZeRO >= 1, bf16, fp16)."""
+    """The carrier for a DeepSpeed config: wrapped when DeepSpeed wraps the optimizer (its ZeRO, bf16, fp16),
+    sharded for the layer-wise ZeRO-1 (:mod:`~resihp_lightning.state.zero_config`), else plain."""
+    from resihp_lightning.state.sharded_moments import ShardedStateCarrier
+    from resihp_lightning.state.zero_config import layerwise_zero
+
+    if layerwise_zero(deepspeed_config):
+        return ShardedStateCarrier(bound, deepspeed_config)
     cls = WrappedStateCarrier if wrapped_state.wraps_optimizer(deepspeed_config) else PlainStateCarrier
     return cls(bound, deepspeed_config)

@@ -9,6 +9,7 @@ from typing import Any
 from resihp_lightning.errors import invalid_option
 from resihp_lightning.plan import Plan
 from resihp_lightning.failstop.fail_stop_config import FailStopConfig
+from resihp_lightning.state.zero_config import layerwise_zero
 
 #: DeepSpeed config keys the strategy owns; an override of them is refused.
 RESERVED_DEEPSPEED_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
@@ -83,6 +84,7 @@ class StrategyOptions:
         stage = (self.deepspeed_config.get("zero_optimization") or {}).get("stage", 0)
         if stage not in (0, 1):
             raise invalid_option("deepspeed_config.zero_optimization.stage", stage, (0, 1))
+        layerwise_zero(self.deepspeed_config)  # refuses a bad zero_optimization.layerwise combination now
         if self.process_group_backend is not None and self.process_group_backend not in BACKENDS:
             raise invalid_option("process_group_backend", self.process_group_backend, BACKENDS)
         if self.gather_weights not in GATHER_WEIGHTS:

@@ -372,8 +372,8 @@ class PipelineRuntime:
         """
         if not self._carrier.per_replica_bounds:
             raise ConfigError(
-                "in-process recovery needs the plain fp32 optimizer: ZeRO-1 / bf16 keep optimizer state in "
-                "partitions spread over the lost group; restart from a checkpoint instead"
+                "in-process recovery needs the layer-wise engine: DeepSpeed's ZeRO-1 / bf16 wrappers keep optimizer "
+                "state in partitions spread over the lost group; restart from a checkpoint instead"
             )
         self._abandon_engine()
         for param in self.local_parameters().values():

@@ -66,7 +66,7 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
     if type(optimizer) not in SUPPORTED_OPTIMIZERS:
         raise ConfigError(
             f"deepspeed_config.zero_optimization.stage=1 (the layer-wise ZeRO-1) shards the state of "
-            f"{' / '.join(c.__module__ + '.' + c.__name__ for c in SUPPORTED_OPTIMIZERS)} only, not "
+            f"{' / '.join('torch.optim.' + c.__name__ for c in SUPPORTED_OPTIMIZERS)} only, not "
             f"{type(optimizer).__name__}; use one of those, or DeepSpeed's ZeRO wrapper with "
             "zero_optimization.layerwise=False"
         )
@@ -274,14 +274,17 @@ class ZeroShards:
         send = torch.zeros(longest, dtype=dtype, device=device)
         if parts[mine]:
             torch.cat(parts[mine], out=send[: lengths[mine]])
+        group = self._groups[ranks]
         received = [torch.empty(longest, dtype=dtype, device=device) for _ in ranks]
-        dist.all_gather(received, send, group=self._groups[ranks])
+        dist.all_gather(received, send, group=group)
         for j, part in enumerate(parts):
             if j == mine:
                 continue
+            # The group numbers its members in sorted rank order; holder j is the replica order's j-th.
+            got = received[dist.get_group_rank(group, ranks[j])]
             offset = 0
             for view in part:
-                view.copy_(received[j][offset : offset + view.numel()])
+                view.copy_(got[offset : offset + view.numel()])
                 offset += view.numel()
 
     # ------------------------------------------------------------------------------ state

@@ -207,10 +207,12 @@ class ShardedStateCarrier(PlainStateCarrier):
         return ShardedCapture(params=dict(params), slices=slices)
 
     def complete(self, captured: CapturedState, holding: OldHolding) -> CapturedState:
-        """Fills ``captured.by_key`` with whole states assembled from the live slices (collective)."""
+        """Fills ``captured.by_key`` with whole states assembled from the live slices (collective; nothing to
+        do outside fitting, where no process has an optimizer)."""
+        if self.bound is None:
+            return captured
         slices = captured.slices if isinstance(captured, ShardedCapture) else {}
-        group_of = self.bound.group_of if self.bound is not None else {}
-        by_key, self.assembled_bytes = assemble_full_state(holding, slices, group_of)
+        by_key, self.assembled_bytes = assemble_full_state(holding, slices, self.bound.group_of)
         captured.by_key = by_key
         return captured
 

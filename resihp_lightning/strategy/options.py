@@ -29,9 +29,11 @@ class StrategyOptions:
         micro_batch_size: rows of one micro-batch (>= 1).
         micro_batches: M, micro-batches per global batch; ``None`` infers it from the first training
             batch (rows / micro_batch_size).
-        deepspeed_config: DeepSpeed config entries written over the strategy's defaults (ZeRO-1,
-            ``bf16``, activation checkpointing pass through). ``gradient_clipping`` defaults to 0.0
-            (off) rather than DeepSpeed's 1.0.
+        deepspeed_config: DeepSpeed config entries written over the strategy's defaults (``bf16``,
+            activation checkpointing pass through). ``gradient_clipping`` defaults to 0.0 (off) rather
+            than DeepSpeed's 1.0. ``zero_optimization.stage`` 1 runs the layer-wise engine's ZeRO-1
+            (:mod:`~resihp_lightning.state.zero_config`); ``"layerwise": False`` in that section runs
+            DeepSpeed's ZeRO wrapper instead.
         process_group_backend: ``"gloo"`` or ``"nccl"``; ``None`` picks nccl on CUDA, gloo otherwise.
         timeout: collective timeout.
         gather_weights: at the end of ``trainer.fit``, which ranks' LightningModule receives the

@@ -736,7 +736,7 @@ class ResiHPStrategyMixin:
         if tied and not self.supports_per_replica_bounds:
             raise self.misconfiguration_error(
                 "pipeline_tied_parameters() needs the plain fp32 optimizer: ties are kept by the strategy's layer-wise "
-                "gradient reduction, which ZeRO / bf16 / fp16 in deepspeed_config replace"
+                "gradient reduction, which DeepSpeed's ZeRO / bf16 / fp16 wrappers in deepspeed_config replace"
             )
         return tied
 

@@ -48,6 +48,8 @@ from resihp_lightning.state.zero_layout import Piece, SliceLayout
 
 #: Optimizer classes whose state the layer-wise ZeRO-1 shards (element-wise maths, per-element state).
 SUPPORTED_OPTIMIZERS: tuple[type, ...] = (torch.optim.Adam, torch.optim.AdamW)
+#: Elements of the layers whose updated slices one all-gather carries at most (plus one layer).
+GATHER_BUCKET_NUMEL = 1 << 20
 #: Optimizer state entries that are per parameter, not per element (kept whole in every piece).
 SCALAR_KEYS = ("step",)
 
@@ -190,6 +192,7 @@ class ZeroShards:
     ) -> None:
         check_optimizer(bound.optimizer)
         self.bound = bound
+        self.bucket_numel = GATHER_BUCKET_NUMEL
         self.rank = rank
         holders = layer_holders(plan)
         per_group: list[list[nn.Parameter]] = [[] for _ in bound.groups]
@@ -247,14 +250,17 @@ class ZeroShards:
                     shadow.grad = None if grad is None else _flat(grad.data)[piece.start:piece.stop]
 
     def _gather_parameters(self) -> None:
-        """Every holder's own slice of the updated parameters to every holder of the set (one all-gather per
-        holder set and dtype, each member's part padded to the longest)."""
+        """Every holder's own slice of the updated parameters to every holder of the set: one all-gather per
+        holder set, dtype and bucket of consecutive layers of at most :data:`GATHER_BUCKET_NUMEL` elements
+        (past the layer that crosses it), each member's part padded to the longest. The bucket bounds the
+        transient buffers (about ``(D + 1) / D`` times the bucket) that the sharded moments save against."""
         with torch.no_grad():
             for ranks in self._order:
                 shards = [self.layers[i] for i in sorted(self.layers) if self.layers[i].ranks == ranks]
                 dtypes = sorted({p.dtype for shard in shards for p in shard.params}, key=str)
                 for dtype in dtypes:
-                    self._gather_set(shards, ranks, dtype)
+                    for bucket in _layer_buckets(shards, self.bucket_numel):
+                        self._gather_set(bucket, ranks, dtype)
 
     def _gather_set(self, shards: list[_LayerShard], ranks: tuple[int, ...], dtype: torch.dtype) -> None:
         def views(holder: int) -> list[Tensor]:
@@ -343,6 +349,19 @@ class ZeroShards:
                         total += sum(v.numel() * v.element_size() for k, v in self._shadow.state.get(shadow, {}).items()
                                      if elementwise(k, v))
         return float(total)
+
+
+def _layer_buckets(shards: list[_LayerShard], numel: int) -> list[list[_LayerShard]]:
+    """``shards`` in order, cut after the layer that takes a bucket past ``numel`` elements."""
+    out: list[list[_LayerShard]] = [[]]
+    size = 0
+    for shard in shards:
+        out[-1].append(shard)
+        size += shard.layout.total
+        if size > numel:
+            out.append([])
+            size = 0
+    return [bucket for bucket in out if bucket]
 
 
 def _hyper(group: Mapping[str, Any]) -> dict[str, Any]:

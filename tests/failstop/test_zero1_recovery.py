@@ -128,6 +128,10 @@ def _checkpoint_and_resume(rank: int, run_dir: str) -> dict:
     checkpoint under two other set-ups for two steps: the saved state, the trained one, what each resumed run restored, its loss."""
     import lightning.pytorch as pl
 
+    from resihp_lightning.runtime import zero_shards
+
+    zero_shards.GATHER_BUCKET_NUMEL = 50  # two 42-element layers per all-gather: the buckets are exercised too
+
     class Trained(pl.Callback):
         def on_train_end(self, trainer, pl_module):
             self.moments = _moments(trainer.strategy)

@@ -109,12 +109,12 @@ def _engine_rank(rank: int, port: int, variant: str, pipeline_degree: int, micro
     queue.put(record)
 
 
-def run_engine(micro_batches: int, seq_len: int, warmup: int, steps: int, repeats: int) -> None:
+def run_engine(micro_batches: int, seq_len: int, warmup: int, steps: int, repeats: int, variants: list[str]) -> None:
     print("4 processes, bf16-mixed | plan | optimizer step | step ms, slowest rank (median over runs) | "
           "optimizer state MiB, largest rank | peak MiB of the largest rank | last loss")
     print("---|---|---|---|---|---|---")
     for plan, degree in PLANS.items():
-        for variant in ENGINE_VARIANTS:
+        for variant in variants:
             runs = []
             for _ in range(repeats):
                 got = run_ranks(_engine_rank, (variant, degree, micro_batches, seq_len, warmup, steps), WORLD, WORLD,
@@ -247,6 +247,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--variants", nargs="*", default=list(ENGINE_VARIANTS), choices=list(ENGINE_VARIANTS),
+                        help="part 1: which variants to run")
     args = parser.parse_args()
     print(f"demo model {SHAPE}; M = {args.micro_batches} rows of {args.seq_len} tokens; "
           f"{args.warmup} warm-up + {args.steps} timed steps; {args.repeats} run(s)\n", flush=True)
@@ -254,7 +256,7 @@ def main() -> None:
         run_comm(max(args.repeats, 5))
         print(flush=True)
     if args.part in ("engine", "all"):
-        run_engine(args.micro_batches, args.seq_len, args.warmup, args.steps, args.repeats)
+        run_engine(args.micro_batches, args.seq_len, args.warmup, args.steps, args.repeats, args.variants)
         print(flush=True)
     if args.part in ("recovery", "all"):
         run_recovery(args.micro_batches, args.seq_len, args.repeats)

@@ -48,8 +48,9 @@ from resihp_lightning.state.zero_layout import Piece, SliceLayout
 
 #: Optimizer classes whose state the layer-wise ZeRO-1 shards (element-wise maths, per-element state).
 SUPPORTED_OPTIMIZERS: tuple[type, ...] = (torch.optim.Adam, torch.optim.AdamW)
-#: Elements of the layers whose updated slices one all-gather carries at most (plus one layer).
-GATHER_BUCKET_NUMEL = 1 << 20
+#: Elements of the layers whose updated slices one all-gather carries at most (plus one layer): the transient
+#: buffers are about ``(D + 1) / D`` times this (1 MiB of fp32), or one layer when a layer is larger.
+GATHER_BUCKET_NUMEL = 1 << 18
 #: Optimizer state entries that are per parameter, not per element (kept whole in every piece).
 SCALAR_KEYS = ("step",)
 
@@ -281,13 +282,15 @@ class ZeroShards:
         if parts[mine]:
             torch.cat(parts[mine], out=send[: lengths[mine]])
         group = self._groups[ranks]
-        received = [torch.empty(longest, dtype=dtype, device=device) for _ in ranks]
-        dist.all_gather(received, send, group=group)
+        # Into one tensor: a list of outputs would make gloo gather into a flat copy of them first.
+        received = torch.empty(longest * len(ranks), dtype=dtype, device=device)
+        dist.all_gather_into_tensor(received, send, group=group)
         for j, part in enumerate(parts):
             if j == mine:
                 continue
             # The group numbers its members in sorted rank order; holder j is the replica order's j-th.
-            got = received[dist.get_group_rank(group, ranks[j])]
+            member = dist.get_group_rank(group, ranks[j])
+            got = received[member * longest : (member + 1) * longest]
             offset = 0
             for view in part:
                 view.copy_(got[offset : offset + view.numel()])

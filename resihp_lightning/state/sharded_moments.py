@@ -191,7 +191,7 @@ class ShardedStateCarrier(PlainStateCarrier):
     slices between plan changes, whole per parameter while a plan changes and in checkpoints.
 
     The user's optimizer keeps the parameter groups (LR schedulers write into them) and no state.
-    The runtime sets :attr:`shards` when it builds an engine.
+    The runtime sets ``shards`` when it builds an engine.
     """
 
     per_replica_bounds = True

@@ -15,10 +15,10 @@ parameter each.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 
-class Piece(NamedTuple):
+@dataclass(frozen=True)
+class Piece:
     """One contiguous part of a slice inside one parameter.
 
     Attributes:

@@ -214,7 +214,7 @@ class ResiHPStrategyMixin:
 
     @property
     def supports_idle_devices(self) -> bool:
-        """Whether a plan may leave live devices idle as hot spares (``fail_stop`` on, plain fp32 optimizer)."""
+        """Whether a plan may leave live devices idle as hot spares (``fail_stop`` on, the layer-wise engine: no DeepSpeed optimizer wrapper)."""
         return self.options.fail_stop is not None and self.supports_per_replica_bounds
 
     @property

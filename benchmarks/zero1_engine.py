@@ -28,7 +28,8 @@ gloo processes with one thread each. Three parts:
 3. ``--part recovery``: bf16 + layer-wise ZeRO-1 on the demo model, P = 1 x D = 4, ``fail_stop`` on,
    rank 2 (the only primary of slice 2 of every layer) SIGKILLed at the forward of its 2nd
    micro-batch of step 2; the survivors' :class:`~resihp_lightning.failstop.recovery_record.RecoveryRecord`
-   (detection, regroup, plan, restore with the slice rebuild, bytes moved), against the same run unsharded.
+   (the kill to the survivors' abort, regroup, plan, restore with the slice rebuild, the redone step, the
+   moment slices sent), against the same run unsharded.
 
 Run (an idle machine; timings on a shared one move by tens of percent between runs)::
 
@@ -210,16 +211,17 @@ def _recovery_rank(rank: int, world: int, run_dir: str, config: dict, micro_batc
                          enable_checkpointing=False, use_distributed_sampler=False, callbacks=[recorder],
                          default_root_dir=run_dir)
     trainer.fit(module, DataLoader(_batches(RECOVERY_STEPS, micro_batches, seq_len), batch_size=None))
-    record = strategy.last_recovery
-    return {"record": record, "losses": recorder.losses}
+    carrier = strategy._state.require()._carrier
+    return {"record": strategy.last_recovery, "losses": recorder.losses,
+            "assembled": getattr(carrier, "assembled_bytes", 0)}
 
 
 def run_recovery(micro_batches: int, seq_len: int, repeats: int) -> None:
     from resihp_lightning.testing.harness import run_job
 
-    print("bf16-mixed, P=1 x D=4, rank 2 SIGKILLed mid-step | detect s | regroup s | plan s | restore s | "
-          "bytes moved (layers) | survivors' plan")
-    print("---|---|---|---|---|---|---")
+    print("bf16-mixed, P=1 x D=4, rank 2 SIGKILLed mid-step | kill to abort s | regroup s | plan s | restore s | redo s | "
+          "MiB of moment slices sent (all survivors) | survivors' plan")
+    print("---|---|---|---|---|---|---|---")
     for name, config in (("layer-wise ZeRO-1", ZERO1), ("layer-wise unsharded", {})):
         for _ in range(repeats):
             outcome = run_job(_recovery_rank, WORLD, timeout=900, wait_for=[0, 1, 3], config=config,
@@ -228,10 +230,12 @@ def run_recovery(micro_batches: int, seq_len: int, repeats: int) -> None:
             if sorted(values) != [0, 1, 3]:
                 raise RuntimeError(outcome.describe())
             records = [v["record"] for v in values.values()]
-            detect = statistics.median(r.aborted_at - r.detected_at for r in records)
+            died_at = outcome.ranks[VICTIM].last_words["died_at"]  # time.monotonic(): one clock on one machine
+            detect = statistics.median(r.aborted_at - died_at for r in records)
             worst = max(records, key=lambda r: r.regroup_s + r.plan_s + r.restore_s)
+            sent = sum(v["assembled"] for v in values.values()) / 2**20
             print(f"{name} | {detect:.2f} | {worst.regroup_s:.2f} | {worst.plan_s:.2f} | {worst.restore_s:.2f} | "
-                  f"{worst.bytes_moved} | {worst.plan.layout_key()}", flush=True)
+                  f"{worst.redo_s:.2f} | {sent:.1f} | {worst.plan.layout_key()}", flush=True)
 
 
 def _spread(values: list[float]) -> str:

@@ -1,17 +1,20 @@
 """Carrying the optimizer's per-parameter state across engine rebuilds, moves and checkpoints.
 
-Two implementations of one interface, picked once from the DeepSpeed config by :func:`carrier_for`:
+Three implementations of one interface, picked once from the DeepSpeed config by :func:`carrier_for`:
 
 * :class:`PlainStateCarrier` — the user's optimizer steps the model parameters itself and keeps its
   state in ``optimizer.state`` (fp32, no ZeRO; also ``precision="bf16-mixed"`` under the layer-wise
   engine, whose fp32 parameters are the masters). Parameters and their state objects simply move.
-* :class:`WrappedStateCarrier` — DeepSpeed wraps the optimizer (ZeRO-1, DeepSpeed's bf16): fp32 masters and
+* :class:`~resihp_lightning.state.sharded_moments.ShardedStateCarrier` — the layer-wise ZeRO-1: Adam's
+  moments in slices over each layer's holders, whole while a plan changes and in checkpoints.
+* :class:`WrappedStateCarrier` — DeepSpeed wraps the optimizer (its ZeRO-1, its bf16): fp32 masters and
   moments live in flat partitions; they are read and written per parameter through
   :mod:`~resihp_lightning.state.wrapped_state`.
 
 A plan switch calls, in order: :meth:`~StateCarrier.capture` on the old engine (collective for the
 wrapped carrier), :meth:`~StateCarrier.prepare_incoming` on freshly built layers,
-:meth:`~StateCarrier.outgoing` for the transfer, :meth:`~StateCarrier.bind` once the new layers are
+:meth:`~StateCarrier.complete` once the old plan's live processes form the current group (collective
+for the sharded carrier), :meth:`~StateCarrier.outgoing` for the transfer, :meth:`~StateCarrier.bind` once the new layers are
 known, and :meth:`~StateCarrier.restore` on the new engine.
 """
 
@@ -151,16 +154,6 @@ class WrappedStateCarrier(StateCarrier):
 
     def capture(self, engine: Any, params: Mapping[str, nn.Parameter]) -> CapturedState:
         return CapturedState(wrapped_state.export_state(engine, params), dict(params), wrapped_state.export_scaler(engine))
-
-    def complete(self, captured: CapturedState, holding: Any) -> CapturedState:
-        """Makes ``captured`` whole once the old plan's live processes form the current group, before the
-        transfer (collective for the layer-wise ZeRO-1; default: it is whole already).
-
-        Args:
-            holding: the old plan and who is alive
-                (:class:`~resihp_lightning.state.sharded_moments.OldHolding`).
-        """
-        return captured
 
     def prepare_incoming(self, layers: Iterable[nn.Module]) -> None:
         # Received values arrive in the sender's dtype (the engine's): cast the fresh layers first.

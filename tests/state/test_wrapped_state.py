@@ -30,7 +30,7 @@ W, L, MBS, M, K = 6, 4, 2, 4, 3
 LR = 0.01
 
 CONFIGS = {
-    "zero1_fp32": {"zero_optimization": {"stage": 1, "layerwise": False}},
+    "zero1_fp32": {"zero_optimization": {"stage": 1}},
     "bf16": {"bf16": {"enabled": True}},
     "bf16_zero1": {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}},
     # BF16_Optimizer then hooks every parameter's gradient: reused layers must be released from the

@@ -6,7 +6,8 @@ each slice kept by its primary and by the previous holder (:mod:`~resihp_lightni
 On real gloo processes (``harness.run_job``):
 
 * rank 2, the only primary of slice 2 of every layer, is SIGKILLed inside step 2: the survivors rebuild
-  that slice from rank 1's copy and go on; their losses, final fp32 masters and whole Adam moments equal
+  that slice from rank 1's copy and go on over D = 3 (every slice kept twice again); rank 3 is SIGKILLed
+  inside step 4 and the last two go on too; their losses, final fp32 masters and whole Adam moments equal
   a no-fault run of the same plan sequence (forced through ``request_plan``) to 1e-6;
 * the no-fault run saves a checkpoint under ZeRO-1 (whole fp32 moments); in the same processes it resumes
   under another plan (P = 2 x D = 2, per-replica bounds, holders not in rank order) with ZeRO-1 and under
@@ -82,6 +83,7 @@ def _job(rank: int, world: int, run_dir: str, schedule: dict, victims: dict, res
             self.losses: list[float] = []
             self.moments: dict = {}
             self.engines: set[str] = set()
+            self.recoveries: list = []
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             strategy = trainer.strategy
@@ -102,6 +104,9 @@ def _job(rank: int, world: int, run_dir: str, schedule: dict, victims: dict, res
             self.losses.append(float(outputs["loss"]))
             if strategy._state.runtime.engine is not None:
                 self.engines.add(type(strategy._state.runtime.engine.optimizer).__name__)
+            record = strategy.last_recovery
+            if record is not None and all(r.step != record.step for r in self.recoveries):
+                self.recoveries.append(record)
             plan = schedule.get(trainer.global_step - 1)
             if plan is not None:
                 strategy.request_plan(Plan.from_dict(plan))
@@ -116,7 +121,7 @@ def _job(rank: int, world: int, run_dir: str, schedule: dict, victims: dict, res
         "losses": recorder.losses,
         "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
         "moments": recorder.moments,
-        "recovery": strategy.last_recovery,
+        "recoveries": recorder.recoveries,
         "steppers": recorder.engines,
         "sharded": strategy._state.require().optimizer is not None and not strategy._state.require().optimizer.optimizer.state,
     }
@@ -206,19 +211,22 @@ def _assert_same_run(faulted: dict, clean: dict, survivors: list[int]) -> None:
 def test_zero1_sigkill_of_a_slice_s_only_primary_matches_the_no_fault_run_and_a_checkpoint_resumes_anywhere():
     from resihp_lightning.testing.harness import run_job
 
-    faulted = run_job(_job, 4, timeout=150, wait_for=[0, 1, 3], schedule={}, victims={2: 2}, resume=False)
+    faulted = run_job(_job, 4, timeout=150, wait_for=[0, 1], schedule={}, victims={2: 2, 3: 4}, resume=False)
     values = faulted.values()
-    assert sorted(values) == [0, 1, 3], faulted.describe()
-    record = values[0]["recovery"]
-    assert record is not None and record.step == 2 and 2 in record.failed, record
+    assert sorted(values) == [0, 1], faulted.describe()
+    first, second = values[0]["recoveries"]
+    assert first.step == 2 and 2 in first.failed and sorted(first.plan.device_ids) == [0, 1, 3], first
+    # The survivors re-sharded over D = 3 with two copies of every slice again: rank 3's slice 2 (D = 3)
+    # lived on rank 1 too, so a second single kill recovers as well.
+    assert second.step == 4 and 3 in second.failed, second
     assert values[0]["steppers"] == {"ShardedStep"}, values[0]["steppers"]  # the layer-wise ZeRO-1 stepped
     assert all(v["sharded"] for v in values.values())  # the user's optimizer kept no state itself
     assert all(v["moments"] for v in values.values()), "no whole moments gathered"
-    clean = run_job(_job, 4, timeout=150, wait_for=[0, 1, 2, 3], schedule={1: record.plan.to_dict()}, victims={},
-                    resume=True)
+    clean = run_job(_job, 4, timeout=150, wait_for=[0, 1, 2, 3], schedule={1: first.plan.to_dict(), 3: second.plan.to_dict()},
+                    victims={}, resume=True)
     clean_values = clean.values()
     assert sorted(clean_values) == [0, 1, 2, 3], clean.describe()
-    _assert_same_run(values, clean_values, [0, 1, 3])
+    _assert_same_run(values, clean_values, [0, 1])
     # Sharded: rank i keeps slices i and i + 1 of every layer, half the unsharded Adam bytes at D = 4 (2 / D).
     for rank, result in clean_values.items():
         assert result["resumed"]["slices"] == {i: sorted({rank, (rank + 1) % 4}) for i in range(DEPTH)}, result["resumed"]["slices"]

@@ -11,8 +11,9 @@ On real gloo processes (``harness.run_job``):
   a no-fault run of the same plan sequence (forced through ``request_plan``) to 1e-6;
 * the no-fault run saves a checkpoint under ZeRO-1 (whole fp32 moments); in the same processes it resumes
   under another plan (P = 2 x D = 2, per-replica bounds, holders not in rank order) with ZeRO-1 and under
-  the first plan with ZeRO-1 off: the restored masters and moments equal the saved ones exactly, and the
-  next two steps' losses are the same in both;
+  the first plan with ZeRO-1 off: the restored masters and moments equal the saved ones exactly; the
+  ZeRO-1 run then moves layers (with their moments) to other ranks by a live re-plan, and the next three
+  steps' losses are the same in both;
 * ranks 1 and 2 are SIGKILLed in the same step: slice 2's two keepers are gone, every survivor exits
   with status 75 (a restart from a checkpoint) instead of waiting.
 """
@@ -33,6 +34,10 @@ ZERO1 = {"zero_optimization": {"stage": 1}}
 #: One row per micro-batch: 8 micro-batches, 2 per replica of the P = 1 x D = 4 plan (a victim dies at its 2nd).
 MBS = 1
 WIDE = {"replicas": [{"devices": [d], "bounds": [0, DEPTH], "micro_batches": 2} for d in range(4)]}
+#: The resumed ZeRO-1 run's next plan (after one step): layers 3, 4 move from rank 3 to rank 2, layers 2..4
+#: from rank 0 to rank 1, with their moments.
+DEEP_MOVED = {"replicas": [{"devices": [2, 3], "bounds": [0, 5, DEPTH], "micro_batches": 4},
+                           {"devices": [0, 1], "bounds": [0, 2, DEPTH], "micro_batches": 4}]}
 #: The resumed run's other plan: 2 replicas of 2 stages with their own bounds, listed so that a layer's holders
 #: in replica order are not in rank order (holder sets (2, 0), (2, 1), (3, 1)).
 DEEP = {"replicas": [{"devices": [2, 3], "bounds": [0, 3, DEPTH], "micro_batches": 4},
@@ -159,10 +164,14 @@ def _checkpoint_and_resume(rank: int, run_dir: str) -> dict:
     saved = torch.load(path, map_location="cpu", weights_only=False)
 
     class Restored(pl.Callback):
-        def __init__(self) -> None:
+        """What the resumed run restored; after its first step it may move layers (``then``), with their moments."""
+
+        def __init__(self, then: dict | None) -> None:
+            self.then = then
             self.moments: dict = {}
             self.params: dict = {}
             self.losses: list[float] = []
+            self.moved = 0
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             strategy = trainer.strategy
@@ -171,7 +180,13 @@ def _checkpoint_and_resume(rank: int, run_dir: str) -> dict:
                 self.params = {k: p.detach().clone() for k, p in strategy._state.require().local_parameters().items()}
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            from resihp_lightning.plan import Plan
+
             self.losses.append(float(outputs["loss"]))
+            if self.then is not None and len(self.losses) == 1:
+                trainer.strategy.request_plan(Plan.from_dict(self.then))
+            elif len(self.losses) == 2 and trainer.strategy.last_migration is not None:
+                self.moved = trainer.strategy.last_migration.bytes_moved
 
     out = {
         "saved": saved["optimizer_states"][0]["state"],
@@ -182,10 +197,11 @@ def _checkpoint_and_resume(rank: int, run_dir: str) -> dict:
         "slices": kept.slices,
         "state_bytes": kept.state_bytes,
     }
-    for name, config, plan in (("zero_deep", ZERO1, DEEP), ("plain_wide", {}, WIDE)):
-        restored = Restored()
-        _fit(rank, run_dir, [restored], STEPS + 2, config, plan, False, ckpt_path=path)
-        out[name] = {"moments": restored.moments, "params": restored.params, "losses": restored.losses}
+    for name, config, plan, then in (("zero_deep", ZERO1, DEEP, DEEP_MOVED), ("plain_wide", {}, WIDE, None)):
+        restored = Restored(then)
+        _fit(rank, run_dir, [restored], STEPS + 3, config, plan, False, ckpt_path=path)
+        out[name] = {"moments": restored.moments, "params": restored.params, "losses": restored.losses,
+                     "moved": restored.moved}
     return out
 
 
@@ -256,8 +272,10 @@ def test_zero1_sigkill_of_a_slice_s_only_primary_matches_the_no_fault_run_and_a_
             for key, value in got["params"].items():
                 assert torch.equal(value, resumed["trained_state"][f"layers.{key}"]), (name, rank, key)
     deep, wide = resumed["zero_deep"]["losses"], resumed["plain_wide"]["losses"]
-    # The 2nd step's loss reads the first update, made with the restored moments.
-    assert len(deep) == len(wide) == 2 and all(abs(a - b) <= 1e-6 for a, b in zip(deep, wide)), (deep, wide)
+    # The 2nd loss reads the first update (made with the restored moments), the 3rd the update after the
+    # ZeRO-1 run moved layers with their moments to other ranks.
+    assert len(deep) == len(wide) == 3 and all(abs(a - b) <= 1e-6 for a, b in zip(deep, wide)), (deep, wide)
+    assert resumed["zero_deep"]["moved"] > 0, resumed["zero_deep"]["moved"]
 
 
 @pytest.mark.multiprocess

@@ -213,6 +213,10 @@ class ZeroShards:
                     per_group[bound.group_of.get(key, 0)].append(shadow)
                     pieces[s].append((piece, shadow))
             self.layers[index] = _LayerShard([k for k, _ in params], [p for _, p in params], layout, holder, ranks, pieces)
+        self._pieces_of: dict[int, list[nn.Parameter]] = {}  # id(parameter) -> its shadow pieces
+        for shard in self.layers.values():
+            for piece, shadow in (e for entries in shard.pieces.values() for e in entries):
+                self._pieces_of.setdefault(id(shard.params[piece.param]), []).append(shadow)
         self._groups = dict(groups)
         self._order = [h for h in holder_sets(plan) if h in self._groups and any(s.ranks == h for s in self.layers.values())]
         self._shadow = self._make_shadow(per_group) if any(per_group) else None
@@ -345,12 +349,8 @@ class ZeroShards:
         if self._shadow is None:
             return 0.0
         total = 0
-        for shard in self.layers.values():
-            for entries in shard.pieces.values():
-                for piece, shadow in entries:
-                    if shard.params[piece.param] is param:
-                        total += sum(v.numel() * v.element_size() for k, v in self._shadow.state.get(shadow, {}).items()
-                                     if elementwise(k, v))
+        for shadow in self._pieces_of.get(id(param), ()):
+            total += sum(v.numel() * v.element_size() for k, v in self._shadow.state.get(shadow, {}).items() if elementwise(k, v))
         return float(total)
 
 

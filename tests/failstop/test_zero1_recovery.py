@@ -9,6 +9,7 @@ On real gloo processes (``harness.run_job``):
   that slice from rank 1's copy and go on over D = 3 (every slice kept twice again); rank 3 is SIGKILLed
   inside step 4 and the last two go on too; their losses, final fp32 masters and whole Adam moments equal
   a no-fault run of the same plan sequence (forced through ``request_plan``) to 1e-6;
+* the same plan with ZeRO-1 on and off, in bf16-mixed and in fp32: weights and moments equal bit for bit;
 * the no-fault run saves a checkpoint under ZeRO-1 (whole fp32 moments); in the same processes it resumes
   under another plan (P = 2 x D = 2, per-replica bounds, holders not in rank order) with ZeRO-1 and under
   the first plan with ZeRO-1 off: the restored masters and moments equal the saved ones exactly; the
@@ -51,7 +52,7 @@ def _moments(strategy) -> dict[str, dict[str, torch.Tensor]]:
 
 
 def _fit(rank: int, run_dir: str, callbacks: list, steps: int, config: dict, plan: dict, fail_stop: bool,
-         ckpt_path: str | None = None, **trainer_kwargs):
+         ckpt_path: str | None = None, precision: str = "bf16-mixed", **trainer_kwargs):
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -65,7 +66,7 @@ def _fit(rank: int, run_dir: str, callbacks: list, steps: int, config: dict, pla
     strategy = ResiHPStrategy(micro_batch_size=MBS, plan=Plan.from_dict(plan), deepspeed_config=config,
                               fail_stop=FailStopConfig() if fail_stop else None)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=4, strategy=strategy, max_steps=steps, precision="bf16-mixed", logger=False,
+        accelerator="cpu", devices=4, strategy=strategy, max_steps=steps, precision=precision, logger=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks, default_root_dir=run_dir,
         **{"enable_checkpointing": False, **trainer_kwargs},
     )
@@ -156,6 +157,11 @@ def _checkpoint_and_resume(rank: int, run_dir: str) -> dict:
             params = runtime.local_parameters().values()
             self.state_bytes = sum(shards.state_bytes(p) for p in params), 8 * sum(p.numel() for p in params)
 
+    fp32 = {}
+    for name, config in (("unsharded", {}), ("zero", ZERO1)):
+        done = Trained()
+        _, _, fp32_model = _fit(rank, run_dir, [done], STEPS, config, WIDE, False, precision="32-true")
+        fp32[name] = (done.moments, {k: v.detach().clone() for k, v in fp32_model.state_dict().items()})
     unsharded, trained, kept = Trained(), Trained(), Kept()
     _, _, plain_model = _fit(rank, run_dir, [unsharded], STEPS, {}, WIDE, False)
     saver = pl.callbacks.ModelCheckpoint(dirpath=run_dir, save_top_k=-1, every_n_epochs=1)
@@ -194,6 +200,7 @@ def _checkpoint_and_resume(rank: int, run_dir: str) -> dict:
         "trained_state": {k: v.detach().clone() for k, v in model.state_dict().items()},
         "unsharded_moments": unsharded.moments,
         "unsharded_state": {k: v.detach().clone() for k, v in plain_model.state_dict().items()},
+        "fp32": fp32,
         "slices": kept.slices,
         "state_bytes": kept.state_bytes,
     }
@@ -248,14 +255,19 @@ def test_zero1_sigkill_of_a_slice_s_only_primary_matches_the_no_fault_run_and_a_
         assert result["resumed"]["slices"] == {i: sorted({rank, (rank + 1) % 4}) for i in range(DEPTH)}, result["resumed"]["slices"]
         kept, unsharded = result["resumed"]["state_bytes"]
         assert kept == unsharded / 2, (kept, unsharded)
-    # The sharded step is the unsharded one, bit for bit: same plan, ZeRO-1 on and off.
+    # The sharded step is the unsharded one, bit for bit: same plan, ZeRO-1 on and off, bf16-mixed and fp32.
     resumed = clean_values[0]["resumed"]
-    for key, value in resumed["unsharded_state"].items():
-        assert torch.equal(resumed["trained_state"][key], value), key
-    assert sorted(resumed["unsharded_moments"]) == sorted(resumed["trained_moments"])
-    for key, entry in resumed["unsharded_moments"].items():
-        for name, value in entry.items():
-            assert torch.equal(resumed["trained_moments"][key][name], value), (key, name)
+    runs = {"bf16-mixed": ((resumed["unsharded_moments"], resumed["unsharded_state"]),
+                           (resumed["trained_moments"], resumed["trained_state"])),
+            "32-true": (resumed["fp32"]["unsharded"], resumed["fp32"]["zero"])}
+    for precision, ((plain_moments, plain_state), (zero_moments, zero_state)) in runs.items():
+        for key, value in plain_state.items():
+            assert torch.equal(zero_state[key], value), (precision, key)
+        assert sorted(plain_moments) == sorted(zero_moments) and plain_moments, precision
+        for key, entry in plain_moments.items():
+            for name, value in entry.items():
+                assert torch.equal(zero_moments[key][name], value), (precision, key, name)
+    assert not torch.equal(resumed["fp32"]["zero"][1]["layers.0.0.weight"], resumed["trained_state"]["layers.0.0.weight"])
     # The checkpoint holds whole fp32 moments; both resumed set-ups restored them and the masters exactly.
     saved = resumed["saved"]
     assert sorted(saved) == sorted(resumed["trained_moments"]) and len(saved) == 2 * DEPTH, sorted(saved)

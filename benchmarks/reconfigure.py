@@ -56,7 +56,7 @@ def _plan(replicas):
 #: the weight (4 B in fp32, 2 B in bf16), Adam's two fp32 moments, and under a wrapper its fp32 master.
 OPTIMIZERS = {
     "plain": ({}, 4 + 8),
-    "zero1": ({"zero_optimization": {"stage": 1}}, 4 + 4 + 8),
+    "zero1": ({"zero_optimization": {"stage": 1, "layerwise": False}}, 4 + 4 + 8),  # DeepSpeed's ZeRO-1 wrapper
     "bf16": ({"bf16": {"enabled": True}}, 2 + 4 + 8),
 }
 

@@ -461,12 +461,16 @@ def _aggregate_loss(engine: Any, base: type) -> Any:
     return aggregate(engine) if aggregate is not None else base._aggregate_total_loss(engine)
 
 
-def install(engine: Any, reducer: LayerwiseReducer, precision: MixedPrecision | None = None) -> Any:
+def install(engine: Any, reducer: LayerwiseReducer, precision: MixedPrecision | None = None, zero: Any = None) -> Any:
     """Makes ``engine`` (a built ``PipelineEngine``) reduce gradients with ``reducer``; returns the engine.
 
     With ``precision`` (:mod:`~resihp_lightning.runtime.mixed_precision`) every forward pass of the
     schedule, the last stage's loss included, runs under its autocast: bf16 compute over the fp32
     parameters, whose gradients and optimizer state stay fp32 and per parameter.
+
+    With ``zero`` (a :class:`~resihp_lightning.runtime.zero_shards.ZeroShards`) the optimizer step is the
+    layer-wise ZeRO-1's: the engine's optimizer becomes a
+    :class:`~resihp_lightning.runtime.zero_shards.ShardedStep` in front of the user's.
 
     The engine's class is swapped for a subclass that overrides three DeepSpeed methods:
 
@@ -521,5 +525,9 @@ def install(engine: Any, reducer: LayerwiseReducer, precision: MixedPrecision | 
     reducer.communication_dtype = engine.communication_data_type
     engine._resihp_reducer = reducer
     engine._resihp_precision = precision
+    if zero is not None:
+        from resihp_lightning.runtime.zero_shards import ShardedStep
+
+        engine.optimizer = engine.basic_optimizer = ShardedStep(engine.optimizer, zero)
     engine.__class__ = _layerwise_class(type(engine))
     return engine

@@ -60,6 +60,9 @@ from resihp_lightning.state.migration import migrate
 from resihp_lightning.torch_utils.layer_tensors import layer_tensors
 from resihp_lightning.state.bound_optimizer import BoundOptimizer, local_parameters
 from resihp_lightning.state.optimizer_state import CapturedState, StateCarrier, carrier_for
+from resihp_lightning.state import zero_config
+from resihp_lightning.state.sharded_moments import OldHolding, ShardedStateCarrier
+from resihp_lightning.runtime.zero_shards import ZeroShards
 from resihp_lightning.runtime.pipeline_module import BoundedPipelineModule, materialize_layer
 from resihp_lightning.runtime.profiling import StageProfiler
 from resihp_lightning.tensor.resplit import resplit
@@ -369,8 +372,8 @@ class PipelineRuntime:
         """
         if not self._carrier.per_replica_bounds:
             raise ConfigError(
-                "in-process recovery needs the plain fp32 optimizer: ZeRO-1 / bf16 keep optimizer state in "
-                "partitions spread over the lost group; restart from a checkpoint instead"
+                "in-process recovery needs the layer-wise engine: DeepSpeed's ZeRO-1 / bf16 wrappers keep optimizer "
+                "state in partitions spread over the lost group; restart from a checkpoint instead"
             )
         self._abandon_engine()
         for param in self.local_parameters().values():
@@ -477,6 +480,9 @@ class PipelineRuntime:
         self._pipe, self._held = None, old_layers
         moving = time.perf_counter()
         try:
+            captured = self._carrier.complete(
+                captured, OldHolding(old, alive if alive is not None else old.device_ids, self._rank, self.device, old_layers)
+            )
             sent, received = migrate(transfers, me, old_layers, new_layers, self._carrier.outgoing(captured))
             transfer_s = time.perf_counter() - moving
             total = torch.tensor([float(sent)], dtype=torch.float64, device=self.config.device)
@@ -789,7 +795,8 @@ class PipelineRuntime:
         plan = self._plan
         replica = plan.replicas[self._position.replica]
         config = engines.engine_config(
-            self.config.micro_batch_size, replica.micro_batches, plan.data_degree, self.config.deepspeed_config
+            self.config.micro_batch_size, replica.micro_batches, plan.data_degree,
+            zero_config.for_deepspeed(self.config.deepspeed_config),
         )
         tensor = self.config.tensor
         if tensor is not None:
@@ -820,9 +827,25 @@ class PipelineRuntime:
         if self._reducer is not None:
             if broadcast:
                 self._reducer.broadcast()
-            install(self._engine, self._reducer, precision=self.config.precision)
+            zero = self._zero_shards(plan)
+            install(self._engine, self._reducer, precision=self.config.precision, zero=zero)
             self._engine._resihp_commit = self.config.commit
         self._profiler.attach(self._engine, self.local_layers())
+
+    def _zero_shards(self, plan: Plan) -> ZeroShards | None:
+        """The layer-wise ZeRO-1's slices for ``plan`` when it runs (:mod:`~resihp_lightning.runtime.zero_shards`)."""
+        carrier = self._carrier
+        if not isinstance(carrier, ShardedStateCarrier) or carrier.bound is None:
+            return None
+        if self.config.tensor is not None:
+            raise ConfigError(
+                "deepspeed_config.zero_optimization.stage=1 (the layer-wise ZeRO-1) with tensor parallelism is not "
+                "supported yet; allowed: tensor_degree=1, or zero_optimization.stage=0"
+            )
+        carrier.shards = ZeroShards(
+            self._in_ranks(plan), self._rank(self.device), self.local_layers(), carrier.bound, self._reducer.groups
+        )
+        return carrier.shards
 
     def _stop_engine(self) -> None:
         self._profiler.detach()

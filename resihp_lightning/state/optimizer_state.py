@@ -1,17 +1,20 @@
 """Carrying the optimizer's per-parameter state across engine rebuilds, moves and checkpoints.
 
-Two implementations of one interface, picked once from the DeepSpeed config by :func:`carrier_for`:
+Three implementations of one interface, picked once from the DeepSpeed config by :func:`carrier_for`:
 
 * :class:`PlainStateCarrier` — the user's optimizer steps the model parameters itself and keeps its
   state in ``optimizer.state`` (fp32, no ZeRO; also ``precision="bf16-mixed"`` under the layer-wise
   engine, whose fp32 parameters are the masters). Parameters and their state objects simply move.
-* :class:`WrappedStateCarrier` — DeepSpeed wraps the optimizer (ZeRO-1, DeepSpeed's bf16): fp32 masters and
+* :class:`~resihp_lightning.state.sharded_moments.ShardedStateCarrier` — the layer-wise ZeRO-1: Adam's
+  moments in slices over each layer's holders, whole while a plan changes and in checkpoints.
+* :class:`WrappedStateCarrier` — DeepSpeed wraps the optimizer (its ZeRO-1, its bf16): fp32 masters and
   moments live in flat partitions; they are read and written per parameter through
   :mod:`~resihp_lightning.state.wrapped_state`.
 
 A plan switch calls, in order: :meth:`~StateCarrier.capture` on the old engine (collective for the
 wrapped carrier), :meth:`~StateCarrier.prepare_incoming` on freshly built layers,
-:meth:`~StateCarrier.outgoing` for the transfer, :meth:`~StateCarrier.bind` once the new layers are
+:meth:`~StateCarrier.complete` once the old plan's live processes form the current group (collective
+for the sharded carrier), :meth:`~StateCarrier.outgoing` for the transfer, :meth:`~StateCarrier.bind` once the new layers are
 known, and :meth:`~StateCarrier.restore` on the new engine.
 """
 
@@ -70,6 +73,16 @@ class StateCarrier(ABC):
     @abstractmethod
     def capture(self, engine: Any, params: Mapping[str, nn.Parameter]) -> CapturedState:
         """This rank's state before ``engine`` goes (collective over each stage for the wrapped carrier)."""
+
+    def complete(self, captured: CapturedState, holding: Any) -> CapturedState:
+        """Makes ``captured`` whole once the old plan's live processes form the current group, before the
+        transfer (collective for the layer-wise ZeRO-1; default: it is whole already).
+
+        Args:
+            holding: the old plan and who is alive
+                (:class:`~resihp_lightning.state.sharded_moments.OldHolding`).
+        """
+        return captured
 
     def prepare_incoming(self, layers: Iterable[nn.Module]) -> None:
         """Readies freshly built layers to receive migrated values (default: nothing)."""
@@ -182,6 +195,12 @@ class WrappedStateCarrier(StateCarrier):
 
 
 def carrier_for(bound: BoundOptimizer | None, deepspeed_config: Mapping[str, Any]) -> StateCarrier:
-    """The carrier for a DeepSpeed config: wrapped when DeepSpeed wraps the optimizer (ZeRO >= 1, bf16, fp16)."""
+    """The carrier for a DeepSpeed config: wrapped when DeepSpeed wraps the optimizer (its ZeRO, bf16, fp16),
+    sharded for the layer-wise ZeRO-1 (:mod:`~resihp_lightning.state.zero_config`), else plain."""
+    from resihp_lightning.state.sharded_moments import ShardedStateCarrier
+    from resihp_lightning.state.zero_config import layerwise_zero
+
+    if layerwise_zero(deepspeed_config):
+        return ShardedStateCarrier(bound, deepspeed_config)
     cls = WrappedStateCarrier if wrapped_state.wraps_optimizer(deepspeed_config) else PlainStateCarrier
     return cls(bound, deepspeed_config)

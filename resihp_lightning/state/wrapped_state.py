@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from resihp_lightning.errors import ConfigError
+from resihp_lightning.state.zero_config import deepspeed_runs_zero
 
 #: Key of the full fp32 master value in a parameter's exported state.
 MASTER = "fp32_param"
@@ -254,9 +255,9 @@ def release(engine: Any) -> None:
 
 
 def wraps_optimizer(config: Mapping[str, Any]) -> bool:
-    """Whether DeepSpeed wraps the optimizer under ``config`` (ZeRO stage >= 1, bf16 or fp16)."""
-    stage = int((config.get("zero_optimization") or {}).get("stage", 0) or 0)
-    return stage > 0 or engine_param_dtype(config) != torch.float32
+    """Whether DeepSpeed wraps the optimizer under ``config`` (its ZeRO, bf16 or fp16). ZeRO stage 1 is the
+    layer-wise engine's unless ``zero_optimization.layerwise`` is false (:mod:`~resihp_lightning.state.zero_config`)."""
+    return deepspeed_runs_zero(config) or engine_param_dtype(config) != torch.float32
 
 
 def engine_param_dtype(config: Mapping[str, Any]) -> torch.dtype:

@@ -9,6 +9,7 @@ from typing import Any
 from resihp_lightning.errors import invalid_option
 from resihp_lightning.plan import Plan
 from resihp_lightning.failstop.fail_stop_config import FailStopConfig
+from resihp_lightning.state.zero_config import layerwise_zero
 
 #: DeepSpeed config keys the strategy owns; an override of them is refused.
 RESERVED_DEEPSPEED_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
@@ -28,9 +29,11 @@ class StrategyOptions:
         micro_batch_size: rows of one micro-batch (>= 1).
         micro_batches: M, micro-batches per global batch; ``None`` infers it from the first training
             batch (rows / micro_batch_size).
-        deepspeed_config: DeepSpeed config entries written over the strategy's defaults (ZeRO-1,
-            ``bf16``, activation checkpointing pass through). ``gradient_clipping`` defaults to 0.0
-            (off) rather than DeepSpeed's 1.0.
+        deepspeed_config: DeepSpeed config entries written over the strategy's defaults (``bf16``,
+            activation checkpointing pass through). ``gradient_clipping`` defaults to 0.0 (off) rather
+            than DeepSpeed's 1.0. ``zero_optimization.stage`` 1 runs the layer-wise engine's ZeRO-1
+            (:mod:`~resihp_lightning.state.zero_config`); ``"layerwise": False`` in that section runs
+            DeepSpeed's ZeRO wrapper instead.
         process_group_backend: ``"gloo"`` or ``"nccl"``; ``None`` picks nccl on CUDA, gloo otherwise.
         timeout: collective timeout.
         gather_weights: at the end of ``trainer.fit``, which ranks' LightningModule receives the
@@ -83,6 +86,7 @@ class StrategyOptions:
         stage = (self.deepspeed_config.get("zero_optimization") or {}).get("stage", 0)
         if stage not in (0, 1):
             raise invalid_option("deepspeed_config.zero_optimization.stage", stage, (0, 1))
+        layerwise_zero(self.deepspeed_config)  # refuses a bad zero_optimization.layerwise combination now
         if self.process_group_backend is not None and self.process_group_backend not in BACKENDS:
             raise invalid_option("process_group_backend", self.process_group_backend, BACKENDS)
         if self.gather_weights not in GATHER_WEIGHTS:

@@ -52,8 +52,8 @@ def check_plan(
         )
     if not plan.shared_bounds and wraps_optimizer(deepspeed_config):
         raise PlanError(
-            "replicas have different stage bounds, which needs the plain fp32 optimizer (no ZeRO / bf16 / fp16 "
-            "in deepspeed_config)"
+            "replicas have different stage bounds, which needs the layer-wise engine (no DeepSpeed ZeRO / bf16 / fp16 "
+            "wrapper in deepspeed_config; zero_optimization.stage=1 without layerwise=False runs there)"
         )
     total = micro_batches if micro_batches is not None else sum(r.micro_batches for r in plan.replicas)
     # The job's shape only: costs and speeds do not decide whether a plan can run. Per-replica bounds are

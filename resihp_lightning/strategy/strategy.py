@@ -225,7 +225,7 @@ class ResiHPStrategyMixin:
 
     @property
     def supports_idle_devices(self) -> bool:
-        """Whether a plan may leave live devices idle as hot spares (``fail_stop`` on, plain fp32 optimizer)."""
+        """Whether a plan may leave live devices idle as hot spares (``fail_stop`` on, the layer-wise engine: no DeepSpeed optimizer wrapper)."""
         return self.options.fail_stop is not None and self.supports_per_replica_bounds
 
     @property
@@ -751,7 +751,7 @@ class ResiHPStrategyMixin:
         if tied and not self.supports_per_replica_bounds:
             raise self.misconfiguration_error(
                 "pipeline_tied_parameters() needs the plain fp32 optimizer: ties are kept by the strategy's layer-wise "
-                "gradient reduction, which ZeRO / bf16 / fp16 in deepspeed_config replace"
+                "gradient reduction, which DeepSpeed's ZeRO / bf16 / fp16 wrappers in deepspeed_config replace"
             )
         return tied
 

@@ -42,9 +42,11 @@ def layerwise_precision(deepspeed_config: Mapping[str, Any], precision: str) -> 
     """The mixed precision the layer-wise engine runs for a Trainer ``precision``, or ``None``.
 
     ``precision="bf16-mixed"`` is bf16 autocast over fp32 parameters and per-parameter optimizer state
-    (:mod:`~resihp_lightning.runtime.mixed_precision`), unless ``deepspeed_config`` asks for a DeepSpeed
-    optimizer wrapper (``bf16.enabled``, ``fp16.enabled`` or ZeRO stage >= 1): then DeepSpeed's bf16
-    wrapper runs it, as :func:`effective_deepspeed_config` enables it, and this returns ``None``.
+    (:mod:`~resihp_lightning.runtime.mixed_precision`), also under the layer-wise ZeRO-1
+    (``zero_optimization.stage`` 1, :mod:`~resihp_lightning.state.zero_config`), unless ``deepspeed_config``
+    asks for a DeepSpeed optimizer wrapper (``bf16.enabled``, ``fp16.enabled`` or DeepSpeed's ZeRO,
+    ``"layerwise": False``): then DeepSpeed's bf16 wrapper runs it, as :func:`effective_deepspeed_config`
+    enables it, and this returns ``None``.
     """
     if str(precision) == "bf16-mixed" and not wraps_optimizer(deepspeed_config):
         return BF16_MIXED

@@ -18,7 +18,9 @@ from resihp_lightning.strategy.trainer_options import layerwise_precision
 def test_bf16_mixed_selects_the_layerwise_engine_unless_deepspeed_config_picks_a_wrapper():
     assert layerwise_precision({}, "bf16-mixed") is BF16_MIXED
     assert layerwise_precision({"communication_data_type": "bf16"}, "bf16-mixed") is BF16_MIXED
-    for wrapper in ({"bf16": {"enabled": True}}, {"zero_optimization": {"stage": 1}}, {"fp16": {"enabled": True}}):
+    # ZeRO-1 is the layer-wise engine's too, unless switched to DeepSpeed's wrapper.
+    assert layerwise_precision({"zero_optimization": {"stage": 1}}, "bf16-mixed") is BF16_MIXED
+    for wrapper in ({"bf16": {"enabled": True}}, {"zero_optimization": {"stage": 1, "layerwise": False}}, {"fp16": {"enabled": True}}):
         assert layerwise_precision(wrapper, "bf16-mixed") is None, wrapper
     for other in ("32-true", "bf16-true"):
         assert layerwise_precision({}, other) is None, other
@@ -44,6 +46,6 @@ def test_autocast_computes_in_bf16_and_keeps_fp32_parameters_and_gradients():
 def test_deepspeed_settings_it_cannot_run_with_are_refused_by_name():
     BF16_MIXED.check({"communication_data_type": "bf16", "pipeline": {"activation_checkpoint_interval": 0}})
     with pytest.raises(ConfigError, match="DeepSpeed optimizer wrapper"):
-        BF16_MIXED.check({"zero_optimization": {"stage": 1}})
+        BF16_MIXED.check({"zero_optimization": {"stage": 1, "layerwise": False}})
     with pytest.raises(ConfigError, match=r"activation_checkpoint_interval.*outside the autocast"):
         BF16_MIXED.check({"pipeline": {"activation_checkpoint_interval": 1}})

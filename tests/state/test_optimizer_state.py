@@ -22,7 +22,7 @@ import torch
 
 from resihp_lightning.testing.toy_jobs import WIDTH, M, MBS, ROWS, build_model, make_loader, make_plan, make_recorder, make_trainer, reference_run
 
-ZERO1 = {"zero_optimization": {"stage": 1}}
+ZERO1 = {"zero_optimization": {"stage": 1, "layerwise": False}}  # DeepSpeed's ZeRO-1 wrapper (the layer-wise one: tests/failstop/test_zero1_recovery.py)
 BF16 = {"bf16": {"enabled": True}}
 ZERO_SCHEDULE = {
     2: [([1, 0], (0, 3, 8), M)],

@@ -66,10 +66,10 @@ def _fidelity_rank(rank: int, world: int, ckpt_dir: str) -> dict:
         runs[name] = recorder.losses
     out["bf16"] = runs
 
-    # ZeRO-1 wraps the optimizer; DeepSpeed's own wrapper then clips (by the norm over all stages).
+    # DeepSpeed's ZeRO-1 wraps the optimizer; DeepSpeed's own wrapper then clips (by the norm over all stages).
     recorder = make_recorder()
     trainer = pl.Trainer(strategy=ResiHPStrategy(pipeline_degree=2, micro_batch_size=MBS,
-                                                 deepspeed_config={"zero_optimization": {"stage": 1}}),
+                                                 deepspeed_config={"zero_optimization": {"stage": 1, "layerwise": False}}),
                          max_steps=3, gradient_clip_val=CLIP, callbacks=[recorder], enable_checkpointing=False, **common)
     trainer.fit(Net(), loader)
     out["zero1_clipped"] = recorder.losses
@@ -148,7 +148,8 @@ def test_trainer_options_map_onto_deepspeed_or_are_refused():
     # bf16-mixed is the layer-wise engine's (nothing for DeepSpeed) unless deepspeed_config picks a wrapper.
     assert "bf16" not in effective({}, "bf16-mixed")
     assert effective({"bf16": {"enabled": True}}, "bf16-mixed")["bf16"] == {"enabled": True}
-    assert effective({"zero_optimization": {"stage": 1}}, "bf16-mixed")["bf16"] == {"enabled": True}
+    assert effective({"zero_optimization": {"stage": 1, "layerwise": False}}, "bf16-mixed")["bf16"] == {"enabled": True}
+    assert "bf16" not in effective({"zero_optimization": {"stage": 1}}, "bf16-mixed")  # the layer-wise ZeRO-1
     assert effective({}, "bf16-true")["bf16"] == {"enabled": True}
     for precision in ("16-mixed", "16-true"):
         with pytest.raises(MisconfigurationException, match=rf"precision='{precision}'.*no fp16 loss scaling.*bf16-mixed"):

@@ -9,7 +9,7 @@ from resihp_lightning.plan import Plan, Replica
 from resihp_lightning.strategy.plan_rules import check_plan
 
 PLAIN: dict = {}
-ZERO1 = {"zero_optimization": {"stage": 1}}
+ZERO1 = {"zero_optimization": {"stage": 1, "layerwise": False}}  # DeepSpeed's ZeRO-1 wrapper
 
 
 def test_a_plan_on_every_live_device_with_the_jobs_batch_runs():
@@ -24,8 +24,9 @@ def test_a_plan_on_every_live_device_with_the_jobs_batch_runs():
 def test_per_replica_bounds_run_with_the_plain_optimizer_only():
     uneven = Plan((Replica((0, 1), (0, 3, 8), 4), Replica((2, 3), (0, 5, 8), 4)))
     check_plan(uneven, [0, 1, 2, 3], 8, 8, PLAIN)
-    with pytest.raises(PlanError, match="plain fp32 optimizer"):
+    with pytest.raises(PlanError, match="layer-wise engine"):
         check_plan(uneven, [0, 1, 2, 3], 8, 8, ZERO1)
+    check_plan(uneven, [0, 1, 2, 3], 8, 8, {"zero_optimization": {"stage": 1}})  # the layer-wise ZeRO-1 runs them
 
 
 def test_idle_devices_only_with_hot_spares_and_never_a_device_outside_the_job():

@@ -468,9 +468,9 @@ def install(engine: Any, reducer: LayerwiseReducer, precision: MixedPrecision | 
     schedule, the last stage's loss included, runs under its autocast: bf16 compute over the fp32
     parameters, whose gradients and optimizer state stay fp32 and per parameter.
 
-    With ``zero`` (a :class:`~resihp_lightning.runtime.zero_shards.ZeroShards`) the optimizer step is the
+    With ``zero`` (a :class:`~resihp_lightning.state.zero_shards.ZeroShards`) the optimizer step is the
     layer-wise ZeRO-1's: the engine's optimizer becomes a
-    :class:`~resihp_lightning.runtime.zero_shards.ShardedStep` in front of the user's.
+    :class:`~resihp_lightning.state.zero_shards.ShardedStep` in front of the user's.
 
     The engine's class is swapped for a subclass that overrides three DeepSpeed methods:
 
@@ -526,7 +526,7 @@ def install(engine: Any, reducer: LayerwiseReducer, precision: MixedPrecision | 
     engine._resihp_reducer = reducer
     engine._resihp_precision = precision
     if zero is not None:
-        from resihp_lightning.runtime.zero_shards import ShardedStep
+        from resihp_lightning.state.zero_shards import ShardedStep
 
         engine.optimizer = engine.basic_optimizer = ShardedStep(engine.optimizer, zero)
     engine.__class__ = _layerwise_class(type(engine))

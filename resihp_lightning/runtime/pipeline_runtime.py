@@ -62,7 +62,7 @@ from resihp_lightning.state.bound_optimizer import BoundOptimizer, local_paramet
 from resihp_lightning.state.optimizer_state import CapturedState, StateCarrier, carrier_for
 from resihp_lightning.state import zero_config
 from resihp_lightning.state.sharded_moments import OldHolding, ShardedStateCarrier
-from resihp_lightning.runtime.zero_shards import ZeroShards
+from resihp_lightning.state.zero_shards import ZeroShards
 from resihp_lightning.runtime.pipeline_module import BoundedPipelineModule, materialize_layer
 from resihp_lightning.runtime.profiling import StageProfiler
 from resihp_lightning.tensor.resplit import resplit
@@ -833,7 +833,7 @@ class PipelineRuntime:
         self._profiler.attach(self._engine, self.local_layers())
 
     def _zero_shards(self, plan: Plan) -> ZeroShards | None:
-        """The layer-wise ZeRO-1's slices for ``plan`` when it runs (:mod:`~resihp_lightning.runtime.zero_shards`)."""
+        """The layer-wise ZeRO-1's slices for ``plan`` when it runs (:mod:`~resihp_lightning.state.zero_shards`)."""
         carrier = self._carrier
         if not isinstance(carrier, ShardedStateCarrier) or carrier.bound is None:
             return None

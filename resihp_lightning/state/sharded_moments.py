@@ -1,7 +1,7 @@
 """The layer-wise ZeRO-1's optimizer state across plan changes, recoveries and checkpoints.
 
 Between plan changes each holder keeps two slices of each of its layers' optimizer state
-(:mod:`~resihp_lightning.runtime.zero_shards`). Whatever changes the plan (a live re-plan, a reshape
+(:mod:`~resihp_lightning.state.zero_shards`). Whatever changes the plan (a live re-plan, a reshape
 over other processes, a spare taken back, a fail-stop recovery) runs the same simple scheme, with
 nothing on disk:
 
@@ -12,7 +12,7 @@ nothing on disk:
 2. the layers move as in a plain fp32 job (:func:`~resihp_lightning.state.migration.migrate` carries
    the whole states to new holders);
 3. *cut*: each holder under the new plan keeps its two new slices of the whole states it kept or
-   received (:meth:`~resihp_lightning.runtime.zero_shards.ZeroShards.load_full`).
+   received (:meth:`~resihp_lightning.state.zero_shards.ZeroShards.load_full`).
 
 While a plan changes, every old holder so holds its layers' whole moments for a moment (8 bytes per
 parameter with Adam), as the unsharded engine always does.
@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from resihp_lightning.errors import PlanError
 from resihp_lightning.placement import layer_holders
 from resihp_lightning.plan import Plan
-from resihp_lightning.runtime.zero_shards import (
+from resihp_lightning.state.zero_shards import (
     PieceState,
     SliceStates,
     ZeroShards,
@@ -187,7 +187,7 @@ def _device_of(layer: nn.Module) -> torch.device:
 
 
 class ShardedStateCarrier(PlainStateCarrier):
-    """The layer-wise ZeRO-1's carrier: state in :class:`~resihp_lightning.runtime.zero_shards.ZeroShards`
+    """The layer-wise ZeRO-1's carrier: state in :class:`~resihp_lightning.state.zero_shards.ZeroShards`
     slices between plan changes, whole per parameter while a plan changes and in checkpoints.
 
     The user's optimizer keeps the parameter groups (LR schedulers write into them) and no state.

@@ -1,7 +1,7 @@
 """Which engine runs ``deepspeed_config={"zero_optimization": {"stage": 1}}``: the layer-wise ZeRO-1 or DeepSpeed's.
 
 DeepSpeed's config name selects ZeRO-1. By default the layer-wise engine runs it
-(:mod:`~resihp_lightning.runtime.zero_shards`): Adam's moments of each layer sharded over the layer's
+(:mod:`~resihp_lightning.state.zero_shards`): Adam's moments of each layer sharded over the layer's
 holders with every slice kept twice, so a lost rank's slice is rebuilt in-process from its copy.
 DeepSpeed's own ZeRO wrapper (``DeepSpeedZeroOptimizer``: no in-process recovery, shared stage bounds)
 stays reachable with the explicit switch ``"layerwise": False`` inside ``zero_optimization``, and is

@@ -2,7 +2,7 @@
 
 ``deepspeed_config={"zero_optimization": {"stage": 1}}`` under ``Trainer(precision="bf16-mixed")``
 runs the layer-wise engine with Adam's moments of every layer sharded over its 4 holders (P = 1 x D = 4),
-each slice kept by its primary and by the previous holder (:mod:`~resihp_lightning.runtime.zero_shards`).
+each slice kept by its primary and by the previous holder (:mod:`~resihp_lightning.state.zero_shards`).
 On real gloo processes (``harness.run_job``):
 
 * rank 2, the only primary of slice 2 of every layer, is SIGKILLed inside step 2: the survivors rebuild
@@ -139,7 +139,7 @@ def _checkpoint_and_resume(rank: int, run_dir: str) -> dict:
     checkpoint under two other set-ups for two steps: the saved state, the trained one, what each resumed run restored, its loss."""
     import lightning.pytorch as pl
 
-    from resihp_lightning.runtime import zero_shards
+    from resihp_lightning.state import zero_shards
 
     zero_shards.GATHER_BUCKET_NUMEL = 50  # two 42-element layers per all-gather: the buckets are exercised too
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from resihp_lightning.errors import ConfigError
-from resihp_lightning.runtime.zero_shards import cut_state, join_slices
+from resihp_lightning.state.zero_shards import cut_state, join_slices
 from resihp_lightning.state.wrapped_state import wraps_optimizer
 from resihp_lightning.state.zero_config import deepspeed_runs_zero, for_deepspeed, layerwise_zero
 from resihp_lightning.state.zero_layout import Piece, SliceLayout
@@ -152,7 +152,7 @@ def test_stage_1_selects_the_layerwise_zero_unless_switched_off_or_under_a_deeps
 
 
 def test_the_strategy_refuses_a_bad_switch_and_non_adam_optimizers_by_name():
-    from resihp_lightning.runtime.zero_shards import check_optimizer
+    from resihp_lightning.state.zero_shards import check_optimizer
     from resihp_lightning.strategy.options import StrategyOptions
 
     with pytest.raises(ConfigError, match=r"zero_optimization.layerwise"):

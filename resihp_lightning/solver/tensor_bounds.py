@@ -114,6 +114,14 @@ class DominantKindBound:
         self._counts[key] = (got, ceiling)
         return got
 
+    def count(self, kinds: Iterable[Kind], limit: float, ceiling: int) -> int:
+        """:meth:`most` outside a proof's count allowance (for other proofs sharing the memo)."""
+        allowance, self._allowance = self._allowance, math.inf
+        try:
+            return self.most(kinds, limit, ceiling)
+        finally:
+            self._allowance = allowance
+
     def _model(self, kinds: tuple[Kind, ...]) -> tuple[Model, dict]:
         if kinds not in self._models:
             devices = tuple(Device(i, speed, memory, link) for i, (speed, memory, link) in enumerate(kinds))

@@ -54,6 +54,7 @@ from resihp_lightning.plan import Device, Problem, link_slowdown
 from resihp_lightning.solver.bounds import Fleet, fleet_bound
 from resihp_lightning.solver.exact import NoBetterPlan, relative_gap, solve_exact
 from resihp_lightning.solver.tensor_bounds import DominantKindBound
+from resihp_lightning.solver.tensor_joint import JointProof
 from resihp_lightning.tensor_plan import (
     SearchStats,
     TensorGroup,
@@ -85,6 +86,14 @@ PROBE_BUDGET = 20_000
 #: was measured slower with it than with the solves it saves (benchmarks/README.md). It runs only
 #: while the search has time (with ``"exact"``: first-pass solves or retries) left.
 COUNT_PROOF = False
+
+#: Whether the groupings of each healthy degree are first decided together by one replica
+#: knapsack over all of them (:class:`~resihp_lightning.solver.tensor_joint.JointProof`): it
+#: closes them at once or names groupings that beat the incumbent.
+JOINT_PROOF = True
+#: The most groupings the joint proof names (each solved, a better incumbent) before the rest of
+#: that degree is left to the best-first loop.
+JOINT_ROUNDS = 12
 
 #: The search refuses spaces with more distinct combinations than this (many affected domains with
 #: many kinds of GPU); the error names the count.
@@ -452,6 +461,7 @@ class _Search:
     solved: int = 0
     relaxations: int = 0
     unproven: int = 0
+    joint_proofs: int = 0
 
     def solve_leaf(self, groups: tuple[TensorGroup, ...], bound: float, config: PlannerConfig | None) -> float | None:
         """Solves one grouping below the incumbent and keeps a better plan (``config`` None: the exact
@@ -549,7 +559,13 @@ def solve_tensor(problem: TensorProblem, config: PlannerConfig | None = None) ->
     problem = _with_config(problem, config)
     search = _Search(problem, GroupingBound(problem.problem), DominantKindBound(problem.problem))
     distinct = combinations(problem)
-    ranked = sorted(((search.bounder.bound(c.key, replicas=True), c.key, c) for c in distinct), key=lambda row: row[:2])
+    joint = JointProof(problem.problem, search.bounder, search.counter)
+
+    def rank(rows) -> list:
+        return sorted(((search.bounder.bound(c.key, replicas=True), c.key, c) for c in rows), key=lambda row: row[:2])
+
+    # Every grouping's bound is only needed when the joint proof leaves groupings to solve one by one.
+    ranked = rank(distinct) if not problem.problem.allow_exclude else []
     closed_degrees: set[int | None] | None = None
     deadline = start + config.time_limit_s
 
@@ -582,6 +598,11 @@ def solve_tensor(problem: TensorProblem, config: PlannerConfig | None = None) ->
         if key not in solved:
             settle(groups, key, search.bounder.bound(key, replicas=True))
     closed_degrees = _closed_degrees(problem, search) if search.best_plan is not None else None
+    if problem.problem.allow_exclude:
+        left = [c for c in distinct if closed_degrees is None or c.healthy_degree not in closed_degrees]
+        if JOINT_PROOF and search.best_plan is not None:
+            left = _joint_phase(search, joint, left, solved, settle)
+        ranked = rank(c for c in left if c.key not in solved)
     for bound, key, combination in ranked:
         if bound >= search.best_value * (1 - 1e-12) or math.isinf(bound):
             break  # sorted: every later bound is at least as high
@@ -617,6 +638,35 @@ def solve_tensor(problem: TensorProblem, config: PlannerConfig | None = None) ->
     plan = search.best_plan.with_result(status="optimal" if proven else "feasible", gap=gap,
                                         solve_seconds=time.perf_counter() - start)
     return TensorPlan(search.best_groups, plan, stats)
+
+
+def _joint_phase(search: _Search, joint: JointProof, rows: list[Combination], solved: set[tuple], settle) -> list[Combination]:
+    """The groupings the joint proof leaves to be solved one by one (step 4 of :func:`solve_tensor`).
+
+    Per healthy degree, :meth:`~resihp_lightning.solver.tensor_joint.JointProof.decide` is asked
+    whether any grouping not yet solved beats the incumbent: ``"closed"`` settles them all; a
+    witness names groupings that do, the one with the fewest devices is solved (a better
+    incumbent) and the question is asked again; ``"open"`` (or :data:`JOINT_ROUNDS` witnesses)
+    leaves the rest to the best-first loop.
+    """
+    left: list[Combination] = []
+    for degree in dict.fromkeys(c.healthy_degree for c in rows):
+        members = [c for c in rows if c.healthy_degree == degree and c.key not in solved]
+        for _ in range(JOINT_ROUNDS):
+            if not members:
+                break
+            verdict = joint.decide([c.key for c in members], search.best_value)
+            search.joint_proofs += 1
+            if verdict.outcome == "closed":
+                members = []
+                break
+            if verdict.outcome != "witness":
+                break
+            chosen = min((members[i] for i in verdict.fleets), key=lambda c: (len(c.key), c.key))
+            settle(chosen.groups, chosen.key, search.bounder.bound(chosen.key, replicas=True))
+            members = [c for c in members if c.key not in solved]
+        left.extend(members)
+    return left
 
 
 def _seeds(problem: TensorProblem, ranked: list) -> list[tuple[TensorGroup, ...]]:

@@ -1,0 +1,479 @@
+"""One replica knapsack over many TP groupings at once: a proof that none of them beats a cutoff.
+
+The groupings of one healthy degree in :func:`~resihp_lightning.solver.tensor_search.solve_tensor`
+share their healthy groups (the *free* kind, as many in each) and differ in a few *odd* devices,
+the groups formed in the affected domains. Solving each grouping on its own repeats the same
+per-replica questions for every grouping; this module asks them once for the whole set.
+
+For a shape (P, D) and a limit (the cutoff, minus the all-reduce when D > 1), a plan on one
+grouping with per-replica partitions is D replicas, each a *composition* of device kinds running
+at most its exact count of micro-batches within the limit
+(:func:`~resihp_lightning.solver.replica_search.max_micro_batches_mixed`, memory included), their
+counts adding up to M. A replica holding odd devices is an *item*: its odd part o (a vector of odd
+kinds, 1 <= |o| <= P) with P - |o| free devices; pure free replicas fill the rest. So a grouping
+beats the limit at (P, D) exactly when some r <= D items, whose odd parts add up to a vector u
+within the grouping's odd devices, and D - r pure replicas, using ``D P - |u|`` free devices at
+most the grouping's, run M micro-batches. Over a *set* of groupings the only change is the last
+test: u must fit into *some* grouping of the set, with its free devices. The states of the
+knapsack are therefore the union of the groupings' downward-closed odd vectors (few: every
+grouping holds a handful of odd devices), and one dynamic programme over (items taken, state)
+answers for every grouping at once.
+
+Values start as cheap upper bounds (:meth:`JointProof._cheap`: the least stage-time sum and
+slowest stage that the layers' compute and the devices' memory allow, as the decomposition's
+bounds do) and are made exact lazily, only for the items of a mix that reaches M, until either no
+mix reaches M (the shape is closed for every grouping of the set) or a mix of exact values does:
+a *witness*, the groupings whose devices hold it each have a plan faster than the cutoff. Exact
+counts are kept by :class:`~resihp_lightning.solver.tensor_bounds.DominantKindBound` (per
+composition of kinds and limit), so later questions at the same cutoff reuse them.
+
+Shapes are first pruned by :class:`~resihp_lightning.solver.tensor_search.GroupingBound` over the
+union fleet (every device any grouping of the set may hold, at its largest count): with exclusion,
+every grouping's plans are plans of the union fleet, so its bounds hold for all of them.
+
+Only per-replica partitions, exclusion and healthy links are covered (the all-reduce is then
+``allreduce_ms`` for every plan of D > 1); otherwise :meth:`JointProof.decide` answers ``"open"``
+and the caller solves the groupings one by one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from resihp_lightning.plan import Problem
+from resihp_lightning.solver.exact_model import Model
+from resihp_lightning.solver.microbatch_split import count
+from resihp_lightning.solver.tensor_bounds import dominates_kind
+
+Kind = tuple[float, float, float]  # (speed, memory_mb, link_speed), as tensor_plan.device_key lists them
+
+#: The most knapsack states (odd vectors) a set of groupings may have; past it the proof is not tried.
+MAX_STATES = 20_000
+#: The most (item, state) moves one table may hold; a pipeline degree past it leaves the proof open.
+MAX_MOVES = 4_000_000
+#: Exact replica counts one :meth:`JointProof.decide` may compute (known ones are free); past them
+#: it answers ``"open"``.
+COUNTS_PER_DECISION = 400
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What :meth:`JointProof.decide` found.
+
+    Attributes:
+        outcome: ``"closed"`` (no grouping of the set has a plan faster than the cutoff),
+            ``"witness"`` (the groupings in ``fleets`` each have one) or ``"open"`` (undecided).
+        fleets: with ``"witness"``, the indices of the groupings whose devices hold the mix found.
+        shape: with ``"witness"``, its (P, D).
+    """
+
+    outcome: str
+    fleets: tuple[int, ...] = ()
+    shape: tuple[int, int] | None = None
+
+
+class _Undecided(Exception):
+    """Past a size or count limit."""
+
+
+class JointProof:
+    """Decides for a set of groupings at once whether any beats a cutoff (module docstring).
+
+    Args:
+        problem: the problem over groups (its devices are ignored: each question brings its own).
+        bounder: a :class:`~resihp_lightning.solver.tensor_search.GroupingBound` of that problem.
+        counter: a :class:`~resihp_lightning.solver.tensor_bounds.DominantKindBound` of that
+            problem: its exact replica counts, shared with other questions.
+    """
+
+    def __init__(self, problem: Problem, bounder, counter) -> None:
+        self.problem = problem
+        self.bounder = bounder
+        self.counter = counter
+        self.compute = bounder.compute
+        self._model = Model(problem)
+        self._cheap_memo: dict[tuple, int] = {}
+        self._moves: dict[tuple, tuple] = {}
+        self.counted = 0  #: exact counts asked for by the last decision
+
+    # ------------------------------------------------------------------------------- entry
+    @staticmethod
+    def applies(problem: Problem, fleets: Sequence[Sequence[Kind]]) -> bool:
+        """Whether the proof covers this problem and these groupings (module docstring)."""
+        return problem.allow_exclude
+
+    def decide(self, fleets: Sequence[Sequence[Kind]], cutoff: float) -> Verdict:
+        """Whether any of these groupings (each the multiset of its group devices) has a plan faster than ``cutoff``."""
+        if not fleets or not self.applies(self.problem, fleets):
+            return Verdict("open")
+        try:
+            return self._decide(fleets, cutoff)
+        except _Undecided:
+            return Verdict("open")
+
+    # ------------------------------------------------------------------------------ states
+    def _decide(self, fleets: Sequence[Sequence[Kind]], cutoff: float) -> Verdict:
+        problem = self.problem
+        counters = [Counter(fleet) for fleet in fleets]
+        kinds = sorted({kind for c in counters for kind in c}, reverse=True)
+        free = max(kinds, key=lambda k: (min(c.get(k, 0) for c in counters), k))
+        odd = [k for k in kinds if k != free]
+        avails = [tuple(c.get(k, 0) for k in odd) for c in counters]
+        frees = [c.get(free, 0) for c in counters]
+        states, most_free = _closure(avails, frees)
+        vectors = np.asarray(states, dtype=np.int64).reshape(len(states), len(odd))
+        sizes = vectors.sum(axis=1)
+        union = [free] * max(frees) + [k for j, k in enumerate(odd) for _ in range(max(a[j] for a in avails))]
+        n_union = len(union)
+        self.counted = 0
+        tolerance = 1e-12 * max(1.0, abs(cutoff))
+        m = problem.micro_batches
+        # Shapes the union fleet's bounds leave open, by P. With healthy links the bound falls as D
+        # grows (D = 1, without an all-reduce, is priced on its own), so a P whose largest D is
+        # closed is closed for every D > 1.
+        single: set[int] = set()
+        many: set[int] = set()
+        for p, d, value in self.bounder.shape_bounds(union, replicas=True):
+            if value < cutoff - tolerance:
+                (single if d == 1 else many).add(p)
+        for p in sorted(single | many):
+            if p in single:  # D = 1: one replica runs all M
+                found = self._single(p, states, most_free, odd, free, cutoff - tolerance)
+                if found is not None:
+                    free_used = p - int(sizes[found])
+                    return Verdict("witness", _holders(states[found], avails, frees, free_used), (p, 1))
+            d_low, d_high = max(2, problem.min_data_degree), min(n_union // p, m)
+            limit = cutoff - tolerance - problem.allreduce_ms
+            if p in many and d_high >= d_low and limit > 0:
+                shapes, by_size = self._coarse(p, range(d_low, d_high + 1), int(sizes.max()), int(most_free.max()),
+                                               odd, free, limit)
+                if not shapes:
+                    continue
+                found = self._many(p, shapes, by_size, states, vectors, sizes, most_free, odd, free, limit)
+                if found is not None:
+                    state, d = found
+                    free_used = d * p - int(sizes[state])
+                    return Verdict("witness", _holders(states[state], avails, frees, free_used), (p, d))
+        return Verdict("closed")
+
+    # ------------------------------------------------------------------------------ values
+    def _exact(self, composition: Sequence[Kind], limit: float, ceiling: int | None = None) -> int:
+        """The exact count of one replica of these devices (at most ``ceiling``, an upper bound
+        known already: the default is the cheap bound)."""
+        if ceiling is None:
+            ceiling = self._cheap(composition, limit)
+        if ceiling <= 0:
+            return 0
+        if self.counted >= COUNTS_PER_DECISION:
+            raise _Undecided
+        before = self.counter.counted
+        value = self.counter.count(composition, limit, ceiling)
+        self.counted += self.counter.counted - before
+        return value
+
+    def _cheap(self, composition: Sequence[Kind], limit: float) -> int:
+        """An upper bound on the micro-batches one replica of these devices runs within ``limit``.
+
+        For a candidate m the slowest stage is at most ``x = (limit - S) / (m - 1)``, so stage j
+        holds at most the longest run of layers within ``x s_j`` that fits its memory; filling the
+        fastest first gives the least S that allows (iterated, as S rises x falls). A candidate
+        that fails proves the count below it; the most that passes is found by bisection.
+        """
+        key = (tuple(sorted(composition, reverse=True)), limit)
+        found = self._cheap_memo.get(key)
+        if found is not None:
+            return found
+        bounder, p2p = self.bounder, self.problem.p2p_ms
+        p = len(composition)
+        # Runs of one kind, fastest first: (speed, compute its memory holds, devices).
+        runs: list[tuple[float, float, int]] = []
+        for kind, n in sorted(Counter(composition).items(), key=lambda item: -item[0][0]):
+            runs.append((kind[0], bounder.held(kind[1]), n))
+        speed_sum = sum(s * n for s, _, n in runs)
+        total = self.compute
+        transfers = (p - 1) * p2p
+        longest = self._model.longest_run
+
+        def least_sum(x: float | None) -> float:
+            left, out = total, transfers
+            for s, h, n in runs:
+                run = h if x is None else min(h, longest(x * s))
+                if run <= 0:
+                    continue
+                take = min(left, n * run)
+                out += take / s
+                left -= take
+                if left <= 1e-12 * max(1.0, total):
+                    return out
+            return math.inf
+
+        base = least_sum(None)
+        # Every stage within X: c_j <= (X - p2p_j) s_j, and only the last stage sends nothing.
+        worst = (total + p2p * (speed_sum - runs[0][0])) / speed_sum
+        if not math.isfinite(base):
+            self._cheap_memo[key] = 0
+            return 0
+
+        def passes(m: int) -> bool:
+            s = base
+            for _ in range(3):
+                if m <= 1:
+                    break
+                cap = (limit - s) / (m - 1)
+                if cap <= 0:
+                    return False
+                least = least_sum(cap * (1 + 1e-9))
+                if least <= s:
+                    break
+                s = least
+            return count(limit, s, worst, m) >= m
+
+        hi = count(limit, base, worst, self.problem.micro_batches)
+        lo = 0
+        if hi < 1:
+            pass
+        elif passes(hi):
+            lo = hi
+        else:
+            hi -= 1
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if passes(mid):
+                    lo = mid
+                else:
+                    hi = mid - 1
+        self._cheap_memo[key] = lo
+        return lo
+
+    # ---------------------------------------------------------------------------- one replica
+    def _composition(self, p: int, u: tuple[int, ...], odd: list[Kind], free: Kind) -> list[Kind]:
+        return [free] * (p - sum(u)) + [k for j, k in enumerate(odd) for _ in range(u[j])]
+
+    def _single(self, p: int, states, most_free, odd, free, limit: float) -> int | None:
+        """D = 1: a state (the odd part of one replica) whose exact count reaches M, or None."""
+        m = self.problem.micro_batches
+        for i, u in enumerate(states):
+            size = sum(u)
+            if size > p or most_free[i] < p - size:
+                continue
+            composition = self._composition(p, u, odd, free)
+            if self._cheap(composition, limit) >= m and self._exact(composition, limit) >= m:
+                return i
+        return None
+
+    # ------------------------------------------------------------------------- many replicas
+    def _coarse(self, p: int, shapes: Sequence[int], n_odd: int, n_free: int, odd: list[Kind], free: Kind,
+                limit: float) -> tuple[list[int], list[int] | None]:
+        """The D of ``shapes`` that a coarse count leaves open, and v_k by k: an upper bound on the
+        count of any replica with k odd devices (``None`` when there are no odd devices).
+
+        Every odd device fits into E, the largest speed, memory and link among the odd kinds, so a
+        replica with k odd devices runs at most ``v_k``, the exact count of P - k free devices and
+        k of E, a pure one at most ``v_0`` (when E also fits into a free device, v_k does not grow
+        with k, so an exact v_j caps every later one). Some
+        grouping holds at most ``n_odd`` odd devices and (maybe another) at most ``n_free`` free
+        ones, so D replicas, m of them mixed with K odd devices in all (m <= K <= n_odd, and
+        ``D P - K <= n_free``), run at most ``(D - m) v_0 + `` the best of m values adding up to K.
+        """
+        if not odd:
+            return list(shapes), None
+        envelope = (max(k[0] for k in odd), max(k[1] for k in odd), max(k[2] for k in odd))
+        monotone = dominates_kind(free, envelope)
+        # Cheap upper bounds first, made exact one k at a time (fewest odd devices first: those
+        # replicas run the most) while some D is open. An exact v_j also caps every later v_k.
+        compositions = [[free] * (p - k) + [envelope] * k for k in range(0, min(p, n_odd) + 1)]
+        values = [self._cheap(c, limit) for c in compositions]
+        for j, composition in enumerate(compositions):
+            shapes = self._coarse_reach(p, shapes, n_odd, n_free, values)
+            if not shapes:
+                break
+            values[j] = self._exact(composition, limit, values[j])
+            if monotone:
+                values[j + 1:] = [min(v, values[j]) for v in values[j + 1:]]
+        else:
+            shapes = self._coarse_reach(p, shapes, n_odd, n_free, values)
+        return shapes, values
+
+    def _coarse_reach(self, p: int, shapes: Sequence[int], n_odd: int, n_free: int, values: list[int]) -> list[int]:
+        """The D of ``shapes`` whose coarse count (:meth:`_coarse`, ``values[k]`` = v_k) reaches M."""
+        m_total = self.problem.micro_batches
+        pure = values[0]
+        top_k = len(values) - 1
+        # best[m][K]: the most m mixed replicas with K odd devices in all run (-1: none).
+        best = [[-1] * (n_odd + 1) for _ in range(min(max(shapes), n_odd) + 1)]
+        best[0][0] = 0
+        for m in range(1, len(best)):
+            for total in range(m, n_odd + 1):
+                best[m][total] = max((best[m - 1][total - k] + values[k] for k in range(1, min(top_k, total) + 1)
+                                      if best[m - 1][total - k] >= 0 and values[k] >= 1), default=-1)
+        open_shapes = []
+        for d in shapes:
+            reach = -1
+            for m in range(0, min(d, len(best) - 1) + 1):
+                if d - m > 0 and pure < 1:
+                    continue
+                for total in range(max(m, d * p - n_free), min(n_odd, m * p) + 1):
+                    if best[m][total] >= 0:
+                        reach = max(reach, (d - m) * pure + best[m][total])
+            if reach >= m_total:
+                open_shapes.append(d)
+        return open_shapes
+
+    def _many(self, p: int, shapes: Sequence[int], by_size: list[int] | None, states, vectors, sizes, most_free,
+              odd, free, limit: float) -> tuple[int, int] | None:
+        """D among ``shapes``: a (state, D) whose mix of exact counts reaches M, or None (closed).
+
+        An item's value starts as its cheap bound (at most the coarse v_k of its size, when known)
+        and becomes its exact count when a mix reaching M takes it.
+        """
+        m = self.problem.micro_batches
+        d_high = max(shapes)
+        free_value = self._exact([free] * p, limit)
+        fits = (sizes >= 1) & (sizes <= p) & (most_free >= p - sizes)
+        if by_size is not None:
+            coarse = np.asarray(by_size + [0] * (p + 1 - len(by_size)), dtype=np.int64)
+            fits &= coarse[np.minimum(sizes, p)] >= 1
+        items = np.nonzero(fits)[0].tolist()
+        values = [self._cheap(self._composition(p, states[i], odd, free), limit) for i in items]
+        if by_size is not None:
+            values = [min(v, by_size[int(sizes[i])]) for v, i in zip(values, items)]
+        exact = [False] * len(items)
+        src, owner, starts, targets = self._table_moves(p, states, vectors, items)
+        rmax = min(d_high, int(sizes.max()))
+        while True:
+            gain = np.asarray(values, dtype=np.int64)
+            best = _table(len(states), rmax, src, owner, starts, targets, gain)
+            top = None
+            for d in shapes:
+                valid = d * p - sizes <= most_free
+                for r in range(0, min(d, rmax) + 1):
+                    rest = d - r
+                    if rest > 0 and free_value < 1:
+                        continue
+                    row = np.where(valid, best[r], -1)
+                    s = int(np.argmax(row))
+                    if row[s] < 0:
+                        continue
+                    total = int(row[s]) + rest * free_value
+                    if total >= m and (top is None or total > top[0]):
+                        top = (total, r, s, d)
+            if top is None:
+                return None
+            _, r, s, d = top
+            pending = [k for k in _backtrack(best, r, s, src, owner, starts, targets, gain) if not exact[k]]
+            if not pending:
+                return s, d
+            for k in pending:
+                values[k] = self._exact(self._composition(p, states[items[k]], odd, free), limit, values[k])
+                exact[k] = True
+
+    def _table_moves(self, p: int, states, vectors, items):
+        """Every (item, source state) move whose destination is a state, ordered by destination."""
+        key = (p, len(states), hash(tuple(states)), tuple(items))
+        if key in self._moves:
+            return self._moves[key]
+        n_states, n_odd = vectors.shape
+        caps = vectors.max(axis=0) if n_states else np.zeros(n_odd, dtype=np.int64)
+        radix = np.ones(n_odd, dtype=np.int64)
+        for j in range(1, n_odd):
+            radix[j] = radix[j - 1] * (caps[j - 1] + 1)
+        codes = vectors @ radix if n_odd else np.zeros(n_states, dtype=np.int64)
+        span = int(radix[-1] * (caps[-1] + 1)) if n_odd else 1
+        position = np.full(span, -1, dtype=np.int64)
+        position[codes] = np.arange(n_states)
+        srcs, dsts, owners = [], [], []
+        total = 0
+        for k, i in enumerate(items):
+            o = vectors[i]
+            inside = np.all(vectors <= caps - o, axis=1)
+            ok = np.nonzero(inside)[0]
+            found = position[codes[ok] + int(codes[i])]
+            ok, found = ok[found >= 0], found[found >= 0]
+            total += ok.size
+            if total > MAX_MOVES:
+                raise _Undecided
+            srcs.append(ok)
+            dsts.append(found)
+            owners.append(np.full(ok.size, k, dtype=np.int64))
+        src = np.concatenate(srcs) if srcs else np.zeros(0, dtype=np.int64)
+        dst = np.concatenate(dsts) if dsts else np.zeros(0, dtype=np.int64)
+        owner = np.concatenate(owners) if owners else np.zeros(0, dtype=np.int64)
+        order = np.argsort(dst, kind="stable")
+        src, dst, owner = src[order], dst[order], owner[order]
+        targets, starts = np.unique(dst, return_index=True)
+        if len(self._moves) > 64:
+            self._moves.clear()
+        self._moves[key] = (src, owner, starts, targets)
+        return self._moves[key]
+
+
+def _closure(avails: Sequence[tuple[int, ...]], frees: Sequence[int]) -> tuple[list[tuple[int, ...]], np.ndarray]:
+    """Every odd vector within some grouping's odd devices, and per vector the most free devices of
+    a grouping that holds it."""
+    most: dict[tuple[int, ...], int] = {}
+    for avail, free in zip(avails, frees):
+        frontier = [avail]
+        if most.get(avail, -1) >= free:
+            continue
+        most[avail] = free
+        while frontier:
+            nxt = []
+            for u in frontier:
+                for j, n in enumerate(u):
+                    if n:
+                        v = u[:j] + (n - 1,) + u[j + 1:]
+                        if most.get(v, -1) < free:
+                            most[v] = free
+                            nxt.append(v)
+            frontier = nxt
+            if len(most) > MAX_STATES:
+                raise _Undecided
+    states = sorted(most)
+    return states, np.asarray([most[u] for u in states], dtype=np.int64)
+
+
+def _holders(u: tuple[int, ...], avails, frees, free_used: int) -> tuple[int, ...]:
+    """The groupings whose odd devices hold ``u`` and whose free devices number at least ``free_used``."""
+    return tuple(g for g, (avail, free) in enumerate(zip(avails, frees))
+                 if free >= free_used and all(a >= x for a, x in zip(avail, u)))
+
+
+def _table(n_states: int, rmax: int, src, owner, starts, targets, gain) -> np.ndarray:
+    """``best[r][s]``: the most micro-batches of r items whose odd parts add up to state s (-1: none)."""
+    best = np.full((rmax + 1, n_states), -1, dtype=np.int64)
+    best[0, 0] = 0  # states are sorted: the zero vector is first
+    if src.size == 0:
+        return best
+    move_gain = gain[owner]
+    usable = move_gain >= 1  # a replica must run at least one micro-batch
+    for r in range(rmax):
+        before = best[r, src]
+        cand = np.where(usable & (before >= 0), before + move_gain, -1)
+        best[r + 1, targets] = np.maximum.reduceat(cand, starts)
+    return best
+
+
+def _backtrack(best, r, s, src, owner, starts, targets, gain) -> list[int]:
+    """The items (indices into the item list) of a mix that gives ``best[r][s]``."""
+    chosen = []
+    while r > 0:
+        k = int(np.searchsorted(targets, s))
+        lo = int(starts[k])
+        hi = int(starts[k + 1]) if k + 1 < len(starts) else src.size
+        for move in range(lo, hi):
+            prev, item = int(src[move]), int(owner[move])
+            if gain[item] >= 1 and best[r - 1, prev] >= 0 and best[r - 1, prev] + gain[item] == best[r, s]:
+                break
+        else:  # pragma: no cover - the table was built from these moves
+            raise AssertionError("joint knapsack backtrack found no move")
+        chosen.append(item)
+        s, r = prev, r - 1
+    return chosen
+
+
+__all__ = ["COUNTS_PER_DECISION", "JointProof", "MAX_MOVES", "MAX_STATES", "Verdict"]

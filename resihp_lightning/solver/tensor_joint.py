@@ -56,6 +56,11 @@ Kind = tuple[float, float, float]  # (speed, memory_mb, link_speed), as tensor_p
 MAX_STATES = 20_000
 #: The most (item, state) moves one table may hold; a pipeline degree past it leaves the proof open.
 MAX_MOVES = 4_000_000
+#: The largest state code table (int32 entries) the knapsack's moves may use; past it the proof is not tried.
+MAX_CODES = 50_000_000
+#: How many of the coarse bound's v_k (fewest odd devices first) are made exact before the finer
+#: knapsack takes over.
+COARSE_EXACT = 2
 #: Exact replica counts one :meth:`JointProof.decide` may compute (known ones are free); past them
 #: it answers ``"open"``.
 COUNTS_PER_DECISION = 400
@@ -250,6 +255,84 @@ class JointProof:
         self._cheap_memo[key] = lo
         return lo
 
+    def _cheap_all(self, p: int, odd_parts: np.ndarray, odd: list[Kind], free: Kind, limit: float) -> np.ndarray:
+        """:meth:`_cheap` for many replicas at once: P - |o| free devices and the odd part o (rows).
+
+        The same bound, vectorised (a slightly more generous rounding at the limit, so still an
+        upper bound): the runs are the kinds, fastest first, with the row's count of each.
+        """
+        n_items = odd_parts.shape[0]
+        if n_items == 0:
+            return np.zeros(0, dtype=np.int64)
+        kinds = [free] + list(odd)
+        counts = np.concatenate([(p - odd_parts.sum(axis=1))[:, None], odd_parts], axis=1).astype(float)
+        order = sorted(range(len(kinds)), key=lambda j: -kinds[j][0])
+        speeds = np.asarray([kinds[j][0] for j in order])
+        held = np.asarray([self.bounder.held(kinds[j][1]) for j in order])
+        counts = counts[:, order]
+        total, p2p, m_top = self.compute, self.problem.p2p_ms, self.problem.micro_batches
+        spans = self._spans()
+        tol = 1e-12 * max(1.0, total)
+
+        def least_sum(x: np.ndarray | None) -> np.ndarray:
+            left = np.full(n_items, total)
+            out = np.full(n_items, (p - 1) * p2p)
+            for j in range(len(order)):
+                if x is None:
+                    run = np.full(n_items, held[j])
+                else:
+                    budget = x * speeds[j]
+                    index = np.searchsorted(spans, budget * (1 + 1e-9) + 1e-12 * np.maximum(1.0, budget), side="right") - 1
+                    run = np.minimum(held[j], np.where(index >= 0, spans[np.maximum(index, 0)], 0.0))
+                take = np.minimum(left, counts[:, j] * np.maximum(run, 0.0))
+                out += take / speeds[j]
+                left -= take
+            return np.where(left <= tol, out, np.inf)
+
+        speed_sum = counts @ speeds
+        fastest = np.max(np.where(counts > 0, speeds[None, :], 0.0), axis=1)
+        worst = (total + p2p * (speed_sum - fastest)) / speed_sum
+        base = least_sum(None)
+        slack = limit * (1 + 1e-12) + 1e-12
+
+        def reach(s: np.ndarray, cap: np.ndarray) -> np.ndarray:
+            with np.errstate(invalid="ignore", divide="ignore"):
+                q = np.floor((slack - s) / worst) + 1
+            return np.where(s <= slack, np.minimum(cap, np.maximum(q, 0)), 0).astype(np.int64)
+
+        def passes(m: np.ndarray) -> np.ndarray:
+            s = base.copy()
+            for _ in range(3):
+                with np.errstate(invalid="ignore", divide="ignore"):
+                    x = np.where(m > 1, (slack - s) / np.maximum(m - 1, 1) * (1 + 1e-9), np.inf)
+                least = least_sum(np.where(np.isfinite(x), np.maximum(x, 0.0), spans[-1] / speeds.min() + 1.0))
+                s = np.maximum(s, least)
+            return reach(s, m) >= m
+
+        hi = reach(base, np.full(n_items, m_top))
+        lo = np.zeros(n_items, dtype=np.int64)
+        top_ok = passes(np.maximum(hi, 1)) & (hi >= 1)
+        lo = np.where(top_ok, hi, lo)
+        hi = np.where(top_ok, hi, hi - 1)
+        while True:
+            active = lo < hi
+            if not active.any():
+                break
+            mid = np.where(active, (lo + hi + 1) // 2, lo)
+            ok = passes(np.maximum(mid, 1))
+            lo = np.where(active & ok, mid, lo)
+            hi = np.where(active & ~ok, mid - 1, hi)
+        return lo
+
+    def _spans(self) -> np.ndarray:
+        """Every run of contiguous layers' compute, sorted (:meth:`Model.longest_run
+        <resihp_lightning.solver.exact_model.Model.longest_run>`'s table)."""
+        if not hasattr(self, "_span_table"):
+            self._model.longest_run(0.0)
+            self._span_table = np.asarray(self._model._spans if self._model._spans is not None else
+                                          sorted({0.0}), dtype=float)
+        return self._span_table
+
     # ---------------------------------------------------------------------------- one replica
     def _composition(self, p: int, u: tuple[int, ...], odd: list[Kind], free: Kind) -> list[Kind]:
         return [free] * (p - sum(u)) + [k for j, k in enumerate(odd) for _ in range(u[j])]
@@ -285,12 +368,15 @@ class JointProof:
         envelope = (max(k[0] for k in odd), max(k[1] for k in odd), max(k[2] for k in odd))
         monotone = dominates_kind(free, envelope)
         # Cheap upper bounds first, made exact one k at a time (fewest odd devices first: those
-        # replicas run the most) while some D is open. An exact v_j also caps every later v_k.
+        # replicas run the most) while some D is open, for shallow pipelines only: deeper ones
+        # need many odd devices per replica, so nearly every v_k, and the finer knapsack of
+        # :meth:`_many` closes them on cheap values. An exact v_j also caps every later v_k.
         compositions = [[free] * (p - k) + [envelope] * k for k in range(0, min(p, n_odd) + 1)]
         values = [self._cheap(c, limit) for c in compositions]
+        exact_up_to = COARSE_EXACT if monotone else 0
         for j, composition in enumerate(compositions):
             shapes = self._coarse_reach(p, shapes, n_odd, n_free, values)
-            if not shapes:
+            if not shapes or j >= exact_up_to:
                 break
             values[j] = self._exact(composition, limit, values[j])
             if monotone:
@@ -338,16 +424,21 @@ class JointProof:
         if by_size is not None:
             coarse = np.asarray(by_size + [0] * (p + 1 - len(by_size)), dtype=np.int64)
             fits &= coarse[np.minimum(sizes, p)] >= 1
-        items = np.nonzero(fits)[0].tolist()
-        values = [self._cheap(self._composition(p, states[i], odd, free), limit) for i in items]
+        items = np.nonzero(fits)[0]
+        # values[i]: what one replica whose odd part is state i runs (0: not an item at this P).
+        values = np.zeros(len(states), dtype=np.int64)
+        values[items] = self._cheap_all(p, vectors[items], odd, free, limit)
         if by_size is not None:
-            values = [min(v, by_size[int(sizes[i])]) for v, i in zip(values, items)]
-        exact = [False] * len(items)
-        src, owner, starts, targets = self._table_moves(p, states, vectors, items)
+            values[items] = np.minimum(values[items], coarse[sizes[items]])
+        exact = np.zeros(len(states), dtype=bool)
+        src, owner, dst = self._all_moves(states, vectors, sizes)
+        keep = values[owner] >= 1
+        src, owner, dst = src[keep], owner[keep], dst[keep]
+        starts = np.flatnonzero(np.r_[True, dst[1:] != dst[:-1]]) if dst.size else np.zeros(0, dtype=np.int64)
+        targets = dst[starts]
         rmax = min(d_high, int(sizes.max()))
         while True:
-            gain = np.asarray(values, dtype=np.int64)
-            best = _table(len(states), rmax, src, owner, starts, targets, gain)
+            best = _table(len(states), rmax, src, owner, starts, targets, values)
             top = None
             for d in shapes:
                 valid = d * p - sizes <= most_free
@@ -365,50 +456,65 @@ class JointProof:
             if top is None:
                 return None
             _, r, s, d = top
-            pending = [k for k in _backtrack(best, r, s, src, owner, starts, targets, gain) if not exact[k]]
+            pending = [i for i in _backtrack(best, r, s, src, owner, starts, targets, values) if not exact[i]]
             if not pending:
                 return s, d
-            for k in pending:
-                values[k] = self._exact(self._composition(p, states[items[k]], odd, free), limit, values[k])
-                exact[k] = True
+            for i in pending:
+                values[i] = self._exact(self._composition(p, states[i], odd, free), limit, int(values[i]))
+                exact[i] = True
 
-    def _table_moves(self, p: int, states, vectors, items):
-        """Every (item, source state) move whose destination is a state, ordered by destination."""
-        key = (p, len(states), hash(tuple(states)), tuple(items))
+    def _all_moves(self, states, vectors: np.ndarray, sizes: np.ndarray):
+        """Every move (source state u, item o, destination u + o), both u and o states and o not
+        zero, ordered by destination: ``(src, owner, dst)``, ``owner`` the item's state index.
+
+        States are coded in a mixed radix wide enough that adding two never carries, so u + o is
+        a state exactly when the sum of their codes is a state's code (a table lookup).
+        """
+        key = (len(states), hash(tuple(states)))
         if key in self._moves:
             return self._moves[key]
         n_states, n_odd = vectors.shape
-        caps = vectors.max(axis=0) if n_states else np.zeros(n_odd, dtype=np.int64)
+        empty = np.zeros(0, dtype=np.int64)
+        if n_odd == 0:
+            return empty, empty, empty
+        caps = vectors.max(axis=0)
+        # Digits of base 2 cap + 1 never carry when two states are added: the code of u + o is
+        # the sum of the codes, and it is a state's code exactly when u + o is that state.
         radix = np.ones(n_odd, dtype=np.int64)
         for j in range(1, n_odd):
-            radix[j] = radix[j - 1] * (caps[j - 1] + 1)
-        codes = vectors @ radix if n_odd else np.zeros(n_states, dtype=np.int64)
-        span = int(radix[-1] * (caps[-1] + 1)) if n_odd else 1
-        position = np.full(span, -1, dtype=np.int64)
-        position[codes] = np.arange(n_states)
-        srcs, dsts, owners = [], [], []
+            radix[j] = radix[j - 1] * (2 * caps[j - 1] + 1)
+        span = int(radix[-1] * (2 * caps[-1] + 1))
+        if span > MAX_CODES:
+            raise _Undecided
+        codes = vectors @ radix
+        position = np.full(span, -1, dtype=np.int32)
+        position[codes] = np.arange(n_states, dtype=np.int32)
+        srcs, owners, dsts = [], [], []
         total = 0
-        for k, i in enumerate(items):
-            o = vectors[i]
-            inside = np.all(vectors <= caps - o, axis=1)
-            ok = np.nonzero(inside)[0]
-            found = position[codes[ok] + int(codes[i])]
-            ok, found = ok[found >= 0], found[found >= 0]
-            total += ok.size
-            if total > MAX_MOVES:
-                raise _Undecided
-            srcs.append(ok)
-            dsts.append(found)
-            owners.append(np.full(ok.size, k, dtype=np.int64))
-        src = np.concatenate(srcs) if srcs else np.zeros(0, dtype=np.int64)
-        dst = np.concatenate(dsts) if dsts else np.zeros(0, dtype=np.int64)
-        owner = np.concatenate(owners) if owners else np.zeros(0, dtype=np.int64)
+        largest = int(sizes.max())
+        by_size = np.argsort(sizes, kind="stable")
+        fewer = np.searchsorted(sizes[by_size], np.arange(largest + 2), side="right")  # states of size <= s
+        for size in range(1, largest + 1):
+            items = np.flatnonzero(sizes == size)
+            sources = by_size[:fewer[largest - size]]  # u + o holds at most the largest size
+            chunk = max(1, 2_000_000 // max(1, sources.size))
+            for at in range(0, items.size, chunk):
+                part = items[at:at + chunk]
+                where = position[codes[part][:, None] + codes[sources][None, :]]
+                rows, cols = np.nonzero(where >= 0)
+                total += rows.size
+                if total > MAX_MOVES:
+                    raise _Undecided
+                owners.append(part[rows])
+                srcs.append(sources[cols])
+                dsts.append(where[rows, cols].astype(np.int64))
+        src = np.concatenate(srcs) if srcs else empty
+        owner = np.concatenate(owners) if owners else empty
+        dst = np.concatenate(dsts) if dsts else empty
         order = np.argsort(dst, kind="stable")
-        src, dst, owner = src[order], dst[order], owner[order]
-        targets, starts = np.unique(dst, return_index=True)
-        if len(self._moves) > 64:
+        if len(self._moves) > 8:
             self._moves.clear()
-        self._moves[key] = (src, owner, starts, targets)
+        self._moves[key] = (src[order], owner[order], dst[order])
         return self._moves[key]
 
 

@@ -650,22 +650,26 @@ def _joint_phase(search: _Search, joint: JointProof, rows: list[Combination], so
     leaves the rest to the best-first loop.
     """
     left: list[Combination] = []
-    for degree in dict.fromkeys(c.healthy_degree for c in rows):
-        members = [c for c in rows if c.healthy_degree == degree and c.key not in solved]
+    # The largest degree first: the seeds' own, where the incumbent usually improves.
+    for degree in sorted(dict.fromkeys(c.healthy_degree for c in rows), key=lambda k: -(k or 0)):
+        # Groupings solved already stay in the question (none beats the incumbent, so the verdict
+        # is the same), which keeps the knapsack's states, and their moves, the same every round.
+        members = [c for c in rows if c.healthy_degree == degree]
         for _ in range(JOINT_ROUNDS):
-            if not members:
+            if all(c.key in solved for c in members):
+                members = []
                 break
             verdict = joint.decide([c.key for c in members], search.best_value)
             search.joint_proofs += 1
             if verdict.outcome == "closed":
                 members = []
                 break
-            if verdict.outcome != "witness":
+            named = [members[i] for i in verdict.fleets if members[i].key not in solved]
+            if verdict.outcome != "witness" or not named:
                 break
-            chosen = min((members[i] for i in verdict.fleets), key=lambda c: (len(c.key), c.key))
+            chosen = min(named, key=lambda c: (len(c.key), c.key))
             settle(chosen.groups, chosen.key, search.bounder.bound(chosen.key, replicas=True))
-            members = [c for c in members if c.key not in solved]
-        left.extend(members)
+        left.extend(c for c in members if c.key not in solved)
     return left
 
 

@@ -103,6 +103,7 @@ class JointProof:
         self.compute = bounder.compute
         self._model = Model(problem)
         self._cheap_memo: dict[tuple, int] = {}
+        self._unproven: set[tuple] = set()  # exact counts that ran out of work: upper bounds only
         self._moves: dict[tuple, tuple] = {}
         self.counted = 0  #: exact counts asked for by the last decision
 
@@ -177,9 +178,14 @@ class JointProof:
         if self.counted >= COUNTS_PER_DECISION:
             raise _Undecided
         before = self.counter.counted
-        value = self.counter.count(composition, limit, ceiling)
+        value, proven = self.counter.count(composition, limit, ceiling)
         self.counted += self.counter.counted - before
+        if not proven:
+            self._unproven.add((tuple(sorted(composition, reverse=True)), limit))
         return value
+
+    def _proven(self, composition: Sequence[Kind], limit: float) -> bool:
+        return (tuple(sorted(composition, reverse=True)), limit) not in self._unproven
 
     def _cheap(self, composition: Sequence[Kind], limit: float) -> int:
         """An upper bound on the micro-batches one replica of these devices runs within ``limit``.
@@ -346,6 +352,8 @@ class JointProof:
                 continue
             composition = self._composition(p, u, odd, free)
             if self._cheap(composition, limit) >= m and self._exact(composition, limit) >= m:
+                if not self._proven(composition, limit):
+                    raise _Undecided  # a witness only the ceiling of an unfinished count gives
                 return i
         return None
 
@@ -456,8 +464,12 @@ class JointProof:
             if top is None:
                 return None
             _, r, s, d = top
-            pending = [i for i in _backtrack(best, r, s, src, owner, starts, targets, values) if not exact[i]]
+            chosen = _backtrack(best, r, s, src, owner, starts, targets, values)
+            pending = [i for i in chosen if not exact[i]]
             if not pending:
+                compositions = [self._composition(p, states[i], odd, free) for i in chosen] + [[free] * p]
+                if not all(self._proven(c, limit) for c in compositions):
+                    raise _Undecided  # a witness only the ceiling of an unfinished count gives
                 return s, d
             for i in pending:
                 values[i] = self._exact(self._composition(p, states[i], odd, free), limit, int(values[i]))

@@ -1,0 +1,135 @@
+"""The joint replica-count proof over many TP groupings (solver/tensor_joint.py) against exact optima.
+
+A proof that ever closes a set of groupings one of which beats the cutoff is a bug. On random small
+TP problems every healthy degree's groupings are each planned by the exact backend; the proof must
+never close a cutoff just above their best, its witnesses must name groupings that do beat the
+cutoff (per-replica partitions and healthy links: the counts are exact there), and it must close
+some sets at their optimum (it proves something). Its vectorised cheap bound must equal the scalar
+one and never fall below an exact replica count; the search with it finds the same optimum as
+without it.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from resihp_lightning.config import PlannerConfig
+from resihp_lightning.errors import InfeasibleError
+from resihp_lightning.plan import Device, Layer, Problem
+from resihp_lightning.solver import solve
+from resihp_lightning.solver import tensor_search
+from resihp_lightning.solver.tensor_bounds import DominantKindBound
+from resihp_lightning.solver.tensor_joint import JointProof
+from resihp_lightning.solver.tensor_search import GroupingBound, combinations
+from resihp_lightning.tensor_plan import TensorCost, TensorProblem
+
+EXACT = PlannerConfig(solver="exact")
+
+
+def _random_tp(rng: random.Random, *, exact_counts: bool) -> TensorProblem:
+    """3-4 domains of 4 GPUs, 1-3 of them slow or dead: identical healthy groups and a few odd ones.
+
+    ``exact_counts``: per-replica partitions and healthy links (where a witness is a real plan);
+    else shared partitions and slow links too (where the proof is a relaxation).
+    """
+    domains = tuple(tuple(range(4 * i, 4 * i + 4)) for i in range(rng.randint(3, 4)))
+    affected = rng.sample(range(4 * len(domains)), rng.randint(1, 3))
+    memory = rng.choice([25.0, 40.0, 1e6])
+    gpus = []
+    for g in range(4 * len(domains)):
+        if g in affected and rng.random() < 0.3:
+            continue  # dead
+        link = 1.0 if exact_counts or g not in affected or rng.random() < 0.6 else 0.5
+        gpus.append(Device(g, rng.choice([0.5, 0.7, 0.85]) if g in affected else 1.0, memory, link))
+    layers = [Layer(rng.choice([2.0, 3.0]), rng.choice([10.0, 20.0]), rng.choice([1.0, 3.0]))
+              for _ in range(rng.randint(4, 8))]
+    problem = Problem(layers, gpus, rng.randint(4, 12), p2p_ms=rng.choice([0.0, 0.3]),
+                      allreduce_ms=rng.choice([0.0, 2.0]), allow_exclude=True,
+                      shared_partition=not exact_counts and rng.random() < 0.5)
+    return TensorProblem(problem, domains, TensorCost((1, 2, 4), {2: 0.02, 4: 0.05}))
+
+
+def _optima(tp: TensorProblem) -> dict:
+    """Healthy degree -> [(device key, exact optimum)] of its groupings."""
+    out: dict = {}
+    for combination in combinations(tp):
+        problem = tp.group_problem(combination.groups)
+        try:
+            value = solve(problem, EXACT).iteration_ms
+        except InfeasibleError:
+            value = float("inf")
+        out.setdefault(combination.healthy_degree, []).append((combination.key, value))
+    return out
+
+
+@pytest.mark.parametrize("exact_counts", [True, False])
+def test_the_joint_proof_never_closes_a_set_that_beats_the_cutoff(exact_counts):
+    rng = random.Random(41 if exact_counts else 43)
+    checked = closed_at_optimum = witnesses = 0
+    while checked < 14:
+        tp = _random_tp(rng, exact_counts=exact_counts)
+        proof = JointProof(tp.problem, GroupingBound(tp.problem), DominantKindBound(tp.problem))
+        for rows in _optima(tp).values():
+            best = min(value for _, value in rows)
+            if best == float("inf"):
+                continue
+            keys = [key for key, _ in rows]
+            above = proof.decide(keys, best * (1 + 1e-6))
+            assert above.outcome != "closed", tp.to_json()
+            at = proof.decide(keys, best)
+            closed_at_optimum += at.outcome == "closed"
+            for verdict, cutoff in ((above, best * (1 + 1e-6)), (at, best)):
+                if verdict.outcome == "witness" and exact_counts:
+                    witnesses += 1
+                    assert verdict.fleets
+                    assert all(rows[i][1] < cutoff for i in verdict.fleets), tp.to_json()
+            checked += 1
+    assert closed_at_optimum > 0
+    if exact_counts:
+        assert witnesses > 0
+
+
+def test_the_vectorised_cheap_bound_is_the_scalar_one_and_above_exact_counts():
+    rng = random.Random(47)
+    compared = 0
+    while compared < 300:
+        tp = _random_tp(rng, exact_counts=True)
+        counter = DominantKindBound(tp.problem)
+        proof = JointProof(tp.problem, GroupingBound(tp.problem), counter)
+        kinds = sorted({kind for c in combinations(tp) for kind in c.key}, reverse=True)
+        free = max(kinds, key=lambda kind: kinds.count(kind))
+        odd = [kind for kind in kinds if kind != free]
+        if not odd:
+            continue
+        p = rng.randint(1, 4)
+        parts = np.array([[rng.randint(0, 1) for _ in odd] for _ in range(12)], dtype=np.int64)
+        parts = parts[parts.sum(axis=1) <= p]
+        limit = rng.uniform(5.0, 80.0)
+        vectorised = proof._cheap_all(p, parts, odd, free, limit)
+        for row, value in zip(parts.tolist(), vectorised.tolist()):
+            composition = [free] * (p - sum(row)) + [kind for j, kind in enumerate(odd) for _ in range(row[j])]
+            assert value == proof._cheap(composition, limit)
+            assert value >= counter.count(composition, limit, tp.problem.micro_batches)[0]
+            compared += 1
+
+
+def test_the_search_with_the_joint_proof_finds_the_same_optimum(monkeypatch):
+    rng = random.Random(53)
+    saved = 0
+    for index in range(10):
+        tp = _random_tp(rng, exact_counts=index % 2 == 0)
+        monkeypatch.setattr(tensor_search, "JOINT_PROOF", False)
+        try:
+            plain = tensor_search.solve_tensor(tp, EXACT)
+        except InfeasibleError:
+            continue
+        monkeypatch.setattr(tensor_search, "JOINT_PROOF", True)
+        joint = tensor_search.solve_tensor(tp, EXACT)
+        assert plain.status == joint.status == "optimal"
+        assert joint.iteration_ms == pytest.approx(plain.iteration_ms, rel=1e-9), tp.to_json()
+        saved += plain.search.solved - joint.search.solved
+    assert saved > 0  # the proof closed groupings the plain search solved

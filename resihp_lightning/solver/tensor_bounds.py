@@ -92,6 +92,7 @@ class DominantKindBound:
         self._models: dict[tuple[Kind, ...], tuple[Model, dict]] = {}
         self._counts: dict[tuple, int] = {}
         self._unproven: set[tuple] = set()  # counts that are only their ceiling (out of work)
+        self._witnesses: dict[tuple, tuple] = {}  # count key -> (stage signatures, bounds)
         self.counted = 0  #: replica counts computed (not found in the memo)
         self._allowance = math.inf
 
@@ -116,18 +117,29 @@ class DominantKindBound:
             vector[index[(kind[0], kind[1], link_slowdown(kind[2]))]] += n
         at_least = known[1] if known is not None else 1
         self._unproven.discard(key)
+        arg = None
         try:
-            got, _ = max_micro_batches_mixed(model, tuple(vector), limit, ceiling, [0], COUNT_BUDGET,
-                                             at_least=at_least)
+            got, arg = max_micro_batches_mixed(model, tuple(vector), limit, ceiling, [0], COUNT_BUDGET,
+                                               at_least=at_least)
         except WitnessRejected:  # rounding at the limit: every arrangement on its own
-            got = _per_arrangement(model, vector, limit, ceiling, at_least)
+            got, arg = _per_arrangement(model, vector, limit, ceiling, at_least)
         except (BudgetExceeded, RecursionError):
             got = None
         if got is None:
             got = ceiling  # not decided: the ceiling is still an upper bound
             self._unproven.add(key)
+        elif arg is not None:
+            order, bounds = arg
+            signature = [(c.speed, c.memory_mb, c.link_slowdown) for c in model.classes]
+            self._witnesses[key] = (tuple(signature[c] for c in order), tuple(bounds))
         self._counts[key] = (got, ceiling)
         return got
+
+    def witness(self, kinds: Iterable[Kind], limit: float) -> tuple[tuple[tuple[float, float, float], ...], tuple[int, ...]] | None:
+        """The plan behind the last count of these devices at ``limit``: each stage's device as
+        (speed, memory_mb, link slowdown), in stage order, and the stage bounds (``None``: none known).
+        It runs at least the count :meth:`most` returned within the limit."""
+        return self._witnesses.get((tuple(sorted(Counter(kinds).items())), limit))
 
     def count(self, kinds: Iterable[Kind], limit: float, ceiling: int) -> tuple[int, bool]:
         """:meth:`most` outside a proof's count allowance (for other proofs sharing the memo), and
@@ -232,11 +244,11 @@ class DominantKindBound:
         return best
 
 
-def _per_arrangement(model: Model, vector: Sequence[int], limit: float, ceiling: int, at_least: int) -> int | None:
-    """The exact count by one branch and bound per arrangement of the classes (``None``: too many
-    arrangements or out of work)."""
+def _per_arrangement(model: Model, vector: Sequence[int], limit: float, ceiling: int, at_least: int):
+    """The exact count by one branch and bound per arrangement of the classes, and its (order,
+    bounds) (``(None, None)``: too many arrangements or out of work; ``None`` bounds: below ``at_least``)."""
     if math.factorial(sum(vector)) // math.prod(math.factorial(n) for n in vector) > MAX_ARRANGEMENTS:
-        return None
+        return None, None
     arrangements: list[tuple[int, ...]] = []
     left = list(vector)
 
@@ -252,17 +264,17 @@ def _per_arrangement(model: Model, vector: Sequence[int], limit: float, ceiling:
 
     arrange(())
     ticks = [0]
-    best = at_least - 1
+    best, arg = at_least - 1, None
     try:
         for order in arrangements:
             got, bounds = max_micro_batches(model, order, limit, ceiling, ticks, COUNT_BUDGET, best + 1)
             if bounds is not None and got > best:
-                best = got
+                best, arg = got, (order, bounds)
                 if best >= ceiling:
                     break
     except (BudgetExceeded, RecursionError):
-        return None
-    return best
+        return None, None
+    return best, arg
 
 
 __all__ = ["CHEAP_STAGES", "COUNT_BUDGET", "COUNTS_PER_PROOF", "DominantKindBound", "dominates_kind", "rank_envelope"]

@@ -75,11 +75,16 @@ class Verdict:
             ``"witness"`` (the groupings in ``fleets`` each have one) or ``"open"`` (undecided).
         fleets: with ``"witness"``, the indices of the groupings whose devices hold the mix found.
         shape: with ``"witness"``, its (P, D).
+        replicas: with ``"witness"``, the mix found, when every count's plan is known: per
+            composition, its stages' devices as (speed, memory_mb, link slowdown), its stage
+            bounds and how many replicas take it (each runs at least one micro-batch, and all of
+            them M, within the cutoff); empty when not known.
     """
 
     outcome: str
     fleets: tuple[int, ...] = ()
     shape: tuple[int, int] | None = None
+    replicas: tuple[tuple[tuple[tuple[float, float, float], ...], tuple[int, ...], int], ...] = ()
 
 
 class _Undecided(Exception):
@@ -152,7 +157,8 @@ class JointProof:
                 found = self._single(p, states, most_free, odd, free, cutoff - tolerance)
                 if found is not None:
                     free_used = p - int(sizes[found])
-                    return Verdict("witness", _holders(states[found], avails, frees, free_used), (p, 1))
+                    mix = self._mix({self._key(p, states[found], odd, free): 1}, cutoff - tolerance)
+                    return Verdict("witness", _holders(states[found], avails, frees, free_used), (p, 1), mix)
             d_low, d_high = max(2, problem.min_data_degree), min(n_union // p, m)
             limit = cutoff - tolerance - problem.allreduce_ms
             if p in many and d_high >= d_low and limit > 0:
@@ -162,9 +168,13 @@ class JointProof:
                     continue
                 found = self._many(p, shapes, by_size, states, vectors, sizes, most_free, odd, free, limit)
                 if found is not None:
-                    state, d = found
+                    state, d, chosen = found
                     free_used = d * p - int(sizes[state])
-                    return Verdict("witness", _holders(states[state], avails, frees, free_used), (p, d))
+                    wanted = Counter(self._key(p, states[i], odd, free) for i in chosen)
+                    if d > len(chosen):
+                        wanted[self._key(p, (0,) * len(odd), odd, free)] += d - len(chosen)
+                    mix = self._mix(wanted, limit)
+                    return Verdict("witness", _holders(states[state], avails, frees, free_used), (p, d), mix)
         return Verdict("closed")
 
     # ------------------------------------------------------------------------------ values
@@ -183,6 +193,19 @@ class JointProof:
         if not proven:
             self._unproven.add((tuple(sorted(composition, reverse=True)), limit))
         return value
+
+    def _key(self, p: int, u: tuple[int, ...], odd: list[Kind], free: Kind) -> tuple[Kind, ...]:
+        return tuple(sorted(self._composition(p, u, odd, free), reverse=True))
+
+    def _mix(self, wanted: Counter, limit: float) -> tuple:
+        """:attr:`Verdict.replicas` for these compositions (empty when a count's plan is not known)."""
+        out = []
+        for composition, n in wanted.items():
+            found = self.counter.witness(composition, limit)
+            if found is None:
+                return ()
+            out.append((found[0], found[1], n))
+        return tuple(out)
 
     def _proven(self, composition: Sequence[Kind], limit: float) -> bool:
         return (tuple(sorted(composition, reverse=True)), limit) not in self._unproven
@@ -419,8 +442,8 @@ class JointProof:
         return open_shapes
 
     def _many(self, p: int, shapes: Sequence[int], by_size: list[int] | None, states, vectors, sizes, most_free,
-              odd, free, limit: float) -> tuple[int, int] | None:
-        """D among ``shapes``: a (state, D) whose mix of exact counts reaches M, or None (closed).
+              odd, free, limit: float) -> tuple[int, int, list[int]] | None:
+        """D among ``shapes``: a (state, D, items) whose mix of exact counts reaches M, or None (closed).
 
         An item's value starts as its cheap bound (at most the coarse v_k of its size, when known)
         and becomes its exact count when a mix reaching M takes it.
@@ -470,7 +493,7 @@ class JointProof:
                 compositions = [self._composition(p, states[i], odd, free) for i in chosen] + [[free] * p]
                 if not all(self._proven(c, limit) for c in compositions):
                     raise _Undecided  # a witness only the ceiling of an unfinished count gives
-                return s, d
+                return s, d, chosen
             for i in pending:
                 values[i] = self._exact(self._composition(p, states[i], odd, free), limit, int(values[i]))
                 exact[i] = True

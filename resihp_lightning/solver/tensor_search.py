@@ -50,9 +50,11 @@ from dataclasses import dataclass, replace
 
 from resihp_lightning.config import PlannerConfig
 from resihp_lightning.errors import InfeasibleError, PlanError
-from resihp_lightning.plan import Device, Problem, link_slowdown
+from resihp_lightning.plan import Device, Plan, Problem, Replica, evaluate, link_slowdown
 from resihp_lightning.solver.bounds import Fleet, fleet_bound
 from resihp_lightning.solver.exact import NoBetterPlan, relative_gap, solve_exact
+from resihp_lightning.solver.exact_model import Model
+from resihp_lightning.solver.microbatch_split import split
 from resihp_lightning.solver.tensor_bounds import DominantKindBound
 from resihp_lightning.solver.tensor_joint import JointProof
 from resihp_lightning.tensor_plan import (
@@ -664,13 +666,64 @@ def _joint_phase(search: _Search, joint: JointProof, rows: list[Combination], so
             if verdict.outcome == "closed":
                 members = []
                 break
-            named = [members[i] for i in verdict.fleets if members[i].key not in solved]
-            if verdict.outcome != "witness" or not named:
+            if verdict.outcome != "witness":
+                break
+            named = [members[i] for i in verdict.fleets]
+            chosen = min(named, key=lambda c: (len(c.key), c.key))
+            plan = _witness_plan(search.problem, chosen.groups, verdict.replicas)
+            if plan is not None and plan.iteration_ms < search.best_value * (1 - 1e-12):
+                # The mix found is a better plan: the new incumbent (its grouping may hold better).
+                search.best_plan, search.best_groups, search.best_value = plan, chosen.groups, plan.iteration_ms
+                continue
+            named = [c for c in named if c.key not in solved]
+            if not named:
                 break
             chosen = min(named, key=lambda c: (len(c.key), c.key))
             settle(chosen.groups, chosen.key, search.bounder.bound(chosen.key, replicas=True))
         left.extend(c for c in members if c.key not in solved)
     return left
+
+
+def _witness_plan(problem: TensorProblem, groups: tuple[TensorGroup, ...], replicas) -> Plan | None:
+    """The plan the joint proof's witness describes, on these groups (``None``: it does not fit them).
+
+    Each replica takes unused groups whose device has its stages' (speed, memory, link slowdown),
+    lowest ids first; the micro-batches are split exactly (:func:`~.microbatch_split.split`) and
+    the plan is priced by :func:`~resihp_lightning.plan.evaluate`, so a witness that rounding makes
+    slower than its count said is only as good as its price.
+    """
+    if not replicas:
+        return None
+    group_problem = problem.group_problem(groups)
+    model = Model(group_problem)
+    pools: dict[tuple[float, float, float], list[int]] = {}
+    for cls, found in enumerate(model.classes):
+        pools[(found.speed, found.memory_mb, found.link_slowdown)] = [cls] + list(found.ids)
+    taken: dict[tuple[float, float, float], int] = {}
+    rows = []
+    for stages, bounds, count in replicas:
+        for _ in range(count):
+            ids, types = [], []
+            for signature in stages:
+                pool = pools.get(signature)
+                at = taken.get(signature, 0) + 1
+                if pool is None or at >= len(pool):
+                    return None
+                taken[signature] = at
+                ids.append(pool[at])
+                types.append(pool[0])
+            rows.append((tuple(ids), tuple(bounds), model.profile(types, bounds)))
+    result = split([(*profile, 1) for _, _, profile in rows], group_problem.micro_batches)
+    if result is None:
+        return None
+    plan = Plan(tuple(Replica(ids, bounds, counts[0]) for (ids, bounds, _), counts in zip(rows, result[1])))
+    try:
+        priced = evaluate(group_problem, plan)
+    except PlanError:
+        return None
+    if not priced.fits_memory:
+        return None
+    return plan.with_result(iteration_ms=priced.iteration_ms, status="feasible", solver="exact")
 
 
 def _seeds(problem: TensorProblem, ranked: list) -> list[tuple[TensorGroup, ...]]:

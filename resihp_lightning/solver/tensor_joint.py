@@ -56,7 +56,7 @@ Kind = tuple[float, float, float]  # (speed, memory_mb, link_speed), as tensor_p
 MAX_STATES = 20_000
 #: The most (item, state) moves one table may hold; a pipeline degree past it leaves the proof open.
 MAX_MOVES = 4_000_000
-#: The largest state code table (int32 entries) the knapsack's moves may use; past it the proof is not tried.
+#: The largest state code table the knapsack's moves may use; past it the proof is not tried.
 MAX_CODES = 50_000_000
 #: How many of the coarse bound's v_k (fewest odd devices first) are made exact before the finer
 #: knapsack takes over.
@@ -502,8 +502,8 @@ class JointProof:
         """Every move (source state u, item o, destination u + o), both u and o states and o not
         zero, ordered by destination: ``(src, owner, dst)``, ``owner`` the item's state index.
 
-        States are coded in a mixed radix wide enough that adding two never carries, so u + o is
-        a state exactly when the sum of their codes is a state's code (a table lookup).
+        The states are closed downwards, so the moves into w are its nonzero sub-vectors o (and
+        u = w - o); they are generated for every w at once, one kind at a time.
         """
         key = (len(states), hash(tuple(states)))
         if key in self._moves:
@@ -513,43 +513,33 @@ class JointProof:
         if n_odd == 0:
             return empty, empty, empty
         caps = vectors.max(axis=0)
-        # Digits of base 2 cap + 1 never carry when two states are added: the code of u + o is
-        # the sum of the codes, and it is a state's code exactly when u + o is that state.
         radix = np.ones(n_odd, dtype=np.int64)
         for j in range(1, n_odd):
-            radix[j] = radix[j - 1] * (2 * caps[j - 1] + 1)
-        span = int(radix[-1] * (2 * caps[-1] + 1))
+            radix[j] = radix[j - 1] * (caps[j - 1] + 1)
+        span = int(radix[-1] * (caps[-1] + 1))
         if span > MAX_CODES:
             raise _Undecided
         codes = vectors @ radix
-        position = np.full(span, -1, dtype=np.int32)
-        position[codes] = np.arange(n_states, dtype=np.int32)
-        srcs, owners, dsts = [], [], []
-        total = 0
-        largest = int(sizes.max())
-        by_size = np.argsort(sizes, kind="stable")
-        fewer = np.searchsorted(sizes[by_size], np.arange(largest + 2), side="right")  # states of size <= s
-        for size in range(1, largest + 1):
-            items = np.flatnonzero(sizes == size)
-            sources = by_size[:fewer[largest - size]]  # u + o holds at most the largest size
-            chunk = max(1, 2_000_000 // max(1, sources.size))
-            for at in range(0, items.size, chunk):
-                part = items[at:at + chunk]
-                where = position[codes[part][:, None] + codes[sources][None, :]]
-                rows, cols = np.nonzero(where >= 0)
-                total += rows.size
-                if total > MAX_MOVES:
-                    raise _Undecided
-                owners.append(part[rows])
-                srcs.append(sources[cols])
-                dsts.append(where[rows, cols].astype(np.int64))
-        src = np.concatenate(srcs) if srcs else empty
-        owner = np.concatenate(owners) if owners else empty
-        dst = np.concatenate(dsts) if dsts else empty
-        order = np.argsort(dst, kind="stable")
+        position = np.full(span, -1, dtype=np.int64)
+        position[codes] = np.arange(n_states)
+        # Every (destination w, item o <= w): o grows one kind at a time, t = 0..w_j of kind j.
+        # w stays in state order, so the moves come ordered by destination.
+        dst = np.arange(n_states)
+        item = np.zeros(n_states, dtype=np.int64)
+        for j in range(n_odd):
+            reps = vectors[dst, j] + 1
+            first = np.cumsum(reps) - reps
+            dst = np.repeat(dst, reps)
+            item = np.repeat(item, reps) + (np.arange(dst.size) - np.repeat(first, reps)) * radix[j]
+            if dst.size > MAX_MOVES + n_states:
+                raise _Undecided
+        real = item != 0
+        dst, item = dst[real], item[real]
+        owner = position[item]  # o <= w and the states are closed downwards: o and w - o are states
+        src = position[codes[dst] - item]
         if len(self._moves) > 8:
             self._moves.clear()
-        self._moves[key] = (src[order], owner[order], dst[order])
+        self._moves[key] = (src, owner, dst)
         return self._moves[key]
 
 

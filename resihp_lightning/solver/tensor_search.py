@@ -93,9 +93,12 @@ COUNT_PROOF = False
 #: knapsack over all of them (:class:`~resihp_lightning.solver.tensor_joint.JointProof`): it
 #: closes them at once or names groupings that beat the incumbent.
 JOINT_PROOF = True
-#: The most groupings the joint proof names (each solved, a better incumbent) before the rest of
-#: that degree is left to the best-first loop.
-JOINT_ROUNDS = 12
+#: The most questions to the joint proof per healthy degree before the rest of that degree is left
+#: to the best-first loop.
+JOINT_ROUNDS = 16
+#: The first witnesses of a degree only become the incumbent (their plan, no solve); later ones have
+#: their grouping solved too, which jumps to its optimum.
+WITNESS_PLANS = 2
 
 #: The search refuses spaces with more distinct combinations than this (many affected domains with
 #: many kinds of GPU); the error names the count.
@@ -603,7 +606,8 @@ def solve_tensor(problem: TensorProblem, config: PlannerConfig | None = None) ->
     if problem.problem.allow_exclude:
         left = [c for c in distinct if closed_degrees is None or c.healthy_degree not in closed_degrees]
         if JOINT_PROOF and search.best_plan is not None:
-            left = _joint_phase(search, joint, left, solved, settle)
+            in_time = (lambda: time.perf_counter() < deadline) if milp else (lambda: first_solves > 0)
+            left = _joint_phase(search, joint, left, solved, settle, in_time)
         ranked = rank(c for c in left if c.key not in solved)
     for bound, key, combination in ranked:
         if bound >= search.best_value * (1 - 1e-12) or math.isinf(bound):
@@ -636,13 +640,15 @@ def solve_tensor(problem: TensorProblem, config: PlannerConfig | None = None) ->
     gap = 0.0 if proven else relative_gap(value, min(search.open_bound, value))
     searched = {c.key for c in distinct}
     stats = SearchStats(combinations=len(distinct), solved=search.solved, pruned=len(searched - solved),
-                        unproven=search.unproven, relaxations=search.relaxations)
+                        unproven=search.unproven, relaxations=search.relaxations,
+                        joint_proofs=search.joint_proofs)
     plan = search.best_plan.with_result(status="optimal" if proven else "feasible", gap=gap,
                                         solve_seconds=time.perf_counter() - start)
     return TensorPlan(search.best_groups, plan, stats)
 
 
-def _joint_phase(search: _Search, joint: JointProof, rows: list[Combination], solved: set[tuple], settle) -> list[Combination]:
+def _joint_phase(search: _Search, joint: JointProof, rows: list[Combination], solved: set[tuple], settle,
+                 in_time) -> list[Combination]:
     """The groupings the joint proof leaves to be solved one by one (step 4 of :func:`solve_tensor`).
 
     Per healthy degree, :meth:`~resihp_lightning.solver.tensor_joint.JointProof.decide` is asked
@@ -657,7 +663,9 @@ def _joint_phase(search: _Search, joint: JointProof, rows: list[Combination], so
         # Groupings solved already stay in the question (none beats the incumbent, so the verdict
         # is the same), which keeps the knapsack's states, and their moves, the same every round.
         members = [c for c in rows if c.healthy_degree == degree]
-        for _ in range(JOINT_ROUNDS):
+        for round_ in range(JOINT_ROUNDS):
+            if not in_time():
+                break  # out of time (or work): the rest by their bounds
             if all(c.key in solved for c in members):
                 members = []
                 break
@@ -674,7 +682,9 @@ def _joint_phase(search: _Search, joint: JointProof, rows: list[Combination], so
             if plan is not None and plan.iteration_ms < search.best_value * (1 - 1e-12):
                 # The mix found is a better plan: the new incumbent (its grouping may hold better).
                 search.best_plan, search.best_groups, search.best_value = plan, chosen.groups, plan.iteration_ms
-                continue
+                if round_ < WITNESS_PLANS:
+                    continue
+            # Witnesses that keep coming improve the incumbent a little each: solve the grouping.
             named = [c for c in named if c.key not in solved]
             if not named:
                 break

@@ -5,8 +5,8 @@ TP problems every healthy degree's groupings are each planned by the exact backe
 never close a cutoff just above their best, its witnesses must name groupings that do beat the
 cutoff (per-replica partitions and healthy links: the counts are exact there), and it must close
 some sets at their optimum (it proves something). Its vectorised cheap bound must equal the scalar
-one and never fall below an exact replica count; the search with it finds the same optimum as
-without it.
+one and never fall below an exact replica count, its knapsack moves must be every pair of states
+adding up to a state, and the search with it finds the same optimum as without it, with a valid plan.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from resihp_lightning.plan import Device, Layer, Problem
 from resihp_lightning.solver import solve
 from resihp_lightning.solver import tensor_search
 from resihp_lightning.solver.tensor_bounds import DominantKindBound
-from resihp_lightning.solver.tensor_joint import JointProof
+from resihp_lightning.solver.tensor_joint import JointProof, _closure
 from resihp_lightning.solver.tensor_search import GroupingBound, combinations
-from resihp_lightning.tensor_plan import TensorCost, TensorProblem
+from resihp_lightning.tensor_plan import TensorCost, TensorProblem, evaluate_tensor_plan, validate_tensor_plan
 
 EXACT = PlannerConfig(solver="exact")
 
@@ -70,7 +70,7 @@ def _optima(tp: TensorProblem) -> dict:
 def test_the_joint_proof_never_closes_a_set_that_beats_the_cutoff(exact_counts):
     rng = random.Random(41 if exact_counts else 43)
     checked = closed_at_optimum = witnesses = 0
-    while checked < 14:
+    while checked < 8:
         tp = _random_tp(rng, exact_counts=exact_counts)
         proof = JointProof(tp.problem, GroupingBound(tp.problem), DominantKindBound(tp.problem))
         for rows in _optima(tp).values():
@@ -119,7 +119,7 @@ def test_the_vectorised_cheap_bound_is_the_scalar_one_and_above_exact_counts():
 
 def test_the_search_with_the_joint_proof_finds_the_same_optimum(monkeypatch):
     rng = random.Random(53)
-    saved = 0
+    saved = asked = 0
     for index in range(10):
         tp = _random_tp(rng, exact_counts=index % 2 == 0)
         monkeypatch.setattr(tensor_search, "JOINT_PROOF", False)
@@ -131,5 +131,29 @@ def test_the_search_with_the_joint_proof_finds_the_same_optimum(monkeypatch):
         joint = tensor_search.solve_tensor(tp, EXACT)
         assert plain.status == joint.status == "optimal"
         assert joint.iteration_ms == pytest.approx(plain.iteration_ms, rel=1e-9), tp.to_json()
+        # The plan may be a witness's, placed and split by the search: it must be valid and price alike.
+        validate_tensor_plan(tp, joint)
+        assert evaluate_tensor_plan(tp, joint).iteration_ms == pytest.approx(joint.iteration_ms, rel=1e-12)
         saved += plain.search.solved - joint.search.solved
+        asked += joint.search.joint_proofs
     assert saved > 0  # the proof closed groupings the plain search solved
+    assert asked > 0
+
+
+def test_the_moves_are_every_pair_of_states_that_adds_up_to_a_state():
+    rng = random.Random(59)
+    for _ in range(30):
+        width = rng.randint(1, 4)
+        avails = [tuple(rng.randint(0, 3) for _ in range(width)) for _ in range(rng.randint(1, 4))]
+        states, _ = _closure(avails, [0] * len(avails))
+        vectors = np.asarray(states, dtype=np.int64).reshape(len(states), width)
+        index = {u: i for i, u in enumerate(states)}
+        problem = Problem([Layer(1.0, 1.0, 1.0)], [Device(0, 1.0, 10.0)], 1)
+        proof = JointProof(problem, GroupingBound(problem), DominantKindBound(problem))
+        src, owner, dst = proof._all_moves(states, vectors, vectors.sum(axis=1))
+        assert list(dst) == sorted(dst)
+        found = set(zip(src.tolist(), owner.tolist(), dst.tolist()))
+        expected = {(index[u], index[o], index[tuple(a + b for a, b in zip(u, o))])
+                    for u in states for o in states
+                    if any(o) and tuple(a + b for a, b in zip(u, o)) in index}
+        assert found == expected

@@ -21,19 +21,31 @@ answers for every grouping at once.
 
 Values start as cheap upper bounds (:meth:`JointProof._cheap`: the least stage-time sum and
 slowest stage that the layers' compute and the devices' memory allow, as the decomposition's
-bounds do) and are made exact lazily, only for the items of a mix that reaches M, until either no
-mix reaches M (the shape is closed for every grouping of the set) or a mix of exact values does:
-a *witness*, the groupings whose devices hold it each have a plan faster than the cutoff. Exact
-counts are kept by :class:`~resihp_lightning.solver.tensor_bounds.DominantKindBound` (per
-composition of kinds and limit), so later questions at the same cutoff reuse them.
+bounds do; :meth:`JointProof._cheap_all` for every item at once) and are made exact lazily, only
+for the items of a mix that reaches M, until either no mix reaches M (the shape is closed for
+every grouping of the set) or a mix of exact values does: a *witness*, the groupings whose devices
+hold it each have a plan faster than the cutoff, and :attr:`Verdict.replicas` is that plan (each
+count keeps its stage order and bounds). Exact counts are kept by
+:class:`~resihp_lightning.solver.tensor_bounds.DominantKindBound` (per composition of kinds and
+limit), so later questions at the same cutoff reuse them; a count that ran out of work is only its
+ceiling, an upper bound that may close but never makes a witness (``"open"`` instead).
+
+Before the knapsack, a *coarse count* closes most shapes: every odd device fits into E, the
+largest speed, memory and link among the odd kinds, so a replica with k odd devices runs at most
+v_k, the count of P - k free devices and k of E, and D replicas with at most as many odd and free
+devices as any grouping holds run at most the best sum of such values.
 
 Shapes are first pruned by :class:`~resihp_lightning.solver.tensor_search.GroupingBound` over the
 union fleet (every device any grouping of the set may hold, at its largest count): with exclusion,
 every grouping's plans are plans of the union fleet, so its bounds hold for all of them.
 
-Only per-replica partitions, exclusion and healthy links are covered (the all-reduce is then
-``allreduce_ms`` for every plan of D > 1); otherwise :meth:`JointProof.decide` answers ``"open"``
-and the caller solves the groupings one by one.
+Exclusion is required (without it a grouping's devices must all be used, which the union fleet's
+bounds do not see; :meth:`JointProof.decide` answers ``"open"``). With per-replica partitions
+and healthy links the counts are exact and a witness is a real plan. With shared partitions
+(a restriction of per-replica ones) or slow links (the all-reduce priced at its least,
+``allreduce_ms``, and transfers by the counts' own arrangement) the proof is a relaxation: a
+``"closed"`` still holds, a witness may not (the caller prices its plan, and solves the grouping
+when it is not better).
 """
 
 from __future__ import annotations
@@ -60,7 +72,7 @@ MAX_MOVES = 4_000_000
 MAX_CODES = 50_000_000
 #: How many of the coarse bound's v_k (fewest odd devices first) are made exact before the finer
 #: knapsack takes over.
-COARSE_EXACT = 2
+COARSE_EXACT = 1
 #: Exact replica counts one :meth:`JointProof.decide` may compute (known ones are free); past them
 #: it answers ``"open"``.
 COUNTS_PER_DECISION = 400
@@ -284,11 +296,14 @@ class JointProof:
         self._cheap_memo[key] = lo
         return lo
 
-    def _cheap_all(self, p: int, odd_parts: np.ndarray, odd: list[Kind], free: Kind, limit: float) -> np.ndarray:
+    def _cheap_all(self, p: int, odd_parts: np.ndarray, odd: list[Kind], free: Kind, limit: float,
+                   ceiling: np.ndarray | None = None) -> np.ndarray:
         """:meth:`_cheap` for many replicas at once: P - |o| free devices and the odd part o (rows).
 
         The same bound, vectorised (a slightly more generous rounding at the limit, so still an
-        upper bound): the runs are the kinds, fastest first, with the row's count of each.
+        upper bound): the runs are the kinds, fastest first, with the row's count of each. With
+        ``ceiling`` (upper bounds known already) the search starts there: the result is then at
+        most the ceiling, and still an upper bound.
         """
         n_items = odd_parts.shape[0]
         if n_items == 0:
@@ -303,17 +318,23 @@ class JointProof:
         spans = self._spans()
         tol = 1e-12 * max(1.0, total)
 
-        def least_sum(x: np.ndarray | None) -> np.ndarray:
-            left = np.full(n_items, total)
-            out = np.full(n_items, (p - 1) * p2p)
+        def least_sum(rows: np.ndarray, x: np.ndarray | None) -> np.ndarray:
+            """The least S of these rows when each stage holds at most x ms at its speed (None: memory only)."""
+            left = np.full(rows.size, total)
+            out = np.full(rows.size, (p - 1) * p2p)
+            n = counts[rows]
             for j in range(len(order)):
+                has = n[:, j] > 0
+                if not has.any():
+                    continue
                 if x is None:
-                    run = np.full(n_items, held[j])
+                    run = np.full(rows.size, held[j])
                 else:
-                    budget = x * speeds[j]
+                    budget = x[has] * speeds[j]
                     index = np.searchsorted(spans, budget * (1 + 1e-9) + 1e-12 * np.maximum(1.0, budget), side="right") - 1
-                    run = np.minimum(held[j], np.where(index >= 0, spans[np.maximum(index, 0)], 0.0))
-                take = np.minimum(left, counts[:, j] * np.maximum(run, 0.0))
+                    run = np.zeros(rows.size)
+                    run[has] = np.minimum(held[j], np.where(index >= 0, spans[np.maximum(index, 0)], 0.0))
+                take = np.minimum(left, n[:, j] * np.maximum(run, 0.0))
                 out += take / speeds[j]
                 left -= take
             return np.where(left <= tol, out, np.inf)
@@ -321,36 +342,39 @@ class JointProof:
         speed_sum = counts @ speeds
         fastest = np.max(np.where(counts > 0, speeds[None, :], 0.0), axis=1)
         worst = (total + p2p * (speed_sum - fastest)) / speed_sum
-        base = least_sum(None)
+        every = np.arange(n_items)
+        base = least_sum(every, None)
         slack = limit * (1 + 1e-12) + 1e-12
+        huge = spans[-1] / speeds.min() + 1.0
 
-        def reach(s: np.ndarray, cap: np.ndarray) -> np.ndarray:
+        def reach(rows: np.ndarray, s: np.ndarray, cap: np.ndarray) -> np.ndarray:
             with np.errstate(invalid="ignore", divide="ignore"):
-                q = np.floor((slack - s) / worst) + 1
+                q = np.floor((slack - s) / worst[rows]) + 1
             return np.where(s <= slack, np.minimum(cap, np.maximum(q, 0)), 0).astype(np.int64)
 
-        def passes(m: np.ndarray) -> np.ndarray:
-            s = base.copy()
+        def passes(rows: np.ndarray, m: np.ndarray) -> np.ndarray:
+            s = base[rows].copy()
             for _ in range(3):
                 with np.errstate(invalid="ignore", divide="ignore"):
                     x = np.where(m > 1, (slack - s) / np.maximum(m - 1, 1) * (1 + 1e-9), np.inf)
-                least = least_sum(np.where(np.isfinite(x), np.maximum(x, 0.0), spans[-1] / speeds.min() + 1.0))
-                s = np.maximum(s, least)
-            return reach(s, m) >= m
+                s = np.maximum(s, least_sum(rows, np.where(np.isfinite(x), np.maximum(x, 0.0), huge)))
+            return reach(rows, s, m) >= m
 
-        hi = reach(base, np.full(n_items, m_top))
+        hi = reach(every, base, np.full(n_items, m_top))
+        if ceiling is not None:
+            hi = np.minimum(hi, ceiling)
         lo = np.zeros(n_items, dtype=np.int64)
-        top_ok = passes(np.maximum(hi, 1)) & (hi >= 1)
+        top_ok = passes(every, np.maximum(hi, 1)) & (hi >= 1)
         lo = np.where(top_ok, hi, lo)
         hi = np.where(top_ok, hi, hi - 1)
         while True:
-            active = lo < hi
-            if not active.any():
+            rows = np.flatnonzero(lo < hi)
+            if rows.size == 0:
                 break
-            mid = np.where(active, (lo + hi + 1) // 2, lo)
-            ok = passes(np.maximum(mid, 1))
-            lo = np.where(active & ok, mid, lo)
-            hi = np.where(active & ~ok, mid - 1, hi)
+            mid = (lo[rows] + hi[rows] + 1) // 2
+            ok = passes(rows, mid)
+            lo[rows[ok]] = mid[ok]
+            hi[rows[~ok]] = mid[~ok] - 1
         return lo
 
     def _spans(self) -> np.ndarray:
@@ -445,8 +469,9 @@ class JointProof:
               odd, free, limit: float) -> tuple[int, int, list[int]] | None:
         """D among ``shapes``: a (state, D, items) whose mix of exact counts reaches M, or None (closed).
 
-        An item's value starts as its cheap bound (at most the coarse v_k of its size, when known)
-        and becomes its exact count when a mix reaching M takes it.
+        An item's value starts as the coarse v_k of its size (when known), then, when a mix
+        reaches M, becomes at most its cheap bound (every item at once), then its exact count when
+        a mix reaching M takes it.
         """
         m = self.problem.micro_batches
         d_high = max(shapes)
@@ -458,9 +483,11 @@ class JointProof:
         items = np.nonzero(fits)[0]
         # values[i]: what one replica whose odd part is state i runs (0: not an item at this P).
         values = np.zeros(len(states), dtype=np.int64)
-        values[items] = self._cheap_all(p, vectors[items], odd, free, limit)
-        if by_size is not None:
-            values[items] = np.minimum(values[items], coarse[sizes[items]])
+        cheap = by_size is None
+        if cheap:
+            values[items] = self._cheap_all(p, vectors[items], odd, free, limit)
+        else:  # the coarse v_k by size first: the knapsack alone often closes with them
+            values[items] = coarse[sizes[items]]
         exact = np.zeros(len(states), dtype=bool)
         src, owner, dst = self._all_moves(states, vectors, sizes)
         keep = values[owner] >= 1
@@ -487,6 +514,10 @@ class JointProof:
             if top is None:
                 return None
             _, r, s, d = top
+            if not cheap:
+                values[items] = self._cheap_all(p, vectors[items], odd, free, limit, values[items])
+                cheap = True
+                continue
             chosen = _backtrack(best, r, s, src, owner, starts, targets, values)
             pending = [i for i in chosen if not exact[i]]
             if not pending:
@@ -505,7 +536,7 @@ class JointProof:
         The states are closed downwards, so the moves into w are its nonzero sub-vectors o (and
         u = w - o); they are generated for every w at once, one kind at a time.
         """
-        key = (len(states), hash(tuple(states)))
+        key = tuple(states)  # compared whole on a hash match: never another set's moves
         if key in self._moves:
             return self._moves[key]
         n_states, n_odd = vectors.shape

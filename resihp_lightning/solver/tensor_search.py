@@ -14,9 +14,10 @@ proven, in these steps:
    devices each fit into a distinct device of another of its groupings, at least as fast, large
    and well linked (:func:`dominates`), is dropped: any plan on it runs as fast on the other,
    whose extra devices idle.
-2. **Bounds** (:class:`GroupingBound`). Each grouping gets a proven lower bound on its optimum: the
-   least :func:`~resihp_lightning.solver.bounds.shape_lower_bound` over the shapes it allows, a
-   shape needing at least as many stages as the model takes on the largest device's memory.
+2. **Bounds** (:class:`GroupingBound`). Each grouping left to step 6 gets a proven lower bound on
+   its optimum: the least :func:`~resihp_lightning.solver.bounds.shape_lower_bound` over the
+   shapes it allows, a shape needing at least as many stages as the model takes on the largest
+   device's memory.
 3. **Incumbent.** ResiHP's rule and the fixed degree at the largest healthy degree are solved
    first (``_seeds``: few large groups, quick to plan and usually close to the best).
 4. **Relaxations** (with ``allow_exclude``). For each t', a fleet that every grouping of that t'
@@ -24,10 +25,17 @@ proven, in these steps:
    of its groupings) is asked once whether any plan on it beats the incumbent
    (:func:`~resihp_lightning.solver.exact.solve_exact` with the incumbent as ``cutoff``, stopping
    at the first faster plan). When none does, every grouping of that t' is closed.
-5. **Best first.** The other groupings are solved in increasing order of their bound, each with the
+5. **The joint proof** (with ``allow_exclude``, :data:`JOINT_PROOF`). Each healthy degree's
+   groupings are decided together by one replica knapsack
+   (:class:`~resihp_lightning.solver.tensor_joint.JointProof`, largest degree first): closed all at
+   once, or a witness (a mix of exact replica counts below the incumbent on some grouping) that
+   becomes the incumbent (``_witness_plan``; after :data:`WITNESS_PLANS` of them the named
+   grouping is solved too) and the question is asked again, or open (the groupings go on to step
+   6).
+6. **Best first.** The other groupings are solved in increasing order of their bound, each with the
    incumbent as ``cutoff`` (a grouping that cannot beat it is closed at once,
    :class:`~resihp_lightning.solver.exact.NoBetterPlan`), until a bound is not below the incumbent:
-   that one and all after it are pruned.
+   that one and all after it are pruned. Bounds are computed only for these groupings.
 
 With :data:`COUNT_PROOF` (off: measured slower), a grouping is first tried against the incumbent
 by the replica-count proof of :mod:`resihp_lightning.solver.tensor_bounds`.
@@ -527,8 +535,7 @@ class _Search:
 def solve_tensor(problem: TensorProblem, config: PlannerConfig | None = None) -> TensorPlan:
     """The best plan over every grouping of the space, proven (module docstring).
 
-    1. Every grouping (:func:`combinations`) gets its :class:`GroupingBound`; the seeds
-       (``_seeds``) are solved first: the incumbent.
+    1. The seeds (``_seeds``) are solved first: the incumbent.
     2. With ``allow_exclude`` and affected domains, each healthy degree's groupings are first
        tried all at once through a *relaxation*: the healthy groups plus, per affected domain, the
        :func:`envelope` of its groupings, a fleet every grouping of that degree fits into device by
@@ -537,7 +544,10 @@ def solve_tensor(problem: TensorProblem, config: PlannerConfig | None = None) ->
        that degree beats the incumbent (all its groupings are closed) or does not (they are
        solved one by one). Without ``allow_exclude`` the devices a relaxation adds would have to
        be used, so there is none.
-    3. The groupings left are solved in increasing order of their bound, each with the incumbent
+    3. With ``allow_exclude``, each healthy degree's groupings are then decided together by the
+       joint proof (module docstring, step 5): closed at once, or a witness that becomes the
+       incumbent and the question asked again.
+    4. The groupings left are solved in increasing order of their bound, each with the incumbent
        as ``cutoff``, until a bound is not below the incumbent.
 
     Args:
@@ -602,13 +612,17 @@ def solve_tensor(problem: TensorProblem, config: PlannerConfig | None = None) ->
         key = device_key(problem.group_device(g) for g in groups)
         if key not in solved:
             settle(groups, key, search.bounder.bound(key, replicas=True))
-    closed_degrees = _closed_degrees(problem, search) if search.best_plan is not None else None
-    if problem.problem.allow_exclude:
-        left = [c for c in distinct if closed_degrees is None or c.healthy_degree not in closed_degrees]
-        if JOINT_PROOF and search.best_plan is not None:
-            in_time = (lambda: time.perf_counter() < deadline) if milp else (lambda: first_solves > 0)
-            left = _joint_phase(search, joint, left, solved, settle, in_time)
-        ranked = rank(c for c in left if c.key not in solved)
+    if problem.problem.allow_exclude and JOINT_PROOF and search.best_plan is not None:
+        # The joint proof first; the relaxations only for the degrees it leaves open.
+        in_time = (lambda: time.perf_counter() < deadline) if milp else (lambda: first_solves > 0)
+        left = _joint_phase(search, joint, distinct, solved, settle, in_time)
+        closed_degrees = _closed_degrees(problem, search, {c.healthy_degree for c in left}) if left else set()
+        ranked = rank(c for c in left if c.key not in solved and c.healthy_degree not in closed_degrees)
+    else:
+        closed_degrees = _closed_degrees(problem, search) if search.best_plan is not None else None
+        if problem.problem.allow_exclude:
+            left = [c for c in distinct if closed_degrees is None or c.healthy_degree not in closed_degrees]
+            ranked = rank(c for c in left if c.key not in solved)
     for bound, key, combination in ranked:
         if bound >= search.best_value * (1 - 1e-12) or math.isinf(bound):
             break  # sorted: every later bound is at least as high
@@ -755,8 +769,9 @@ def _seeds(problem: TensorProblem, ranked: list) -> list[tuple[TensorGroup, ...]
     return [min(own, key=lambda row: (len(row[1]), row[0]))[2].groups]
 
 
-def _closed_degrees(problem: TensorProblem, search: _Search) -> set[int | None]:
-    """The healthy degrees whose relaxation cannot beat the incumbent (step 2 of :func:`solve_tensor`)."""
+def _closed_degrees(problem: TensorProblem, search: _Search, degrees: set | None = None) -> set[int | None]:
+    """The healthy degrees (of ``degrees``, default all) whose relaxation cannot beat the incumbent
+    (step 2 of :func:`solve_tensor`)."""
     if not problem.problem.allow_exclude:
         return set()
     domains = range(len(problem.domains))
@@ -770,6 +785,8 @@ def _closed_degrees(problem: TensorProblem, search: _Search) -> set[int | None]:
         relaxed_domains += envelope(keys)
     closed = set()
     for degree in (list(problem.healthy_degrees()) if healthy else [None]):
+        if degrees is not None and degree not in degrees:
+            continue
         base = tuple(g for d in healthy for g in healthy_groups(problem, d, degree)) if degree else ()
         fleet = tuple(sorted(device_key(problem.group_device(g) for g in base) + relaxed_domains))
         bound = search.bounder.bound(fleet, replicas=True)

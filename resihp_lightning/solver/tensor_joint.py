@@ -495,30 +495,43 @@ class JointProof:
         starts = np.flatnonzero(np.r_[True, dst[1:] != dst[:-1]]) if dst.size else np.zeros(0, dtype=np.int64)
         targets = dst[starts]
         rmax = min(d_high, int(sizes.max()))
+        levels = _Levels(sizes, src, owner, dst) if free_value >= 1 else None
         while True:
-            best = _table(len(states), rmax, src, owner, starts, targets, values)
-            top = None
-            for d in shapes:
-                valid = d * p - sizes <= most_free
-                for r in range(0, min(d, rmax) + 1):
-                    rest = d - r
-                    if rest > 0 and free_value < 1:
-                        continue
-                    row = np.where(valid, best[r], -1)
-                    s = int(np.argmax(row))
-                    if row[s] < 0:
-                        continue
-                    total = int(row[s]) + rest * free_value
-                    if total >= m and (top is None or total > top[0]):
-                        top = (total, r, s, d)
-            if top is None:
-                return None
-            _, r, s, d = top
+            if levels is not None:
+                # Pure replicas can fill in: one pass over the states by size (module docstring).
+                found = levels.best_mix(values, free_value, shapes, p, most_free, m)
+                if found is not None and len(found[2]) > found[1]:
+                    levels = None  # more items than replicas: the layered programme decides
+                    continue
+                if found is None:
+                    return None
+                s, d, chosen = found
+            else:
+                best = _table(len(states), rmax, src, owner, starts, targets, values)
+                top = None
+                for d in shapes:
+                    valid = d * p - sizes <= most_free
+                    for r in range(0, min(d, rmax) + 1):
+                        rest = d - r
+                        if rest > 0 and free_value < 1:
+                            continue
+                        row = np.where(valid, best[r], -1)
+                        s = int(np.argmax(row))
+                        if row[s] < 0:
+                            continue
+                        total = int(row[s]) + rest * free_value
+                        if total >= m and (top is None or total > top[0]):
+                            top = (total, r, s, d)
+                if top is None:
+                    return None
+                _, r, s, d = top
+                chosen = None
             if not cheap:
                 values[items] = self._cheap_all(p, vectors[items], odd, free, limit, values[items])
                 cheap = True
                 continue
-            chosen = _backtrack(best, r, s, src, owner, starts, targets, values)
+            if chosen is None:
+                chosen = _backtrack(best, r, s, src, owner, starts, targets, values)
             pending = [i for i in chosen if not exact[i]]
             if not pending:
                 compositions = [self._composition(p, states[i], odd, free) for i in chosen] + [[free] * p]
@@ -531,7 +544,8 @@ class JointProof:
 
     def _all_moves(self, states, vectors: np.ndarray, sizes: np.ndarray):
         """Every move (source state u, item o, destination u + o), both u and o states and o not
-        zero, ordered by destination: ``(src, owner, dst)``, ``owner`` the item's state index.
+        zero, ordered by the destination's size, then the destination: ``(src, owner, dst)``,
+        ``owner`` the item's state index.
 
         The states are closed downwards, so the moves into w are its nonzero sub-vectors o (and
         u = w - o); they are generated for every w at once, one kind at a time.
@@ -553,8 +567,8 @@ class JointProof:
         codes = vectors @ radix
         position = np.full(span, -1, dtype=np.int64)
         position[codes] = np.arange(n_states)
-        # Every (destination w, item o <= w): o grows one kind at a time, t = 0..w_j of kind j.
-        # w stays in state order, so the moves come ordered by destination.
+        # Every (destination w, item o <= w): o grows one kind at a time, t = 0..w_j of kind j
+        # (w stays in state order).
         dst = np.arange(n_states)
         item = np.zeros(n_states, dtype=np.int64)
         for j in range(n_odd):
@@ -568,6 +582,8 @@ class JointProof:
         dst, item = dst[real], item[real]
         owner = position[item]  # o <= w and the states are closed downwards: o and w - o are states
         src = position[codes[dst] - item]
+        order = np.argsort(sizes[dst], kind="stable")  # by the destination's size, then the destination
+        src, owner, dst = src[order], owner[order], dst[order]
         if len(self._moves) > 8:
             self._moves.clear()
         self._moves[key] = (src, owner, dst)
@@ -605,6 +621,66 @@ def _holders(u: tuple[int, ...], avails, frees, free_used: int) -> tuple[int, ..
                  if free >= free_used and all(a >= x for a, x in zip(avail, u)))
 
 
+class _Levels:
+    """The knapsack without counting its items, when pure free replicas can fill in (v_free >= 1).
+
+    D replicas, r of them items, run ``D v_free - sum_i (v_free - v_i)``: the most for a state is
+    the least *loss* of items adding up to it, and the number of items drops out. Every item adds
+    at least one odd device, so the least losses follow the states in order of size, one
+    vectorised pass per size over the moves into it. A mix with more items than D replicas is not
+    a plan, so this is a relaxation: a state it cannot raise to M is closed, and a mix it finds
+    with r <= D is a real one (the caller falls back to the layered programme otherwise).
+    """
+
+    def __init__(self, sizes: np.ndarray, src: np.ndarray, owner: np.ndarray, dst: np.ndarray) -> None:
+        self.sizes = sizes
+        self.src, self.owner, self.dst = src, owner, dst  # ordered by the destination's size, then it
+        self.size_of = sizes[self.dst]
+        self.bounds = np.searchsorted(self.size_of, np.arange(int(sizes.max()) + 2))
+
+    def best_mix(self, values: np.ndarray, free_value: int, shapes: Sequence[int], p: int, most_free: np.ndarray,
+                 m: int) -> tuple[int, int, list[int]] | None:
+        """(state, D, items) of the best mix reaching M, or None when none does (a proof)."""
+        big = np.iinfo(np.int64).max // 4
+        loss = np.where(values >= 1, free_value - values, big)
+        least = np.full(self.sizes.size, big, dtype=np.int64)
+        least[0] = 0
+        for size in range(1, len(self.bounds) - 1):
+            lo, hi = int(self.bounds[size]), int(self.bounds[size + 1])
+            if lo == hi:
+                continue
+            cand = np.minimum(least[self.src[lo:hi]] + loss[self.owner[lo:hi]], big)
+            dst = self.dst[lo:hi]
+            heads = np.flatnonzero(np.r_[True, dst[1:] != dst[:-1]])
+            least[dst[heads]] = np.minimum.reduceat(cand, heads)
+        top = None
+        for d in shapes:
+            valid = (d * p - self.sizes <= most_free) & (least < big)
+            if not valid.any():
+                continue
+            totals = np.where(valid, d * free_value - least, -1)
+            s = int(np.argmax(totals))
+            if totals[s] >= m and (top is None or totals[s] > top[0]):
+                top = (int(totals[s]), s, d)
+        if top is None:
+            return None
+        _, s, d = top
+        chosen = []
+        at = s
+        while at != 0:
+            lo, hi = int(self.bounds[self.sizes[at]]), int(self.bounds[self.sizes[at] + 1])
+            moves = np.flatnonzero(self.dst[lo:hi] == at) + lo
+            for move in moves:
+                prev, item = int(self.src[move]), int(self.owner[move])
+                if loss[item] < big and least[prev] + loss[item] == least[at]:
+                    break
+            else:  # pragma: no cover - the table was built from these moves
+                raise AssertionError("joint knapsack backtrack found no move")
+            chosen.append(item)
+            at = prev
+        return s, d, chosen
+
+
 def _table(n_states: int, rmax: int, src, owner, starts, targets, gain) -> np.ndarray:
     """``best[r][s]``: the most micro-batches of r items whose odd parts add up to state s (-1: none)."""
     best = np.full((rmax + 1, n_states), -1, dtype=np.int64)
@@ -624,7 +700,7 @@ def _backtrack(best, r, s, src, owner, starts, targets, gain) -> list[int]:
     """The items (indices into the item list) of a mix that gives ``best[r][s]``."""
     chosen = []
     while r > 0:
-        k = int(np.searchsorted(targets, s))
+        k = int(np.flatnonzero(targets == s)[0])
         lo = int(starts[k])
         hi = int(starts[k + 1]) if k + 1 < len(starts) else src.size
         for move in range(lo, hi):

@@ -23,7 +23,7 @@ from resihp_lightning.plan import Device, Layer, Problem
 from resihp_lightning.solver import solve
 from resihp_lightning.solver import tensor_search
 from resihp_lightning.solver.tensor_bounds import DominantKindBound
-from resihp_lightning.solver.tensor_joint import JointProof, _closure
+from resihp_lightning.solver.tensor_joint import JointProof, _closure, _Levels, _table
 from resihp_lightning.solver.tensor_search import GroupingBound, combinations
 from resihp_lightning.tensor_plan import TensorCost, TensorProblem, evaluate_tensor_plan, validate_tensor_plan
 
@@ -150,10 +150,42 @@ def test_the_moves_are_every_pair_of_states_that_adds_up_to_a_state():
         index = {u: i for i, u in enumerate(states)}
         problem = Problem([Layer(1.0, 1.0, 1.0)], [Device(0, 1.0, 10.0)], 1)
         proof = JointProof(problem, GroupingBound(problem), DominantKindBound(problem))
-        src, owner, dst = proof._all_moves(states, vectors, vectors.sum(axis=1))
-        assert list(dst) == sorted(dst)
+        sizes = vectors.sum(axis=1)
+        src, owner, dst = proof._all_moves(states, vectors, sizes)
+        assert [(sizes[w], w) for w in dst] == sorted((sizes[w], w) for w in dst)
         found = set(zip(src.tolist(), owner.tolist(), dst.tolist()))
         expected = {(index[u], index[o], index[tuple(a + b for a, b in zip(u, o))])
                     for u in states for o in states
                     if any(o) and tuple(a + b for a, b in zip(u, o)) in index}
         assert found == expected
+
+
+def test_the_knapsack_without_item_counts_is_a_relaxation_and_exact_with_enough_replicas():
+    rng = random.Random(61)
+    for _ in range(40):
+        width = rng.randint(1, 3)
+        avails = [tuple(rng.randint(0, 3) for _ in range(width)) for _ in range(rng.randint(1, 3))]
+        states, _ = _closure(avails, [0] * len(avails))
+        vectors = np.asarray(states, dtype=np.int64).reshape(len(states), width)
+        sizes = vectors.sum(axis=1)
+        problem = Problem([Layer(1.0, 1.0, 1.0)], [Device(0, 1.0, 10.0)], 1)
+        proof = JointProof(problem, GroupingBound(problem), DominantKindBound(problem))
+        src, owner, dst = proof._all_moves(states, vectors, sizes)
+        values = np.asarray([0] + [rng.randint(0, 9) for _ in states[1:]], dtype=np.int64)
+        free_value, p = rng.randint(1, 9), 3
+        most_free = np.full(len(states), rng.randint(0, 12), dtype=np.int64)
+        levels = _Levels(sizes, src, owner, dst)
+        starts = np.flatnonzero(np.r_[True, dst[1:] != dst[:-1]]) if dst.size else np.zeros(0, dtype=np.int64)
+        for d in range(1, 6):
+            rmax = min(d, int(sizes.max()))
+            best = _table(len(states), rmax, src, owner, starts, dst[starts], values)
+            layered = max((int(best[r, s]) + (d - r) * free_value for r in range(rmax + 1) for s in range(len(states))
+                           if best[r, s] >= 0 and d * p - sizes[s] <= most_free[s]), default=-1)
+            # The most a mix reaches is found by asking for M = that most (and nothing above it).
+            found = levels.best_mix(values, free_value, [d], p, most_free, max(layered, 0))
+            above = levels.best_mix(values, free_value, [d], p, most_free, layered + 1)
+            if layered >= 0:  # a relaxation: at least what the layered programme finds
+                assert found is not None
+            if d >= int(sizes.max()):  # never more items than replicas: exact
+                assert above is None
+                assert (found is None) == (layered < 0)

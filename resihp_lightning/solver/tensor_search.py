@@ -61,7 +61,8 @@ from resihp_lightning.errors import InfeasibleError, PlanError
 from resihp_lightning.plan import Device, Plan, Problem, Replica, evaluate, link_slowdown
 from resihp_lightning.solver.bounds import Fleet, fleet_bound
 from resihp_lightning.solver.exact import NoBetterPlan, relative_gap, solve_exact
-from resihp_lightning.solver.exact_model import Model
+from resihp_lightning.solver.exact_model import Best, Model, build_plan
+from resihp_lightning.solver.heuristic import heuristic_search
 from resihp_lightning.solver.microbatch_split import split
 from resihp_lightning.solver.tensor_bounds import DominantKindBound
 from resihp_lightning.solver.tensor_joint import JointProof
@@ -608,14 +609,36 @@ def solve_tensor(problem: TensorProblem, config: PlannerConfig | None = None) ->
         if left_open is not None:
             pending.append((left_open, key, groups))
 
-    for groups in _seeds(problem, ranked):
-        key = device_key(problem.group_device(g) for g in groups)
-        if key not in solved:
-            settle(groups, key, search.bounder.bound(key, replicas=True))
-    if problem.problem.allow_exclude and JOINT_PROOF and search.best_plan is not None:
-        # The joint proof first; the relaxations only for the degrees it leaves open.
+    seeds = _seeds(problem, ranked)
+    joint_first = problem.problem.allow_exclude and JOINT_PROOF
+    if joint_first:
+        # The seeds' heuristic plans are the first incumbent; they are solved only when the joint
+        # proof leaves something open (a proven optimum is never worse than them).
+        seen: set[tuple] = set()
+        for groups in seeds:
+            key = device_key(problem.group_device(g) for g in groups)
+            if key in seen:
+                continue
+            seen.add(key)
+            plan = _heuristic_plan(problem, groups)
+            if plan is not None and plan.iteration_ms < search.best_value:
+                search.best_plan, search.best_groups, search.best_value = plan, groups, plan.iteration_ms
+    if not joint_first or search.best_plan is None:
+        joint_first = False
+        for groups in seeds:
+            key = device_key(problem.group_device(g) for g in groups)
+            if key not in solved:
+                settle(groups, key, search.bounder.bound(key, replicas=True))
+    if joint_first:
+        # The joint proof first; the seeds' solves and the relaxations only where it leaves
+        # groupings open.
         in_time = (lambda: time.perf_counter() < deadline) if milp else (lambda: first_solves > 0)
         left = _joint_phase(search, joint, distinct, solved, settle, in_time)
+        if left:
+            for groups in seeds:
+                key = device_key(problem.group_device(g) for g in groups)
+                if key not in solved:
+                    settle(groups, key, search.bounder.bound(key, replicas=True))
         closed_degrees = _closed_degrees(problem, search, {c.healthy_degree for c in left}) if left else set()
         ranked = rank(c for c in left if c.key not in solved and c.healthy_degree not in closed_degrees)
     else:
@@ -706,6 +729,20 @@ def _joint_phase(search: _Search, joint: JointProof, rows: list[Combination], so
             settle(chosen.groups, chosen.key, search.bounder.bound(chosen.key, replicas=True))
         left.extend(c for c in members if c.key not in solved)
     return left
+
+
+def _heuristic_plan(problem: TensorProblem, groups: tuple[TensorGroup, ...]) -> Plan | None:
+    """The exact planner's heuristic phase alone on these groups (``None``: it found nothing)."""
+    if not groups:
+        return None
+    group_problem = problem.group_problem(groups)
+    model = Model(group_problem)
+    best = Best()
+    heuristic_search(model, best)
+    if math.isinf(best.value):
+        return None
+    plan = build_plan(model, best.grid, best.bounds, best.counts)
+    return plan.with_result(iteration_ms=evaluate(group_problem, plan).iteration_ms, status="feasible", solver="exact")
 
 
 def _witness_plan(problem: TensorProblem, groups: tuple[TensorGroup, ...], replicas) -> Plan | None:

@@ -686,13 +686,14 @@ def solve_tensor(problem: TensorProblem, config: PlannerConfig | None = None) ->
 
 def _joint_phase(search: _Search, joint: JointProof, rows: list[Combination], solved: set[tuple], settle,
                  in_time) -> list[Combination]:
-    """The groupings the joint proof leaves to be solved one by one (step 4 of :func:`solve_tensor`).
+    """The groupings the joint proof leaves to be solved one by one (step 5 of the module docstring).
 
     Per healthy degree, :meth:`~resihp_lightning.solver.tensor_joint.JointProof.decide` is asked
-    whether any grouping not yet solved beats the incumbent: ``"closed"`` settles them all; a
-    witness names groupings that do, the one with the fewest devices is solved (a better
-    incumbent) and the question is asked again; ``"open"`` (or :data:`JOINT_ROUNDS` witnesses)
-    leaves the rest to the best-first loop.
+    whether any grouping beats the incumbent: ``"closed"`` settles them all; a witness's plan
+    becomes the incumbent (after :data:`WITNESS_PLANS` of them the grouping it names is solved
+    too) and the question is asked again; ``"open"`` (or :data:`JOINT_ROUNDS` witnesses) leaves
+    the rest to the best-first loop. Out of time (``in_time()`` false) a degree is still asked
+    once, like a bound, but no grouping is solved.
     """
     left: list[Combination] = []
     # The largest degree first: the seeds' own, where the incumbent usually improves.
@@ -701,8 +702,9 @@ def _joint_phase(search: _Search, joint: JointProof, rows: list[Combination], so
         # is the same), which keeps the knapsack's states, and their moves, the same every round.
         members = [c for c in rows if c.healthy_degree == degree]
         for round_ in range(JOINT_ROUNDS):
-            if not in_time():
-                break  # out of time (or work): the rest by their bounds
+            late = not in_time()
+            if late and round_ > 0:
+                break  # out of time (or work): one question per degree, then the rest by their bounds
             if all(c.key in solved for c in members):
                 members = []
                 break
@@ -723,7 +725,7 @@ def _joint_phase(search: _Search, joint: JointProof, rows: list[Combination], so
                     continue
             # Witnesses that keep coming improve the incumbent a little each: solve the grouping.
             named = [c for c in named if c.key not in solved]
-            if not named:
+            if not named or late:
                 break
             chosen = min(named, key=lambda c: (len(c.key), c.key))
             settle(chosen.groups, chosen.key, search.bounder.bound(chosen.key, replicas=True))

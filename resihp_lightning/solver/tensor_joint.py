@@ -10,7 +10,7 @@ grouping with per-replica partitions is D replicas, each a *composition* of devi
 at most its exact count of micro-batches within the limit
 (:func:`~resihp_lightning.solver.replica_search.max_micro_batches_mixed`, memory included), their
 counts adding up to M. A replica holding odd devices is an *item*: its odd part o (a vector of odd
-kinds, 1 <= |o| <= P) with P - |o| free devices; pure free replicas fill the rest. So a grouping
+kinds, ``1 <= |o| <= P``) with ``P - |o|`` free devices; pure free replicas fill the rest. So a grouping
 beats the limit at (P, D) exactly when some r <= D items, whose odd parts add up to a vector u
 within the grouping's odd devices, and D - r pure replicas, using ``D P - |u|`` free devices at
 most the grouping's, run M micro-batches. Over a *set* of groupings the only change is the last
@@ -19,9 +19,9 @@ knapsack are therefore the union of the groupings' downward-closed odd vectors (
 grouping holds a handful of odd devices), and one dynamic programme over (items taken, state)
 answers for every grouping at once.
 
-Values start as cheap upper bounds (:meth:`JointProof._cheap`: the least stage-time sum and
+Values start as cheap upper bounds (``JointProof._cheap``: the least stage-time sum and
 slowest stage that the layers' compute and the devices' memory allow, as the decomposition's
-bounds do; :meth:`JointProof._cheap_all` for every item at once) and are made exact lazily, only
+bounds do; ``JointProof._cheap_all`` for every item at once) and are made exact lazily, only
 for the items of a mix that reaches M, until either no mix reaches M (the shape is closed for
 every grouping of the set) or a mix of exact values does: a *witness*, the groupings whose devices
 hold it each have a plan faster than the cutoff, and :attr:`Verdict.replicas` is that plan (each
@@ -29,6 +29,11 @@ count keeps its stage order and bounds). Exact counts are kept by
 :class:`~resihp_lightning.solver.tensor_bounds.DominantKindBound` (per composition of kinds and
 limit), so later questions at the same cutoff reuse them; a count that ran out of work is only its
 ceiling, an upper bound that may close but never makes a witness (``"open"`` instead).
+
+When pure free replicas run at least one micro-batch, the knapsack does not count its items
+(``_Levels``): D replicas of which r are items run ``D v_free - sum (v_free - v_o)``, so a
+state's best is its least total *loss*, computed in one pass per state size; a mix it finds with
+more items than replicas is not a plan, and the programme over (items, state) decides that shape.
 
 Before the knapsack, a *coarse count* closes most shapes: every odd device fits into E, the
 largest speed, memory and link among the odd kinds, so a replica with k odd devices runs at most

@@ -19,7 +19,9 @@ proven, in these steps:
    shapes it allows, a shape needing at least as many stages as the model takes on the largest
    device's memory.
 3. **Incumbent.** ResiHP's rule and the fixed degree at the largest healthy degree are solved
-   first (``_seeds``: few large groups, quick to plan and usually close to the best).
+   first (``_seeds``: few large groups, quick to plan and usually close to the best). With the
+   joint proof (step 5) only their heuristic plans (``_heuristic_plan``) are the first incumbent,
+   and they are solved only when it leaves groupings open.
 4. **Relaxations** (with ``allow_exclude``). For each t', a fleet that every grouping of that t'
    fits into device by device (the healthy groups and, per affected domain, the :func:`envelope`
    of its groupings) is asked once whether any plan on it beats the incumbent
@@ -536,7 +538,8 @@ class _Search:
 def solve_tensor(problem: TensorProblem, config: PlannerConfig | None = None) -> TensorPlan:
     """The best plan over every grouping of the space, proven (module docstring).
 
-    1. The seeds (``_seeds``) are solved first: the incumbent.
+    1. The seeds (``_seeds``) are the first incumbent (solved, or with the joint proof planned by
+       the heuristic phase and solved only when it leaves groupings open).
     2. With ``allow_exclude`` and affected domains, each healthy degree's groupings are first
        tried all at once through a *relaxation*: the healthy groups plus, per affected domain, the
        :func:`envelope` of its groupings, a fleet every grouping of that degree fits into device by

@@ -45,9 +45,11 @@ union fleet (every device any grouping of the set may hold, at its largest count
 every grouping's plans are plans of the union fleet, so its bounds hold for all of them.
 
 Exclusion is required (without it a grouping's devices must all be used, which the union fleet's
-bounds do not see; :meth:`JointProof.decide` answers ``"open"``). With per-replica partitions
-and healthy links the counts are exact and a witness is a real plan. With shared partitions
-(a restriction of per-replica ones) or slow links (the all-reduce priced at its least,
+bounds do not see), and per-replica partitions: shared ones are a restriction of them, so the
+proof would hold, but their optima lie above the per-replica ones the counts describe (256 GPUs,
+2-4 slow GPUs: 3.5-4% above), so it would never close and every witness would need a solve.
+Otherwise :meth:`JointProof.decide` answers ``"open"``. With healthy links the counts are exact
+and a witness is a real plan. With slow links (the all-reduce priced at its least,
 ``allreduce_ms``, and transfers by the counts' own arrangement) the proof is a relaxation: a
 ``"closed"`` still holds, a witness may not (the caller prices its plan, and solves the grouping
 when it is not better).
@@ -131,13 +133,14 @@ class JointProof:
 
     # ------------------------------------------------------------------------------- entry
     @staticmethod
-    def applies(problem: Problem, fleets: Sequence[Sequence[Kind]]) -> bool:
-        """Whether the proof covers this problem and these groupings (module docstring)."""
-        return problem.allow_exclude
+    def applies(problem: Problem) -> bool:
+        """Whether the proof is asked for this problem (module docstring): exclusion, and replicas
+        partitioned each their own way."""
+        return problem.allow_exclude and not problem.shared_partition
 
     def decide(self, fleets: Sequence[Sequence[Kind]], cutoff: float) -> Verdict:
         """Whether any of these groupings (each the multiset of its group devices) has a plan faster than ``cutoff``."""
-        if not fleets or not self.applies(self.problem, fleets):
+        if not fleets or not self.applies(self.problem):
             return Verdict("open")
         try:
             return self._decide(fleets, cutoff)

@@ -27,7 +27,7 @@ proven, in these steps:
    of its groupings) is asked once whether any plan on it beats the incumbent
    (:func:`~resihp_lightning.solver.exact.solve_exact` with the incumbent as ``cutoff``, stopping
    at the first faster plan). When none does, every grouping of that t' is closed.
-5. **The joint proof** (with ``allow_exclude``, :data:`JOINT_PROOF`). Each healthy degree's
+5. **The joint proof** (with ``allow_exclude`` and per-replica partitions, :data:`JOINT_PROOF`). Each healthy degree's
    groupings are decided together by one replica knapsack
    (:class:`~resihp_lightning.solver.tensor_joint.JointProof`, largest degree first): closed all at
    once, or a witness (a mix of exact replica counts below the incumbent on some grouping) that
@@ -613,7 +613,7 @@ def solve_tensor(problem: TensorProblem, config: PlannerConfig | None = None) ->
             pending.append((left_open, key, groups))
 
     seeds = _seeds(problem, ranked)
-    joint_first = problem.problem.allow_exclude and JOINT_PROOF
+    joint_first = JOINT_PROOF and JointProof.applies(problem.problem)
     if joint_first:
         # The seeds' heuristic plans are the first incumbent; they are solved only when the joint
         # proof leaves something open (a proven optimum is never worse than them).

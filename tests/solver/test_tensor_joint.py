@@ -3,7 +3,7 @@
 A proof that ever closes a set of groupings one of which beats the cutoff is a bug. On random small
 TP problems every healthy degree's groupings are each planned by the exact backend; the proof must
 never close a cutoff just above their best, its witnesses must name groupings that do beat the
-cutoff (per-replica partitions and healthy links: the counts are exact there), and it must close
+cutoff (healthy links: the counts are exact there), and it must close
 some sets at their optimum (it proves something). Its vectorised cheap bound must equal the scalar
 one and never fall below an exact replica count, its knapsack moves must be every pair of states
 adding up to a state, and the search with it finds the same optimum as without it, with a valid plan.
@@ -33,8 +33,8 @@ EXACT = PlannerConfig(solver="exact")
 def _random_tp(rng: random.Random, *, exact_counts: bool) -> TensorProblem:
     """3-4 domains of 4 GPUs, 1-3 of them slow or dead: identical healthy groups and a few odd ones.
 
-    ``exact_counts``: per-replica partitions and healthy links (where a witness is a real plan);
-    else shared partitions and slow links too (where the proof is a relaxation).
+    ``exact_counts``: healthy links (where a witness is a real plan); else slow links too (where
+    the proof is a relaxation). Partitions are per replica (the proof is not asked for shared ones).
     """
     domains = tuple(tuple(range(4 * i, 4 * i + 4)) for i in range(rng.randint(3, 4)))
     affected = rng.sample(range(4 * len(domains)), rng.randint(1, 3))
@@ -48,8 +48,7 @@ def _random_tp(rng: random.Random, *, exact_counts: bool) -> TensorProblem:
     layers = [Layer(rng.choice([2.0, 3.0]), rng.choice([10.0, 20.0]), rng.choice([1.0, 3.0]))
               for _ in range(rng.randint(4, 8))]
     problem = Problem(layers, gpus, rng.randint(4, 12), p2p_ms=rng.choice([0.0, 0.3]),
-                      allreduce_ms=rng.choice([0.0, 2.0]), allow_exclude=True,
-                      shared_partition=not exact_counts and rng.random() < 0.5)
+                      allreduce_ms=rng.choice([0.0, 2.0]), allow_exclude=True, shared_partition=False)
     return TensorProblem(problem, domains, TensorCost((1, 2, 4), {2: 0.02, 4: 0.05}))
 
 

@@ -174,7 +174,7 @@ class JointProof:
                 (single if d == 1 else many).add(p)
         for p in sorted(single | many):
             if p in single:  # D = 1: one replica runs all M
-                found = self._single(p, states, most_free, odd, free, cutoff - tolerance)
+                found = self._single(p, states, vectors, sizes, most_free, odd, free, cutoff - tolerance)
                 if found is not None:
                     free_used = p - int(sizes[found])
                     mix = self._mix({self._key(p, states[found], odd, free): 1}, cutoff - tolerance)
@@ -398,15 +398,16 @@ class JointProof:
     def _composition(self, p: int, u: tuple[int, ...], odd: list[Kind], free: Kind) -> list[Kind]:
         return [free] * (p - sum(u)) + [k for j, k in enumerate(odd) for _ in range(u[j])]
 
-    def _single(self, p: int, states, most_free, odd, free, limit: float) -> int | None:
+    def _single(self, p: int, states, vectors, sizes, most_free, odd, free, limit: float) -> int | None:
         """D = 1: a state (the odd part of one replica) whose exact count reaches M, or None."""
         m = self.problem.micro_batches
-        for i, u in enumerate(states):
-            size = sum(u)
-            if size > p or most_free[i] < p - size:
+        items = np.flatnonzero((sizes <= p) & (most_free >= p - sizes))
+        cheap = self._cheap_all(p, vectors[items], odd, free, limit)
+        for i, value in zip(items.tolist(), cheap.tolist()):
+            if value < m:
                 continue
-            composition = self._composition(p, u, odd, free)
-            if self._cheap(composition, limit) >= m and self._exact(composition, limit) >= m:
+            composition = self._composition(p, states[i], odd, free)
+            if self._exact(composition, limit, value) >= m:
                 if not self._proven(composition, limit):
                     raise _Undecided  # a witness only the ceiling of an unfinished count gives
                 return i

@@ -12,7 +12,6 @@ adding up to a state, and the search with it finds the same optimum as without i
 from __future__ import annotations
 
 import random
-from collections import Counter
 
 import numpy as np
 import pytest

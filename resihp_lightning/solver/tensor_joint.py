@@ -129,6 +129,7 @@ class JointProof:
         self._cheap_memo: dict[tuple, int] = {}
         self._unproven: set[tuple] = set()  # exact counts that ran out of work: upper bounds only
         self._moves: dict[tuple, tuple] = {}
+        self._closures: dict[tuple, tuple] = {}
         self.counted = 0  #: exact counts asked for by the last decision
 
     # ------------------------------------------------------------------------------- entry
@@ -156,7 +157,12 @@ class JointProof:
         odd = [k for k in kinds if k != free]
         avails = [tuple(c.get(k, 0) for k in odd) for c in counters]
         frees = [c.get(free, 0) for c in counters]
-        states, most_free = _closure(avails, frees)
+        key = (tuple(avails), tuple(frees))
+        if key not in self._closures:
+            if len(self._closures) > 8:
+                self._closures.clear()
+            self._closures[key] = _closure(avails, frees)
+        states, most_free = self._closures[key]
         vectors = np.asarray(states, dtype=np.int64).reshape(len(states), len(odd))
         sizes = vectors.sum(axis=1)
         union = [free] * max(frees) + [k for j, k in enumerate(odd) for _ in range(max(a[j] for a in avails))]
@@ -435,8 +441,9 @@ class JointProof:
         # replicas run the most) while some D is open, for shallow pipelines only: deeper ones
         # need many odd devices per replica, so nearly every v_k, and the finer knapsack of
         # :meth:`_many` closes them on cheap values. An exact v_j also caps every later v_k.
-        compositions = [[free] * (p - k) + [envelope] * k for k in range(0, min(p, n_odd) + 1)]
-        values = [self._cheap(c, limit) for c in compositions]
+        top = min(p, n_odd)
+        compositions = [[free] * (p - k) + [envelope] * k for k in range(0, top + 1)]
+        values = self._cheap_all(p, np.arange(top + 1, dtype=np.int64)[:, None], [envelope], free, limit).tolist()
         exact_up_to = COARSE_EXACT if monotone else 0
         for j, composition in enumerate(compositions):
             shapes = self._coarse_reach(p, shapes, n_odd, n_free, values)

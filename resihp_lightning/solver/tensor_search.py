@@ -20,20 +20,21 @@ proven, in these steps:
    device's memory.
 3. **Incumbent.** ResiHP's rule and the fixed degree at the largest healthy degree are solved
    first (``_seeds``: few large groups, quick to plan and usually close to the best). With the
-   joint proof (step 5) only their heuristic plans (``_heuristic_plan``) are the first incumbent,
+   joint proof (step 4) only their heuristic plans (``_heuristic_plan``) are the first incumbent,
    and they are solved only when it leaves groupings open.
-4. **Relaxations** (with ``allow_exclude``). For each t', a fleet that every grouping of that t'
-   fits into device by device (the healthy groups and, per affected domain, the :func:`envelope`
-   of its groupings) is asked once whether any plan on it beats the incumbent
-   (:func:`~resihp_lightning.solver.exact.solve_exact` with the incumbent as ``cutoff``, stopping
-   at the first faster plan). When none does, every grouping of that t' is closed.
-5. **The joint proof** (with ``allow_exclude`` and per-replica partitions, :data:`JOINT_PROOF`). Each healthy degree's
-   groupings are decided together by one replica knapsack
+4. **The joint proof** (with ``allow_exclude`` and per-replica partitions, :data:`JOINT_PROOF`).
+   Each healthy degree's groupings are decided together by one replica knapsack
    (:class:`~resihp_lightning.solver.tensor_joint.JointProof`, largest degree first): closed all at
    once, or a witness (a mix of exact replica counts below the incumbent on some grouping) that
    becomes the incumbent (``_witness_plan``; after :data:`WITNESS_PLANS` of them the named
-   grouping is solved too) and the question is asked again, or open (the groupings go on to step
-   6).
+   grouping is solved too) and the question is asked again, or open (the groupings go on to
+   steps 5 and 6).
+5. **Relaxations** (with ``allow_exclude``: the degrees step 4 leaves open, or all without it).
+   For each t', a fleet that every grouping of that t' fits into device by device (the healthy
+   groups and, per affected domain, the :func:`envelope` of its groupings) is asked once whether
+   any plan on it beats the incumbent (:func:`~resihp_lightning.solver.exact.solve_exact` with
+   the incumbent as ``cutoff``, stopping at the first faster plan). When none does, every
+   grouping of that t' is closed.
 6. **Best first.** The other groupings are solved in increasing order of their bound, each with the
    incumbent as ``cutoff`` (a grouping that cannot beat it is closed at once,
    :class:`~resihp_lightning.solver.exact.NoBetterPlan`), until a bound is not below the incumbent:
@@ -540,17 +541,17 @@ def solve_tensor(problem: TensorProblem, config: PlannerConfig | None = None) ->
 
     1. The seeds (``_seeds``) are the first incumbent (solved, or with the joint proof planned by
        the heuristic phase and solved only when it leaves groupings open).
-    2. With ``allow_exclude`` and affected domains, each healthy degree's groupings are first
-       tried all at once through a *relaxation*: the healthy groups plus, per affected domain, the
+    2. With ``allow_exclude`` and per-replica partitions, each healthy degree's groupings are
+       decided together by the joint proof (module docstring, step 4): closed at once, or a
+       witness that becomes the incumbent and the question asked again.
+    3. With ``allow_exclude`` and affected domains, each healthy degree still open is tried all at
+       once through a *relaxation*: the healthy groups plus, per affected domain, the
        :func:`envelope` of its groupings, a fleet every grouping of that degree fits into device by
        device (so none is faster than the relaxation's optimum). One exact solve with the
        incumbent as ``cutoff`` that stops at the first faster plan either proves that nothing of
        that degree beats the incumbent (all its groupings are closed) or does not (they are
        solved one by one). Without ``allow_exclude`` the devices a relaxation adds would have to
        be used, so there is none.
-    3. With ``allow_exclude``, each healthy degree's groupings are then decided together by the
-       joint proof (module docstring, step 5): closed at once, or a witness that becomes the
-       incumbent and the question asked again.
     4. The groupings left are solved in increasing order of their bound, each with the incumbent
        as ``cutoff``, until a bound is not below the incumbent.
 
@@ -689,7 +690,7 @@ def solve_tensor(problem: TensorProblem, config: PlannerConfig | None = None) ->
 
 def _joint_phase(search: _Search, joint: JointProof, rows: list[Combination], solved: set[tuple], settle,
                  in_time) -> list[Combination]:
-    """The groupings the joint proof leaves to be solved one by one (step 5 of the module docstring).
+    """The groupings the joint proof leaves to be solved one by one (step 4 of the module docstring).
 
     Per healthy degree, :meth:`~resihp_lightning.solver.tensor_joint.JointProof.decide` is asked
     whether any grouping beats the incumbent: ``"closed"`` settles them all; a witness's plan

@@ -601,11 +601,11 @@ def solve_tensor(problem: TensorProblem, config: PlannerConfig | None = None) ->
     solved: set[tuple] = set()
     pending: list[tuple[float, tuple, tuple[TensorGroup, ...]]] = []
 
-    def settle(groups: tuple[TensorGroup, ...], key: tuple, bound: float) -> None:
+    def settle(groups: tuple[TensorGroup, ...], key: tuple, bound: float, force: bool = False) -> None:
         nonlocal first_solves
         solved.add(key)
         spent = time.perf_counter() >= deadline if milp else first_solves <= 0
-        if spent and search.best_plan is not None:
+        if spent and search.best_plan is not None and not force:
             pending.append((bound, key, groups))  # out of time (or work): only its bound is known
             return
         first_solves -= 1
@@ -638,11 +638,11 @@ def solve_tensor(problem: TensorProblem, config: PlannerConfig | None = None) ->
         # groupings open.
         in_time = (lambda: time.perf_counter() < deadline) if milp else (lambda: first_solves > 0)
         left = _joint_phase(search, joint, distinct, solved, settle, in_time)
-        if left:
+        if left:  # the seeds are solved, out of time too: an unfinished search is never worse than them
             for groups in seeds:
                 key = device_key(problem.group_device(g) for g in groups)
                 if key not in solved:
-                    settle(groups, key, search.bounder.bound(key, replicas=True))
+                    settle(groups, key, search.bounder.bound(key, replicas=True), force=True)
         closed_degrees = _closed_degrees(problem, search, {c.healthy_degree for c in left}) if left else set()
         ranked = rank(c for c in left if c.key not in solved and c.healthy_degree not in closed_degrees)
     else:

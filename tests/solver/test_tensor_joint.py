@@ -22,7 +22,7 @@ from resihp_lightning.plan import Device, Layer, Problem
 from resihp_lightning.solver import solve
 from resihp_lightning.solver import tensor_search
 from resihp_lightning.solver.tensor_bounds import DominantKindBound
-from resihp_lightning.solver.tensor_joint import JointProof, _closure, _Levels, _table
+from resihp_lightning.solver.tensor_joint import JointProof, Verdict, _closure, _Levels, _table
 from resihp_lightning.solver.tensor_search import GroupingBound, combinations
 from resihp_lightning.tensor_plan import TensorCost, TensorProblem, evaluate_tensor_plan, validate_tensor_plan
 
@@ -187,3 +187,31 @@ def test_the_knapsack_without_item_counts_is_a_relaxation_and_exact_with_enough_
             if d >= int(sizes.max()):  # never more items than replicas: exact
                 assert above is None
                 assert (found is None) == (layered < 0)
+
+
+def test_out_of_time_the_search_is_still_never_worse_than_resihp_rule(monkeypatch):
+    """Past the time limit, when the joint proof leaves groupings open, the seeds (ResiHP's rule
+    first) are still solved: the plan is never worse than the rule's optimum. The proof is made to
+    answer "open" and the seeds' heuristic plans to look 10% slower than they are, so that only
+    the seeds' solves can reach the rule's optimum."""
+    heuristic = tensor_search._heuristic_plan
+
+    def slower(problem, groups):
+        plan = heuristic(problem, groups)
+        return None if plan is None else plan.with_result(iteration_ms=plan.iteration_ms * 1.1)
+
+    monkeypatch.setattr(tensor_search, "_heuristic_plan", slower)
+    monkeypatch.setattr(JointProof, "decide", lambda self, fleets, cutoff: Verdict("open"))
+    rng = random.Random(67)
+    checked = 0
+    while checked < 6:
+        tp = _random_tp(rng, exact_counts=True)
+        degree = max(tp.healthy_degrees())
+        try:
+            rule = tensor_search.resihp_rule(tp, degree, EXACT).iteration_ms
+        except InfeasibleError:
+            continue
+        hurried = tensor_search.solve_tensor(tp, PlannerConfig(time_limit_s=1e-6))
+        assert hurried.iteration_ms <= rule * (1 + 1e-9), tp.to_json()
+        validate_tensor_plan(tp, hurried)
+        checked += 1

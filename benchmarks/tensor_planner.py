@@ -9,12 +9,14 @@ Not a test (CI does not run it). Two tables, each printed as markdown:
 * the default: :func:`resihp_lightning.solver.tensor_search.solve_tensor` on 64 / 256 / 1024 GPUs in
   TP-4 domains (LLaMA2-70B per GPU, 8K tokens) with 1-4 slow or dead GPUs, against ResiHP's rule and
   the best fixed degree (:mod:`resihp_lightning.solver.tensor_search`). ``solve s`` is wall time,
-  ``cpu s`` the process's CPU time (what a shared, loaded machine distorts less).
+  ``cpu s`` the process's CPU time (what a shared, loaded machine distorts less), ``joint`` the
+  questions to the joint proof. Rows run in one process in order, so later rows find the solver's
+  memos (per layer list and M) warm; ``--only 256 --kinds slow --failures 3`` runs one row alone.
 
 Usage::
 
-    OMP_NUM_THREADS=1 python benchmarks/tensor_planner.py [--only 256] [--kinds slow,dead,mixed] [--shared]
-        [--count-proof]
+    OMP_NUM_THREADS=1 python benchmarks/tensor_planner.py [--only 256] [--kinds slow,dead,mixed] [--failures 1,2,3,4]
+        [--shared] [--count-proof]
     OMP_NUM_THREADS=1 python benchmarks/tensor_planner.py --deep
 """
 
@@ -115,6 +117,7 @@ def run_tp(gpus: int, failures: int, kind: str, shared: bool, config: PlannerCon
         "groupings": str(found.search.combinations),
         "solved": str(found.search.solved),
         "relaxations": str(found.search.relaxations),
+        "joint": str(found.search.joint_proofs),
         "solve s": f"{seconds:.2f}",
         "cpu s": f"{cpu:.2f}",
         "status": found.status,
@@ -140,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", type=int, default=None, help="only this GPU count (64, 256 or 1024)")
     parser.add_argument("--time-limit", type=float, default=10.0, help="seconds per search (default 10)")
     parser.add_argument("--kinds", default="slow,dead,mixed", help="failure kinds (default slow,dead,mixed)")
+    parser.add_argument("--failures", default="1,2,3,4", help="failure counts (default 1,2,3,4)")
     parser.add_argument("--shared", action="store_true", help="one stage partition for every replica")
     parser.add_argument("--count-proof", action="store_true",
                         help="turn on the replica-count proof (tensor_search.COUNT_PROOF) for a comparison")
@@ -157,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.only is not None and gpus != args.only:
             continue
         for kind in args.kinds.split(","):
-            for failures in (1, 2, 3, 4):
+            for failures in (int(f) for f in args.failures.split(",")):
                 rows.append(run_tp(gpus, failures, kind, args.shared, config))
                 print(" | ".join(rows[-1].values()), file=sys.stderr, flush=True)
     print(markdown(rows))

@@ -354,9 +354,11 @@ class SearchStats:
         combinations: groupings searched: one per multiset of group devices, a domain's dominated
             groupings left out (:func:`~resihp_lightning.solver.tensor_search.combinations`).
         solved: groupings handed to the planner.
-        pruned: groupings never solved: closed by a lower bound or by a relaxation's solve.
+        pruned: groupings never solved: closed by a lower bound, a relaxation's solve or the joint proof.
         unproven: groupings whose solve stopped without a proof.
         relaxations: solves of relaxations (a fleet standing for several groupings).
+        joint_proofs: questions to the joint proof over a healthy degree's groupings
+            (:class:`~resihp_lightning.solver.tensor_joint.JointProof`).
     """
 
     combinations: int = 0
@@ -364,6 +366,7 @@ class SearchStats:
     pruned: int = 0
     unproven: int = 0
     relaxations: int = 0
+    joint_proofs: int = 0
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,12 @@ from dataclasses import replace
 
 from resihp_lightning.plan import Device, Problem, link_slowdown
 from resihp_lightning.solver.exact_model import Model
-from resihp_lightning.solver.replica_search import BudgetExceeded, WitnessRejected, max_micro_batches_mixed
+from resihp_lightning.solver.replica_search import (
+    BudgetExceeded,
+    WitnessRejected,
+    max_micro_batches,
+    max_micro_batches_mixed,
+)
 
 #: Work units (about 5 us each) of one replica count; a count past it is taken as its ceiling (still
 #: an upper bound, so the proof stays valid, only weaker).
@@ -45,6 +50,9 @@ COUNT_BUDGET = 400_000
 #: Replica counts one :meth:`DominantKindBound.closes` may compute (those known from earlier
 #: questions are free): past them it gives up (no proof), and the caller solves the grouping.
 COUNTS_PER_PROOF = 40
+#: A composition with more distinct arrangements than this is not counted arrangement by arrangement
+#: when the one-pass count is rejected (rounding at the limit); its count stays its ceiling.
+MAX_ARRANGEMENTS = 720
 #: Shapes deeper than this are only tried with the coarse envelope (every odd slot of the t-th mixed
 #: replica as W_t: two kinds, a cheap count); the rank envelope's counts cost several times more.
 CHEAP_STAGES = 6
@@ -83,6 +91,8 @@ class DominantKindBound:
         self.problem = problem
         self._models: dict[tuple[Kind, ...], tuple[Model, dict]] = {}
         self._counts: dict[tuple, int] = {}
+        self._unproven: set[tuple] = set()  # counts that are only their ceiling (out of work)
+        self._witnesses: dict[tuple, tuple] = {}  # count key -> (stage signatures, bounds)
         self.counted = 0  #: replica counts computed (not found in the memo)
         self._allowance = math.inf
 
@@ -106,13 +116,41 @@ class DominantKindBound:
         for kind, n in composition:
             vector[index[(kind[0], kind[1], link_slowdown(kind[2]))]] += n
         at_least = known[1] if known is not None else 1
+        self._unproven.discard(key)
+        arg = None
         try:
-            got, _ = max_micro_batches_mixed(model, tuple(vector), limit, ceiling, [0], COUNT_BUDGET,
-                                             at_least=at_least)
-        except (BudgetExceeded, WitnessRejected, RecursionError):
+            got, arg = max_micro_batches_mixed(model, tuple(vector), limit, ceiling, [0], COUNT_BUDGET,
+                                               at_least=at_least)
+        except WitnessRejected:  # rounding at the limit: every arrangement on its own
+            got, arg = _per_arrangement(model, vector, limit, ceiling, at_least)
+        except (BudgetExceeded, RecursionError):
+            got = None
+        if got is None:
             got = ceiling  # not decided: the ceiling is still an upper bound
+            self._unproven.add(key)
+        elif arg is not None:
+            order, bounds = arg
+            signature = [(c.speed, c.memory_mb, c.link_slowdown) for c in model.classes]
+            self._witnesses[key] = (tuple(signature[c] for c in order), tuple(bounds))
         self._counts[key] = (got, ceiling)
         return got
+
+    def witness(self, kinds: Iterable[Kind], limit: float) -> tuple[tuple[tuple[float, float, float], ...], tuple[int, ...]] | None:
+        """The plan behind the last count of these devices at ``limit``: each stage's device as
+        (speed, memory_mb, link slowdown), in stage order, and the stage bounds (``None``: none known).
+        It runs at least the count :meth:`most` returned within the limit."""
+        return self._witnesses.get((tuple(sorted(Counter(kinds).items())), limit))
+
+    def count(self, kinds: Iterable[Kind], limit: float, ceiling: int) -> tuple[int, bool]:
+        """:meth:`most` outside a proof's count allowance (for other proofs sharing the memo), and
+        whether the value is exact (False: only an upper bound, the count ran out of work)."""
+        allowance, self._allowance = self._allowance, math.inf
+        try:
+            value = self.most(kinds, limit, ceiling)
+        finally:
+            self._allowance = allowance
+        key = (tuple(sorted(Counter(kinds).items())), limit)
+        return value, key not in self._unproven
 
     def _model(self, kinds: tuple[Kind, ...]) -> tuple[Model, dict]:
         if kinds not in self._models:
@@ -204,6 +242,39 @@ class DominantKindBound:
             if states:
                 best = max(best, pure_count * pure + max(states.values()))
         return best
+
+
+def _per_arrangement(model: Model, vector: Sequence[int], limit: float, ceiling: int, at_least: int):
+    """The exact count by one branch and bound per arrangement of the classes, and its (order,
+    bounds) (``(None, None)``: too many arrangements or out of work; ``None`` bounds: below ``at_least``)."""
+    if math.factorial(sum(vector)) // math.prod(math.factorial(n) for n in vector) > MAX_ARRANGEMENTS:
+        return None, None
+    arrangements: list[tuple[int, ...]] = []
+    left = list(vector)
+
+    def arrange(prefix: tuple[int, ...]) -> None:
+        if not any(left):
+            arrangements.append(prefix)
+            return
+        for c, n in enumerate(left):
+            if n:
+                left[c] -= 1
+                arrange(prefix + (c,))
+                left[c] += 1
+
+    arrange(())
+    ticks = [0]
+    best, arg = at_least - 1, None
+    try:
+        for order in arrangements:
+            got, bounds = max_micro_batches(model, order, limit, ceiling, ticks, COUNT_BUDGET, best + 1)
+            if bounds is not None and got > best:
+                best, arg = got, (order, bounds)
+                if best >= ceiling:
+                    break
+    except (BudgetExceeded, RecursionError):
+        return None, None
+    return best, arg
 
 
 __all__ = ["CHEAP_STAGES", "COUNT_BUDGET", "COUNTS_PER_PROOF", "DominantKindBound", "dominates_kind", "rank_envelope"]

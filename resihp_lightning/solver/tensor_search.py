@@ -14,20 +14,31 @@ proven, in these steps:
    devices each fit into a distinct device of another of its groupings, at least as fast, large
    and well linked (:func:`dominates`), is dropped: any plan on it runs as fast on the other,
    whose extra devices idle.
-2. **Bounds** (:class:`GroupingBound`). Each grouping gets a proven lower bound on its optimum: the
-   least :func:`~resihp_lightning.solver.bounds.shape_lower_bound` over the shapes it allows, a
-   shape needing at least as many stages as the model takes on the largest device's memory.
+2. **Bounds** (:class:`GroupingBound`). Each grouping left to step 6 gets a proven lower bound on
+   its optimum: the least :func:`~resihp_lightning.solver.bounds.shape_lower_bound` over the
+   shapes it allows, a shape needing at least as many stages as the model takes on the largest
+   device's memory.
 3. **Incumbent.** ResiHP's rule and the fixed degree at the largest healthy degree are solved
-   first (``_seeds``: few large groups, quick to plan and usually close to the best).
-4. **Relaxations** (with ``allow_exclude``). For each t', a fleet that every grouping of that t'
-   fits into device by device (the healthy groups and, per affected domain, the :func:`envelope`
-   of its groupings) is asked once whether any plan on it beats the incumbent
-   (:func:`~resihp_lightning.solver.exact.solve_exact` with the incumbent as ``cutoff``, stopping
-   at the first faster plan). When none does, every grouping of that t' is closed.
-5. **Best first.** The other groupings are solved in increasing order of their bound, each with the
+   first (``_seeds``: few large groups, quick to plan and usually close to the best). With the
+   joint proof (step 4) only their heuristic plans (``_heuristic_plan``) are the first incumbent,
+   and they are solved only when it leaves groupings open.
+4. **The joint proof** (with ``allow_exclude`` and per-replica partitions, :data:`JOINT_PROOF`).
+   Each healthy degree's groupings are decided together by one replica knapsack
+   (:class:`~resihp_lightning.solver.tensor_joint.JointProof`, largest degree first): closed all at
+   once, or a witness (a mix of exact replica counts below the incumbent on some grouping) that
+   becomes the incumbent (``_witness_plan``; after :data:`WITNESS_PLANS` of them the named
+   grouping is solved too) and the question is asked again, or open (the groupings go on to
+   steps 5 and 6).
+5. **Relaxations** (with ``allow_exclude``: the degrees step 4 leaves open, or all without it).
+   For each t', a fleet that every grouping of that t' fits into device by device (the healthy
+   groups and, per affected domain, the :func:`envelope` of its groupings) is asked once whether
+   any plan on it beats the incumbent (:func:`~resihp_lightning.solver.exact.solve_exact` with
+   the incumbent as ``cutoff``, stopping at the first faster plan). When none does, every
+   grouping of that t' is closed.
+6. **Best first.** The other groupings are solved in increasing order of their bound, each with the
    incumbent as ``cutoff`` (a grouping that cannot beat it is closed at once,
    :class:`~resihp_lightning.solver.exact.NoBetterPlan`), until a bound is not below the incumbent:
-   that one and all after it are pruned.
+   that one and all after it are pruned. Bounds are computed only for these groupings.
 
 With :data:`COUNT_PROOF` (off: measured slower), a grouping is first tried against the incumbent
 by the replica-count proof of :mod:`resihp_lightning.solver.tensor_bounds`.
@@ -50,10 +61,14 @@ from dataclasses import dataclass, replace
 
 from resihp_lightning.config import PlannerConfig
 from resihp_lightning.errors import InfeasibleError, PlanError
-from resihp_lightning.plan import Device, Problem, link_slowdown
+from resihp_lightning.plan import Device, Plan, Problem, Replica, evaluate, link_slowdown
 from resihp_lightning.solver.bounds import Fleet, fleet_bound
 from resihp_lightning.solver.exact import NoBetterPlan, relative_gap, solve_exact
+from resihp_lightning.solver.exact_model import Best, Model, build_plan
+from resihp_lightning.solver.heuristic import heuristic_search
+from resihp_lightning.solver.microbatch_split import split
 from resihp_lightning.solver.tensor_bounds import DominantKindBound
+from resihp_lightning.solver.tensor_joint import JointProof
 from resihp_lightning.tensor_plan import (
     SearchStats,
     TensorGroup,
@@ -85,6 +100,17 @@ PROBE_BUDGET = 20_000
 #: was measured slower with it than with the solves it saves (benchmarks/README.md). It runs only
 #: while the search has time (with ``"exact"``: first-pass solves or retries) left.
 COUNT_PROOF = False
+
+#: Whether the groupings of each healthy degree are first decided together by one replica
+#: knapsack over all of them (:class:`~resihp_lightning.solver.tensor_joint.JointProof`): it
+#: closes them at once or names groupings that beat the incumbent.
+JOINT_PROOF = True
+#: The most questions to the joint proof per healthy degree before the rest of that degree is left
+#: to the best-first loop.
+JOINT_ROUNDS = 16
+#: The first witnesses of a degree only become the incumbent (their plan, no solve); later ones have
+#: their grouping solved too, which jumps to its optimum.
+WITNESS_PLANS = 2
 
 #: The search refuses spaces with more distinct combinations than this (many affected domains with
 #: many kinds of GPU); the error names the count.
@@ -452,6 +478,7 @@ class _Search:
     solved: int = 0
     relaxations: int = 0
     unproven: int = 0
+    joint_proofs: int = 0
 
     def solve_leaf(self, groups: tuple[TensorGroup, ...], bound: float, config: PlannerConfig | None) -> float | None:
         """Solves one grouping below the incumbent and keeps a better plan (``config`` None: the exact
@@ -512,17 +539,20 @@ class _Search:
 def solve_tensor(problem: TensorProblem, config: PlannerConfig | None = None) -> TensorPlan:
     """The best plan over every grouping of the space, proven (module docstring).
 
-    1. Every grouping (:func:`combinations`) gets its :class:`GroupingBound`; the seeds
-       (``_seeds``) are solved first: the incumbent.
-    2. With ``allow_exclude`` and affected domains, each healthy degree's groupings are first
-       tried all at once through a *relaxation*: the healthy groups plus, per affected domain, the
+    1. The seeds (``_seeds``) are the first incumbent (solved, or with the joint proof planned by
+       the heuristic phase and solved only when it leaves groupings open).
+    2. With ``allow_exclude`` and per-replica partitions, each healthy degree's groupings are
+       decided together by the joint proof (module docstring, step 4): closed at once, or a
+       witness that becomes the incumbent and the question asked again.
+    3. With ``allow_exclude`` and affected domains, each healthy degree still open is tried all at
+       once through a *relaxation*: the healthy groups plus, per affected domain, the
        :func:`envelope` of its groupings, a fleet every grouping of that degree fits into device by
        device (so none is faster than the relaxation's optimum). One exact solve with the
        incumbent as ``cutoff`` that stops at the first faster plan either proves that nothing of
        that degree beats the incumbent (all its groupings are closed) or does not (they are
        solved one by one). Without ``allow_exclude`` the devices a relaxation adds would have to
        be used, so there is none.
-    3. The groupings left are solved in increasing order of their bound, each with the incumbent
+    4. The groupings left are solved in increasing order of their bound, each with the incumbent
        as ``cutoff``, until a bound is not below the incumbent.
 
     Args:
@@ -549,7 +579,13 @@ def solve_tensor(problem: TensorProblem, config: PlannerConfig | None = None) ->
     problem = _with_config(problem, config)
     search = _Search(problem, GroupingBound(problem.problem), DominantKindBound(problem.problem))
     distinct = combinations(problem)
-    ranked = sorted(((search.bounder.bound(c.key, replicas=True), c.key, c) for c in distinct), key=lambda row: row[:2])
+    joint = JointProof(problem.problem, search.bounder, search.counter)
+
+    def rank(rows) -> list:
+        return sorted(((search.bounder.bound(c.key, replicas=True), c.key, c) for c in rows), key=lambda row: row[:2])
+
+    # Every grouping's bound is only needed when the joint proof leaves groupings to solve one by one.
+    ranked = rank(distinct) if not problem.problem.allow_exclude else []
     closed_degrees: set[int | None] | None = None
     deadline = start + config.time_limit_s
 
@@ -565,11 +601,11 @@ def solve_tensor(problem: TensorProblem, config: PlannerConfig | None = None) ->
     solved: set[tuple] = set()
     pending: list[tuple[float, tuple, tuple[TensorGroup, ...]]] = []
 
-    def settle(groups: tuple[TensorGroup, ...], key: tuple, bound: float) -> None:
+    def settle(groups: tuple[TensorGroup, ...], key: tuple, bound: float, force: bool = False) -> None:
         nonlocal first_solves
         solved.add(key)
         spent = time.perf_counter() >= deadline if milp else first_solves <= 0
-        if spent and search.best_plan is not None:
+        if spent and search.best_plan is not None and not force:
             pending.append((bound, key, groups))  # out of time (or work): only its bound is known
             return
         first_solves -= 1
@@ -577,11 +613,43 @@ def solve_tensor(problem: TensorProblem, config: PlannerConfig | None = None) ->
         if left_open is not None:
             pending.append((left_open, key, groups))
 
-    for groups in _seeds(problem, ranked):
-        key = device_key(problem.group_device(g) for g in groups)
-        if key not in solved:
-            settle(groups, key, search.bounder.bound(key, replicas=True))
-    closed_degrees = _closed_degrees(problem, search) if search.best_plan is not None else None
+    seeds = _seeds(problem, ranked)
+    joint_first = JOINT_PROOF and JointProof.applies(problem.problem)
+    if joint_first:
+        # The seeds' heuristic plans are the first incumbent; they are solved only when the joint
+        # proof leaves something open (a proven optimum is never worse than them).
+        seen: set[tuple] = set()
+        for groups in seeds:
+            key = device_key(problem.group_device(g) for g in groups)
+            if key in seen:
+                continue
+            seen.add(key)
+            plan = _heuristic_plan(problem, groups)
+            if plan is not None and plan.iteration_ms < search.best_value:
+                search.best_plan, search.best_groups, search.best_value = plan, groups, plan.iteration_ms
+    if not joint_first or search.best_plan is None:
+        joint_first = False
+        for groups in seeds:
+            key = device_key(problem.group_device(g) for g in groups)
+            if key not in solved:
+                settle(groups, key, search.bounder.bound(key, replicas=True))
+    if joint_first:
+        # The joint proof first; the seeds' solves and the relaxations only where it leaves
+        # groupings open.
+        in_time = (lambda: time.perf_counter() < deadline) if milp else (lambda: first_solves > 0)
+        left = _joint_phase(search, joint, distinct, solved, settle, in_time)
+        if left:  # the seeds are solved, out of time too: an unfinished search is never worse than them
+            for groups in seeds:
+                key = device_key(problem.group_device(g) for g in groups)
+                if key not in solved:
+                    settle(groups, key, search.bounder.bound(key, replicas=True), force=True)
+        closed_degrees = _closed_degrees(problem, search, {c.healthy_degree for c in left}) if left else set()
+        ranked = rank(c for c in left if c.key not in solved and c.healthy_degree not in closed_degrees)
+    else:
+        closed_degrees = _closed_degrees(problem, search) if search.best_plan is not None else None
+        if problem.problem.allow_exclude:
+            left = [c for c in distinct if closed_degrees is None or c.healthy_degree not in closed_degrees]
+            ranked = rank(c for c in left if c.key not in solved)
     for bound, key, combination in ranked:
         if bound >= search.best_value * (1 - 1e-12) or math.isinf(bound):
             break  # sorted: every later bound is at least as high
@@ -613,10 +681,116 @@ def solve_tensor(problem: TensorProblem, config: PlannerConfig | None = None) ->
     gap = 0.0 if proven else relative_gap(value, min(search.open_bound, value))
     searched = {c.key for c in distinct}
     stats = SearchStats(combinations=len(distinct), solved=search.solved, pruned=len(searched - solved),
-                        unproven=search.unproven, relaxations=search.relaxations)
+                        unproven=search.unproven, relaxations=search.relaxations,
+                        joint_proofs=search.joint_proofs)
     plan = search.best_plan.with_result(status="optimal" if proven else "feasible", gap=gap,
                                         solve_seconds=time.perf_counter() - start)
     return TensorPlan(search.best_groups, plan, stats)
+
+
+def _joint_phase(search: _Search, joint: JointProof, rows: list[Combination], solved: set[tuple], settle,
+                 in_time) -> list[Combination]:
+    """The groupings the joint proof leaves to be solved one by one (step 4 of the module docstring).
+
+    Per healthy degree, :meth:`~resihp_lightning.solver.tensor_joint.JointProof.decide` is asked
+    whether any grouping beats the incumbent: ``"closed"`` settles them all; a witness's plan
+    becomes the incumbent (after :data:`WITNESS_PLANS` of them the grouping it names is solved
+    too) and the question is asked again; ``"open"`` (or :data:`JOINT_ROUNDS` witnesses) leaves
+    the rest to the best-first loop. Out of time (``in_time()`` false) a degree is still asked
+    once, like a bound, but no grouping is solved.
+    """
+    left: list[Combination] = []
+    # The largest degree first: the seeds' own, where the incumbent usually improves.
+    for degree in sorted(dict.fromkeys(c.healthy_degree for c in rows), key=lambda k: -(k or 0)):
+        # Groupings solved already stay in the question (none beats the incumbent, so the verdict
+        # is the same), which keeps the knapsack's states, and their moves, the same every round.
+        members = [c for c in rows if c.healthy_degree == degree]
+        for round_ in range(JOINT_ROUNDS):
+            late = not in_time()
+            if late and round_ > 0:
+                break  # out of time (or work): one question per degree, then the rest by their bounds
+            if all(c.key in solved for c in members):
+                members = []
+                break
+            verdict = joint.decide([c.key for c in members], search.best_value)
+            search.joint_proofs += 1
+            if verdict.outcome == "closed":
+                members = []
+                break
+            if verdict.outcome != "witness":
+                break
+            named = [members[i] for i in verdict.fleets]
+            chosen = min(named, key=lambda c: (len(c.key), c.key))
+            plan = _witness_plan(search.problem, chosen.groups, verdict.replicas)
+            if plan is not None and plan.iteration_ms < search.best_value * (1 - 1e-12):
+                # The mix found is a better plan: the new incumbent (its grouping may hold better).
+                search.best_plan, search.best_groups, search.best_value = plan, chosen.groups, plan.iteration_ms
+                if round_ < WITNESS_PLANS:
+                    continue
+            # Witnesses that keep coming improve the incumbent a little each: solve the grouping.
+            named = [c for c in named if c.key not in solved]
+            if not named or late:
+                break
+            chosen = min(named, key=lambda c: (len(c.key), c.key))
+            settle(chosen.groups, chosen.key, search.bounder.bound(chosen.key, replicas=True))
+        left.extend(c for c in members if c.key not in solved)
+    return left
+
+
+def _heuristic_plan(problem: TensorProblem, groups: tuple[TensorGroup, ...]) -> Plan | None:
+    """The exact planner's heuristic phase alone on these groups (``None``: it found nothing)."""
+    if not groups:
+        return None
+    group_problem = problem.group_problem(groups)
+    model = Model(group_problem)
+    best = Best()
+    heuristic_search(model, best)
+    if math.isinf(best.value):
+        return None
+    plan = build_plan(model, best.grid, best.bounds, best.counts)
+    return plan.with_result(iteration_ms=evaluate(group_problem, plan).iteration_ms, status="feasible", solver="exact")
+
+
+def _witness_plan(problem: TensorProblem, groups: tuple[TensorGroup, ...], replicas) -> Plan | None:
+    """The plan the joint proof's witness describes, on these groups (``None``: it does not fit them).
+
+    Each replica takes unused groups whose device has its stages' (speed, memory, link slowdown),
+    lowest ids first; the micro-batches are split exactly (:func:`~.microbatch_split.split`) and
+    the plan is priced by :func:`~resihp_lightning.plan.evaluate`, so a witness that rounding makes
+    slower than its count said is only as good as its price.
+    """
+    if not replicas:
+        return None
+    group_problem = problem.group_problem(groups)
+    model = Model(group_problem)
+    pools: dict[tuple[float, float, float], list[int]] = {}
+    for cls, found in enumerate(model.classes):
+        pools[(found.speed, found.memory_mb, found.link_slowdown)] = [cls] + list(found.ids)
+    taken: dict[tuple[float, float, float], int] = {}
+    rows = []
+    for stages, bounds, count in replicas:
+        for _ in range(count):
+            ids, types = [], []
+            for signature in stages:
+                pool = pools.get(signature)
+                at = taken.get(signature, 0) + 1
+                if pool is None or at >= len(pool):
+                    return None
+                taken[signature] = at
+                ids.append(pool[at])
+                types.append(pool[0])
+            rows.append((tuple(ids), tuple(bounds), model.profile(types, bounds)))
+    result = split([(*profile, 1) for _, _, profile in rows], group_problem.micro_batches)
+    if result is None:
+        return None
+    plan = Plan(tuple(Replica(ids, bounds, counts[0]) for (ids, bounds, _), counts in zip(rows, result[1])))
+    try:
+        priced = evaluate(group_problem, plan)
+    except PlanError:
+        return None
+    if not priced.fits_memory:
+        return None
+    return plan.with_result(iteration_ms=priced.iteration_ms, status="feasible", solver="exact")
 
 
 def _seeds(problem: TensorProblem, ranked: list) -> list[tuple[TensorGroup, ...]]:
@@ -638,8 +812,9 @@ def _seeds(problem: TensorProblem, ranked: list) -> list[tuple[TensorGroup, ...]
     return [min(own, key=lambda row: (len(row[1]), row[0]))[2].groups]
 
 
-def _closed_degrees(problem: TensorProblem, search: _Search) -> set[int | None]:
-    """The healthy degrees whose relaxation cannot beat the incumbent (step 2 of :func:`solve_tensor`)."""
+def _closed_degrees(problem: TensorProblem, search: _Search, degrees: set | None = None) -> set[int | None]:
+    """The healthy degrees (of ``degrees``, default all) whose relaxation cannot beat the incumbent
+    (step 2 of :func:`solve_tensor`)."""
     if not problem.problem.allow_exclude:
         return set()
     domains = range(len(problem.domains))
@@ -653,6 +828,8 @@ def _closed_degrees(problem: TensorProblem, search: _Search) -> set[int | None]:
         relaxed_domains += envelope(keys)
     closed = set()
     for degree in (list(problem.healthy_degrees()) if healthy else [None]):
+        if degrees is not None and degree not in degrees:
+            continue
         base = tuple(g for d in healthy for g in healthy_groups(problem, d, degree)) if degree else ()
         fleet = tuple(sorted(device_key(problem.group_device(g) for g in base) + relaxed_domains))
         bound = search.bounder.bound(fleet, replicas=True)

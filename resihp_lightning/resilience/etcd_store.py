@@ -1,0 +1,337 @@
+"""The fail-stop store on an etcd cluster: a ``torch.distributed.Store`` that no single machine takes down.
+
+The default store host (:mod:`.store_host`) is one process on one machine: when that machine is lost,
+so is every way for the survivors to agree. With ``fail_stop.store = {"backend": "etcd", ...}`` the
+job's keys live in an etcd cluster instead (three or five members, one per machine, started by the
+launch recipe: see ``docs/machines.md``). etcd replicates every write to a majority before it
+answers (Raft), so the store keeps working while a majority of its members live, machine 0's
+included, and the survivors' agreement (abort markers, membership votes) stays linearizable.
+
+:class:`EtcdStore` is a Python subclass of ``torch.distributed.Store``: the world uses it exactly
+like the TCP store (``PrefixStore`` over it, ``init_process_group(store=...)`` for gloo's
+rendezvous, the detector's beats, ``compare_set`` votes, ``append``), through :class:`.EtcdGateway`.
+How each operation maps onto etcd:
+
+=================  ==========================================================================
+``set``            one ``put``
+``get`` / ``wait``  a linearizable ``range``, polled (2 ms doubling to ``poll_s``) until the keys
+                    exist or the store's timeout passes (then ``DistStoreError``, like TCPStore)
+``check``           one transaction of ``range`` (count only) per key
+``multi_get/set``   one transaction
+``compare_set``     one transaction: put if the key is absent (expected ``""``) or holds the
+                    expected value, else return what it holds (TCPStore's semantics)
+``add``/``append``  read, then a transaction that writes only if the key's ``mod_revision`` is
+                    unchanged; retried on a conflict
+=================  ==========================================================================
+
+**When etcd loses its quorum** (a majority of members dead or unreachable), no member answers a
+write or a linearizable read: every operation raises :class:`~.failures.StoreUnavailable` after
+``op_timeout_s`` (it never hangs). The job then behaves as with a lost store host: training goes on
+while no one fails (gloo needs no store once its groups exist), the detector reports the store lost
+after its grace period, and the next failure ends the job with ``fail_stop.exit_code`` (a restart).
+A lost minority costs nothing but the operations in flight on the lost members, retried on the
+others (plus one leader election, about ``--election-timeout``, if the leader was lost).
+
+**Non-idempotent retries.** A ``put`` or ``compare_set`` retried after a lost answer is harmless. An
+``add`` or ``append`` whose answer was lost (the member died after applying it) may be applied twice:
+``append`` is used for sets (the regroup's join list), where a repeat is harmless; ``add`` counts
+registrations and a planned reshape's quiescence, where it could make a count one too high.
+
+**Authentication** (``user`` and ``password_file``): etcd's role-based access (``auth enable``, one
+user per job with read-write on the job's key prefix; ``python -m
+resihp_lightning.resilience.etcd_admin`` sets it up). A process without the password, or with
+another user's, is refused (:class:`.StoreAccessDenied`). Over ``http://`` endpoints the password and
+the token cross the network in clear text: on a network you do not trust, use ``https://`` endpoints
+with ``ca_file`` (and, for members started with ``--client-cert-auth``, ``cert_file``/``key_file``).
+
+The job's keys are not deleted at the end (etcd keeps them): a cluster started per job (the recipe)
+goes with its data directory; on a shared cluster, remove ``<key_prefix><run id>/`` afterwards.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from resihp_lightning.errors import invalid_option
+from resihp_lightning.resilience.etcd_gateway import EtcdGateway, Endpoint, b64, unb64
+
+try:  # torch is a dependency, but the config must import without it (docs, CLI parsing)
+    from torch.distributed import DistStoreError as _DistStoreError
+    from torch.distributed import Store as _Store
+except ImportError:  # pragma: no cover - torch without distributed
+    _Store = object  # type: ignore[assignment,misc]
+    _DistStoreError = TimeoutError  # type: ignore[assignment,misc]
+
+
+def _prefix_end(prefix: bytes) -> bytes:
+    """The smallest key greater than every key that starts with ``prefix`` (etcd's ``range_end``)."""
+    end = bytearray(prefix)
+    for i in range(len(end) - 1, -1, -1):
+        if end[i] < 0xFF:
+            end[i] += 1
+            return bytes(end[: i + 1])
+    return b"\0"
+
+
+ETCD_OPTIONS = ("endpoints", "user", "password_file", "ca_file", "cert_file", "key_file",
+                "request_timeout_s", "op_timeout_s", "poll_s", "key_prefix")
+
+
+def check_etcd_values(values: Mapping[str, Any], option: str) -> None:
+    """Raises :class:`~resihp_lightning.errors.ConfigError` naming ``<option>.<field>`` for a bad value."""
+    endpoints = values.get("endpoints")
+    if isinstance(endpoints, str) or not isinstance(endpoints, (list, tuple)) or not endpoints:
+        raise invalid_option(f"{option}.endpoints", endpoints, "a non-empty list of etcd client URLs (http://host:2379)")
+    for url in endpoints:
+        try:
+            Endpoint.parse(str(url))
+        except ValueError:
+            raise invalid_option(f"{option}.endpoints", url, "http://host:port or https://host:port") from None
+    for name in ("request_timeout_s", "op_timeout_s", "poll_s"):
+        value = values.get(name, 1.0)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+            raise invalid_option(f"{option}.{name}", value, "seconds > 0")
+    if (values.get("user") is None) != (values.get("password_file") is None):
+        raise invalid_option(f"{option}.password_file", values.get("password_file"),
+                             "a file with the password of `user` (both set, or neither)")
+    if (values.get("cert_file") is None) != (values.get("key_file") is None):
+        raise invalid_option(f"{option}.key_file", values.get("key_file"), "set together with cert_file")
+    prefix = values.get("key_prefix", "resihp/")
+    if not isinstance(prefix, str) or not prefix:
+        raise invalid_option(f"{option}.key_prefix", prefix, "a non-empty string")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EtcdConfig:
+    """Where the job's etcd cluster is and how to log in.
+
+    Attributes:
+        endpoints: the members' client URLs, e.g. ``["http://10.0.0.1:2379", "http://10.0.0.2:2379",
+            "http://10.0.0.3:2379"]`` (all of them: requests fail over between them).
+        user: etcd user of the job (None: the cluster has auth off; anyone who reaches it can write).
+        password_file: file holding that user's password (one line; keep it readable by the job's
+            user only).
+        ca_file: CA certificate of ``https://`` endpoints.
+        cert_file: client certificate, for members started with ``--client-cert-auth``.
+        key_file: its key.
+        request_timeout_s: bound of one request to one member before trying the next.
+        op_timeout_s: bound of one store operation over all members (retries included): after it,
+            :class:`~.failures.StoreUnavailable` (e.g. the cluster lost its quorum).
+        poll_s: longest pause between two polls of a ``get``/``wait`` for a key that is not there yet.
+        key_prefix: every key of the job lives under ``<key_prefix><run id>/`` (the job user's role
+            grants read-write on ``key_prefix``).
+    """
+
+    endpoints: tuple[str, ...]
+    user: str | None = None
+    password_file: str | None = None
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    request_timeout_s: float = 2.0
+    op_timeout_s: float = 10.0
+    poll_s: float = 0.05
+    key_prefix: str = "resihp/"
+
+    def __post_init__(self) -> None:
+        check_etcd_values(vars(self), "resilience.store.etcd")
+        object.__setattr__(self, "endpoints", tuple(str(e) for e in self.endpoints))
+
+    def password(self) -> str | None:
+        """The password, read from ``password_file`` (None without a user)."""
+        if self.password_file is None:
+            return None
+        return Path(self.password_file).read_text().strip()
+
+    def peer_addresses(self) -> list[tuple[str, int]]:
+        """``(host, port)`` of every member (for the socket tracker's exclusions)."""
+        return [(e.host, e.port) for e in map(Endpoint.parse, self.endpoints)]
+
+
+class EtcdStore(_Store):  # type: ignore[misc,valid-type]
+    """A ``torch.distributed.Store`` whose keys live in etcd under ``root``.
+
+    One instance is one connection: share it between threads only behind a lock
+    (:class:`~.store.LockedStore`).
+
+    Args:
+        config: the cluster and the credentials.
+        root: prefix of every key (``<key_prefix><run id>/``).
+        timeout: how long ``get``/``wait`` wait for a key (the store's timeout, ``set_timeout``).
+        password: the password (default: read from ``config.password_file``).
+    """
+
+    def __init__(
+        self, config: EtcdConfig, *, root: str, timeout: datetime.timedelta, password: str | None = None
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.root = root.encode()
+        self.set_timeout(timeout)
+        self.gateway = EtcdGateway(
+            config.endpoints,
+            user=config.user,
+            password=password if password is not None else config.password(),
+            request_timeout_s=config.request_timeout_s,
+            ca_file=config.ca_file,
+            cert_file=config.cert_file,
+            key_file=config.key_file,
+        )
+
+    def clone(self) -> EtcdStore:
+        """Another connection to the same keys."""
+        return EtcdStore(self.config, root=self.root.decode(), timeout=self.timeout, password=self.gateway._password)
+
+    def connect_now(self) -> EtcdStore:
+        """Opens the connection (and authenticates) now rather than at the first operation."""
+        self.gateway.connect(self._op_deadline())
+        return self
+
+    # --------------------------------------------------------------------------- helpers
+    def _key(self, key: str) -> str:
+        return b64(self.root + key.encode())
+
+    def _op_deadline(self) -> float:
+        return time.monotonic() + self.config.op_timeout_s
+
+    def _call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        return self.gateway.call(path, body, deadline=self._op_deadline())
+
+    def _ranges(self, keys: list[str], count_only: bool = False) -> list[dict[str, Any] | None]:
+        """The kv of each key (None where absent), read in one transaction."""
+        ops = [{"request_range": {"key": self._key(k), **({"count_only": True} if count_only else {})}} for k in keys]
+        answer = self._call("/v3/kv/txn", {"success": ops})
+        found: list[dict[str, Any] | None] = []
+        for response in answer.get("responses", []):
+            rng = response.get("response_range", {})
+            if count_only:
+                found.append({} if int(rng.get("count", 0)) else None)
+            else:
+                kvs = rng.get("kvs") or []
+                found.append(kvs[0] if kvs else None)
+        return found
+
+    def _read(self, key: str) -> dict[str, Any] | None:
+        answer = self._call("/v3/kv/range", {"key": self._key(key)})
+        kvs = answer.get("kvs") or []
+        return kvs[0] if kvs else None
+
+    def _wait_for(self, keys: list[str], timeout: datetime.timedelta | None = None) -> list[bytes]:
+        """The values of ``keys`` once they all exist; ``DistStoreError`` after the timeout."""
+        limit = (timeout or self.timeout).total_seconds()
+        deadline = time.monotonic() + limit
+        pause = 0.002
+        while True:
+            found = self._ranges(keys)
+            if all(kv is not None for kv in found):
+                return [unb64(kv.get("value")) for kv in found]  # type: ignore[union-attr]
+            if time.monotonic() + pause > deadline:
+                missing = [k for k, kv in zip(keys, found) if kv is None]
+                raise _DistStoreError(f"etcd store: wait timeout after {limit * 1000:.0f}ms, keys: {missing}")
+            time.sleep(pause)
+            pause = min(pause * 2, self.config.poll_s)
+
+    def _swap(self, key: str, update: Any) -> bytes:
+        """Writes ``update(current value or None)`` if the key did not change meanwhile; retried."""
+        while True:
+            kv = self._read(key)
+            new = update(unb64(kv.get("value")) if kv is not None else None)
+            if kv is None:
+                compare = {"key": self._key(key), "result": "EQUAL", "target": "CREATE", "create_revision": "0"}
+            else:
+                compare = {"key": self._key(key), "result": "EQUAL", "target": "MOD", "mod_revision": kv["mod_revision"]}
+            answer = self._call("/v3/kv/txn", {
+                "compare": [compare], "success": [{"request_put": {"key": self._key(key), "value": b64(new)}}],
+            })
+            if answer.get("succeeded"):
+                return new
+
+    # ----------------------------------------------------------------------- Store API
+    def set(self, key: str, value: str | bytes) -> None:
+        self._call("/v3/kv/put", {"key": self._key(key), "value": b64(_bytes(value))})
+
+    def get(self, key: str) -> bytes:
+        return self._wait_for([key])[0]
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return self._wait_for(list(keys)) if keys else []
+
+    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
+        ops = [{"request_put": {"key": self._key(k), "value": b64(_bytes(v))}} for k, v in zip(keys, values)]
+        if ops:
+            self._call("/v3/kv/txn", {"success": ops})
+
+    def check(self, keys: list[str]) -> bool:
+        return all(kv is not None for kv in self._ranges(list(keys), count_only=True)) if keys else True
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        if keys:
+            self._wait_for(list(keys), timeout)
+
+    def add(self, key: str, amount: int) -> int:
+        if amount == 0:
+            kv = self._read(key)
+            return int(unb64(kv.get("value"))) if kv is not None else 0
+        return int(self._swap(key, lambda old: str(int(old or b"0") + amount).encode()))
+
+    def append(self, key: str, value: str | bytes) -> None:
+        tail = _bytes(value)
+        self._swap(key, lambda old: (old or b"") + tail)
+
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+        expected_b, desired_b = _bytes(expected), _bytes(desired)
+        k = self._key(key)
+        put = [{"request_put": {"key": k, "value": b64(desired_b)}}]
+        if expected_b:
+            compare = {"key": k, "result": "EQUAL", "target": "VALUE", "value": b64(expected_b)}
+        else:
+            compare = {"key": k, "result": "EQUAL", "target": "CREATE", "create_revision": "0"}
+        answer = self._call("/v3/kv/txn", {"compare": [compare], "success": put, "failure": [{"request_range": {"key": k}}]})
+        if answer.get("succeeded"):
+            return desired_b
+        kvs = (answer.get("responses") or [{}])[0].get("response_range", {}).get("kvs") or []
+        if not kvs:
+            return expected_b  # absent and a non-empty value expected: TCPStore answers ``expected``
+        current = unb64(kvs[0].get("value"))
+        if not expected_b and current == b"":  # present but empty equals the empty expectation
+            return self._set_if_empty(key, desired_b)
+        return current
+
+    def _set_if_empty(self, key: str, desired: bytes) -> bytes:
+        k = self._key(key)
+        answer = self._call("/v3/kv/txn", {
+            "compare": [{"key": k, "result": "EQUAL", "target": "VALUE", "value": ""}],
+            "success": [{"request_put": {"key": k, "value": b64(desired)}}],
+            "failure": [{"request_range": {"key": k}}],
+        })
+        if answer.get("succeeded"):
+            return desired
+        kvs = (answer.get("responses") or [{}])[0].get("response_range", {}).get("kvs") or []
+        return unb64(kvs[0].get("value")) if kvs else b""
+
+    def delete_key(self, key: str) -> bool:
+        answer = self._call("/v3/kv/deleterange", {"key": self._key(key)})
+        return int(answer.get("deleted", 0)) > 0
+
+    def num_keys(self) -> int:
+        answer = self._call("/v3/kv/range", {"key": b64(self.root), "range_end": b64(_prefix_end(self.root)),
+                                             "count_only": True})
+        return int(answer.get("count", 0))
+
+    def delete_all(self) -> int:
+        """Deletes every key under ``root`` (a finished job's); how many there were."""
+        answer = self._call("/v3/kv/deleterange", {"key": b64(self.root), "range_end": b64(_prefix_end(self.root))})
+        return int(answer.get("deleted", 0))
+
+
+def _bytes(value: str | bytes | Iterable[int]) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return value.encode()
+    return bytes(value)

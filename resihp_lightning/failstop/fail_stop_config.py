@@ -12,6 +12,72 @@ from resihp_lightning.errors import invalid_option
 #: Exit status when the job cannot recover in-process (a launcher's restart policy takes over).
 UNRECOVERABLE_EXIT_CODE = 75
 
+STORE_BACKENDS = ("tcp", "etcd")
+_TCP_STORE_OPTIONS = ("backend", "port", "secret_file", "authenticate")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreOptions:
+    """Where the survivors agree: ``fail_stop.store``, written as one mapping.
+
+    ``{"backend": "tcp"}`` (the default) is the store host, a process of its own on one machine
+    (:mod:`~resihp_lightning.resilience.store`); ``{"backend": "etcd", "endpoints": [...], "user": ...,
+    "password_file": ...}`` is a replicated etcd cluster (:mod:`~resihp_lightning.resilience.etcd_store`),
+    which survives the loss of any one machine, machine 0 included (docs/machines.md has the recipe).
+
+    Attributes:
+        backend: ``"tcp"`` or ``"etcd"``.
+        port: tcp: the store host's fixed port (several machines; same as ``fail_stop.store_port``).
+        secret_file: tcp: the job's secret that signs every value (mode 0600). Default on one machine:
+            made in the run directory; with a fixed port, values are signed only if it is given (a
+            file every machine can read).
+        authenticate: tcp: sign values and ignore unsigned ones (``false``: anyone who reaches the
+            port may write).
+        etcd: etcd: the cluster's options (``endpoints``, ``user``, ``password_file``, ``ca_file``,
+            ``cert_file``, ``key_file``, ``request_timeout_s``, ``op_timeout_s``, ``poll_s``; see
+            :class:`~resihp_lightning.resilience.etcd_config.EtcdConfig`), given flat in the mapping.
+    """
+
+    backend: str = "tcp"
+    port: int | None = None
+    secret_file: str | None = None
+    authenticate: bool = True
+    etcd: Any = None
+
+    def __post_init__(self) -> None:
+        if self.backend not in STORE_BACKENDS:
+            raise invalid_option("fail_stop.store.backend", self.backend, STORE_BACKENDS)
+        if self.port is not None and (not isinstance(self.port, int) or isinstance(self.port, bool) or not 1 <= self.port <= 65535):
+            raise invalid_option("fail_stop.store.port", self.port, "null or a TCP port 1..65535")
+        if not isinstance(self.authenticate, bool):
+            raise invalid_option("fail_stop.store.authenticate", self.authenticate, "true or false")
+        if self.backend == "etcd" and self.etcd is None:
+            raise invalid_option("fail_stop.store.endpoints", None, "a non-empty list of etcd client URLs")
+
+    @classmethod
+    def from_value(cls, value: Any) -> StoreOptions:
+        """From ``None`` (defaults), a :class:`StoreOptions`, or the mapping a user writes."""
+        from resihp_lightning.resilience.etcd_config import ETCD_OPTIONS, EtcdConfig, check_etcd_values
+
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, EtcdConfig):
+            return cls(backend="etcd", etcd=value)
+        if not isinstance(value, Mapping):
+            raise invalid_option("fail_stop.store", value, "a mapping with `backend` ('tcp' or 'etcd') and its options")
+        backend = value.get("backend", "tcp")
+        allowed = _TCP_STORE_OPTIONS if backend == "tcp" else ("backend", *ETCD_OPTIONS)
+        unknown = sorted(set(value) - set(allowed))
+        if backend in STORE_BACKENDS and unknown:
+            raise invalid_option(f"fail_stop.store.{unknown[0]}", value[unknown[0]], f"for backend {backend!r}: {', '.join(allowed)}")
+        if backend != "etcd":
+            return cls(**dict(value))
+        etcd = {k: v for k, v in value.items() if k != "backend"}
+        check_etcd_values(etcd, "fail_stop.store")
+        return cls(backend="etcd", etcd=EtcdConfig(**etcd))
+
 
 @dataclass(frozen=True, kw_only=True)
 class FailStopConfig:
@@ -40,7 +106,10 @@ class FailStopConfig:
         store_port: the rendezvous store host's port. ``None`` (one machine): a free port, found by the
             job's processes through a file in the temporary directory. Several machines need a fixed
             port; the host then runs on node 0 at ``$MASTER_ADDR`` (that machine is a single point of
-            failure: losing it ends the job, for a restart).
+            failure: losing it ends the job, for a restart; ``store`` with the etcd backend has none).
+        store: which store the survivors agree through (:class:`StoreOptions`, or its mapping, e.g.
+            ``{"backend": "etcd", "endpoints": ["http://node0:2379", ...], "user": "job",
+            "password_file": "job.pw"}``); default: the TCP store host.
     """
 
     detect_timeout_s: float = 1.0
@@ -53,8 +122,10 @@ class FailStopConfig:
     exit_code: int = UNRECOVERABLE_EXIT_CODE
     kill_evicted: bool = True
     store_port: int | None = None
+    store: StoreOptions | Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "store", StoreOptions.from_value(self.store))
         if self.solver not in SOLVERS:
             raise invalid_option("fail_stop.solver", self.solver, SOLVERS)
         for name in ("interval_s", "join_timeout_s", "regroup_timeout_s"):
@@ -77,6 +148,10 @@ class FailStopConfig:
             raise invalid_option("fail_stop.exit_code", self.exit_code, "an integer 1..255")
         if self.store_port is not None and (not isinstance(self.store_port, int) or not 1 <= self.store_port <= 65535):
             raise invalid_option("fail_stop.store_port", self.store_port, "null or a TCP port 1..65535")
+        store = self.store
+        assert isinstance(store, StoreOptions)
+        if self.store_port is not None and (store.backend == "etcd" or store.port not in (None, self.store_port)):
+            raise invalid_option("fail_stop.store_port", self.store_port, f"null with fail_stop.store {store.backend}:{store.port}")
 
     @classmethod
     def from_value(cls, value: Any) -> FailStopConfig | None:
@@ -100,7 +175,16 @@ class FailStopConfig:
         from resihp_lightning.resilience.store import StoreConfig
         from resihp_lightning.resilience.world import WorldConfig
 
-        store = StoreConfig() if self.store_port is None else StoreConfig(port=self.store_port, spawn=node_rank == 0)
+        options = self.store
+        assert isinstance(options, StoreOptions)
+        port = self.store_port or options.port
+        if options.backend == "etcd":
+            store = StoreConfig(etcd=options.etcd)
+        else:
+            store = StoreConfig(
+                port=port, spawn=port is None or node_rank == 0,
+                authenticate=options.authenticate, secret_file=options.secret_file,
+            )
         return WorldConfig(
             store=store,
             backend=backend,

@@ -7,7 +7,7 @@ Run once per cluster, after its members are up and before the job starts (the la
         --user job --password-file job.pw --root-password-file root.pw
 
 It adds the ``root`` user (etcd requires one to enable auth) and the job's user with a role granting
-read-write on ``--key-prefix`` (default ``resihp/``) only, then enables auth. From then on a client
+read-write on ``--key-prefix`` (default ``resihp/``, where every job writes) only, then enables auth. From then on a client
 without the job's password is refused (:class:`~.etcd_gateway.StoreAccessDenied`), so a stranger who can
 reach the members' ports can neither publish an abort marker nor register as a member. Running it on
 a cluster that has auth on already (a second job) adds that job's user, authenticated as root.
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from resihp_lightning.resilience.etcd_gateway import EtcdGateway, StoreAccessDenied, b64
-from resihp_lightning.resilience.etcd_store import _prefix_end
+from resihp_lightning.resilience.etcd_config import ETCD_KEY_PREFIX, prefix_end
 
 
 def new_password_file(path: str | Path) -> str:
@@ -42,7 +42,7 @@ def setup_job_user(
     user: str,
     password: str,
     root_password: str,
-    key_prefix: str = "resihp/",
+    key_prefix: str = ETCD_KEY_PREFIX,
     timeout_s: float = 20.0,
 ) -> None:
     """Adds ``user`` with read-write on ``key_prefix`` and enables authentication (idempotent).
@@ -74,7 +74,7 @@ def setup_job_user(
         ignore_exists("/v3/auth/user/grant", {"user": "root", "role": "root"})
     ignore_exists("/v3/auth/role/add", {"name": role})
     gateway.call("/v3/auth/role/grant", {"name": role, "perm": {
-        "permType": "READWRITE", "key": b64(key_prefix.encode()), "range_end": b64(_prefix_end(key_prefix.encode())),
+        "permType": "READWRITE", "key": b64(key_prefix.encode()), "range_end": b64(prefix_end(key_prefix.encode())),
     }}, deadline=deadline)
     ignore_exists("/v3/auth/user/add", {"name": user, "password": password})
     gateway.call("/v3/auth/user/grant", {"user": user, "role": role}, deadline=deadline)
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--user", required=True)
     parser.add_argument("--password-file", required=True, help="created with a random password if missing")
     parser.add_argument("--root-password-file", required=True, help="created with a random password if missing")
-    parser.add_argument("--key-prefix", default="resihp/")
+    parser.add_argument("--key-prefix", default=ETCD_KEY_PREFIX, help="what the user may write (the job writes resihp/)")
     args = parser.parse_args(argv)
 
     def password(path: str) -> str:

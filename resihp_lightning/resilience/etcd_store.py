@@ -45,20 +45,19 @@ the token cross the network in clear text: on a network you do not trust, use ``
 with ``ca_file`` (and, for members started with ``--client-cert-auth``, ``cert_file``/``key_file``).
 
 The job's keys are not deleted at the end (etcd keeps them): a cluster started per job (the recipe)
-goes with its data directory; on a shared cluster, remove ``<key_prefix><run id>/`` afterwards.
+goes with its data directory; on a shared cluster, remove ``resihp/<run id>/`` afterwards
+(``etcdctl del --prefix resihp/<run id>/``).
 """
 
 from __future__ import annotations
 
 import datetime
 import time
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Iterable
 from typing import Any
 
-from resihp_lightning.errors import invalid_option
-from resihp_lightning.resilience.etcd_gateway import EtcdGateway, Endpoint, b64, unb64
+from resihp_lightning.resilience.etcd_config import EtcdConfig, prefix_end
+from resihp_lightning.resilience.etcd_gateway import EtcdGateway, b64, unb64
 
 try:  # torch is a dependency, but the config must import without it (docs, CLI parsing)
     from torch.distributed import DistStoreError as _DistStoreError
@@ -66,91 +65,6 @@ try:  # torch is a dependency, but the config must import without it (docs, CLI 
 except ImportError:  # pragma: no cover - torch without distributed
     _Store = object  # type: ignore[assignment,misc]
     _DistStoreError = TimeoutError  # type: ignore[assignment,misc]
-
-
-def _prefix_end(prefix: bytes) -> bytes:
-    """The smallest key greater than every key that starts with ``prefix`` (etcd's ``range_end``)."""
-    end = bytearray(prefix)
-    for i in range(len(end) - 1, -1, -1):
-        if end[i] < 0xFF:
-            end[i] += 1
-            return bytes(end[: i + 1])
-    return b"\0"
-
-
-ETCD_OPTIONS = ("endpoints", "user", "password_file", "ca_file", "cert_file", "key_file",
-                "request_timeout_s", "op_timeout_s", "poll_s", "key_prefix")
-
-
-def check_etcd_values(values: Mapping[str, Any], option: str) -> None:
-    """Raises :class:`~resihp_lightning.errors.ConfigError` naming ``<option>.<field>`` for a bad value."""
-    endpoints = values.get("endpoints")
-    if isinstance(endpoints, str) or not isinstance(endpoints, (list, tuple)) or not endpoints:
-        raise invalid_option(f"{option}.endpoints", endpoints, "a non-empty list of etcd client URLs (http://host:2379)")
-    for url in endpoints:
-        try:
-            Endpoint.parse(str(url))
-        except ValueError:
-            raise invalid_option(f"{option}.endpoints", url, "http://host:port or https://host:port") from None
-    for name in ("request_timeout_s", "op_timeout_s", "poll_s"):
-        value = values.get(name, 1.0)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-            raise invalid_option(f"{option}.{name}", value, "seconds > 0")
-    if (values.get("user") is None) != (values.get("password_file") is None):
-        raise invalid_option(f"{option}.password_file", values.get("password_file"),
-                             "a file with the password of `user` (both set, or neither)")
-    if (values.get("cert_file") is None) != (values.get("key_file") is None):
-        raise invalid_option(f"{option}.key_file", values.get("key_file"), "set together with cert_file")
-    prefix = values.get("key_prefix", "resihp/")
-    if not isinstance(prefix, str) or not prefix:
-        raise invalid_option(f"{option}.key_prefix", prefix, "a non-empty string")
-
-
-@dataclass(frozen=True, kw_only=True)
-class EtcdConfig:
-    """Where the job's etcd cluster is and how to log in.
-
-    Attributes:
-        endpoints: the members' client URLs, e.g. ``["http://10.0.0.1:2379", "http://10.0.0.2:2379",
-            "http://10.0.0.3:2379"]`` (all of them: requests fail over between them).
-        user: etcd user of the job (None: the cluster has auth off; anyone who reaches it can write).
-        password_file: file holding that user's password (one line; keep it readable by the job's
-            user only).
-        ca_file: CA certificate of ``https://`` endpoints.
-        cert_file: client certificate, for members started with ``--client-cert-auth``.
-        key_file: its key.
-        request_timeout_s: bound of one request to one member before trying the next.
-        op_timeout_s: bound of one store operation over all members (retries included): after it,
-            :class:`~.failures.StoreUnavailable` (e.g. the cluster lost its quorum).
-        poll_s: longest pause between two polls of a ``get``/``wait`` for a key that is not there yet.
-        key_prefix: every key of the job lives under ``<key_prefix><run id>/`` (the job user's role
-            grants read-write on ``key_prefix``).
-    """
-
-    endpoints: tuple[str, ...]
-    user: str | None = None
-    password_file: str | None = None
-    ca_file: str | None = None
-    cert_file: str | None = None
-    key_file: str | None = None
-    request_timeout_s: float = 2.0
-    op_timeout_s: float = 10.0
-    poll_s: float = 0.05
-    key_prefix: str = "resihp/"
-
-    def __post_init__(self) -> None:
-        check_etcd_values(vars(self), "resilience.store.etcd")
-        object.__setattr__(self, "endpoints", tuple(str(e) for e in self.endpoints))
-
-    def password(self) -> str | None:
-        """The password, read from ``password_file`` (None without a user)."""
-        if self.password_file is None:
-            return None
-        return Path(self.password_file).read_text().strip()
-
-    def peer_addresses(self) -> list[tuple[str, int]]:
-        """``(host, port)`` of every member (for the socket tracker's exclusions)."""
-        return [(e.host, e.port) for e in map(Endpoint.parse, self.endpoints)]
 
 
 class EtcdStore(_Store):  # type: ignore[misc,valid-type]
@@ -161,7 +75,7 @@ class EtcdStore(_Store):  # type: ignore[misc,valid-type]
 
     Args:
         config: the cluster and the credentials.
-        root: prefix of every key (``<key_prefix><run id>/``).
+        root: prefix of every key (the world's keys carry their own ``resihp/<run id>/`` prefix: ``""``).
         timeout: how long ``get``/``wait`` wait for a key (the store's timeout, ``set_timeout``).
         password: the password (default: read from ``config.password_file``).
     """
@@ -319,13 +233,13 @@ class EtcdStore(_Store):  # type: ignore[misc,valid-type]
         return int(answer.get("deleted", 0)) > 0
 
     def num_keys(self) -> int:
-        answer = self._call("/v3/kv/range", {"key": b64(self.root), "range_end": b64(_prefix_end(self.root)),
+        answer = self._call("/v3/kv/range", {"key": b64(self.root), "range_end": b64(prefix_end(self.root)),
                                              "count_only": True})
         return int(answer.get("count", 0))
 
     def delete_all(self) -> int:
         """Deletes every key under ``root`` (a finished job's); how many there were."""
-        answer = self._call("/v3/kv/deleterange", {"key": b64(self.root), "range_end": b64(_prefix_end(self.root))})
+        answer = self._call("/v3/kv/deleterange", {"key": b64(self.root), "range_end": b64(prefix_end(self.root))})
         return int(answer.get("deleted", 0))
 
 

@@ -63,6 +63,7 @@ from typing import Any
 
 from resihp_lightning._logging import get_logger
 from resihp_lightning.errors import invalid_option
+from resihp_lightning.resilience.etcd_config import EtcdConfig
 from resihp_lightning.resilience.failures import StoreUnavailable
 from resihp_lightning.resilience.machine_board import machine_beat_key
 from resihp_lightning.resilience.procs import ProcessIdentity
@@ -73,6 +74,7 @@ HOST_PREFIX = "resihp/host/"
 ADDRESS_FILE = "store.json"
 LOCK_FILE = "store.lock"
 LOG_FILE = "store_host.log"
+SECRET_FILE = "store.secret"
 
 
 def host_key(name: str) -> str:
@@ -106,6 +108,13 @@ class StoreConfig:
         startup_timeout_s: the host exits if nobody registers within this long.
         remote_idle_s: a member on another machine counts as alive while its heartbeat key changed
             within this long.
+        authenticate: sign every value with the job's secret (:mod:`.store_auth`) and ignore values
+            that are not; on one machine the secret is made in ``run_dir``; with a fixed ``port``
+            (several machines) only when ``secret_file`` names a file every machine reads.
+        secret_file: the job's secret (mode 0600, this user's); default ``<run_dir>/store.secret``
+            on one machine.
+        etcd: the job's etcd cluster (:mod:`.etcd_store`): no store host then, and no single
+            machine whose loss ends the job. None: the store host.
     """
 
     run_dir: str | None = None
@@ -119,6 +128,9 @@ class StoreConfig:
     linger_s: float = 2.0
     startup_timeout_s: float = 120.0
     remote_idle_s: float = 30.0
+    authenticate: bool = True
+    secret_file: str | None = None
+    etcd: EtcdConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("timeout_s", "connect_timeout_s", "linger_s", "startup_timeout_s", "remote_idle_s"):
@@ -129,6 +141,10 @@ class StoreConfig:
             raise invalid_option("resilience.store.attempt", self.attempt, "null or an integer >= 0")
         if self.run_id is not None and not re.fullmatch(r"[A-Za-z0-9_.:-]+", self.run_id):
             raise invalid_option("resilience.store.run_id", self.run_id, "letters, digits and _ . : -")
+        if not isinstance(self.authenticate, bool):
+            raise invalid_option("resilience.store.authenticate", self.authenticate, "true or false")
+        if self.etcd is not None and not isinstance(self.etcd, EtcdConfig):
+            raise invalid_option("resilience.store.etcd", self.etcd, "null or an EtcdConfig")
 
     def resolved_run_id(self) -> str:
         if self.run_id is not None:
@@ -157,6 +173,14 @@ class StoreConfig:
         if self.host is not None:
             return self.host
         return os.environ.get("MASTER_ADDR", "127.0.0.1") if self.port is not None else "127.0.0.1"
+
+    def resolved_secret_file(self) -> Path | None:
+        """The secret that signs the TCP store's values, or None (unsigned)."""
+        if not self.authenticate or self.etcd is not None:
+            return None
+        if self.secret_file is not None:
+            return Path(self.secret_file)
+        return None if self.port is not None else self.resolved_run_dir() / SECRET_FILE
 
 
 @contextlib.contextmanager
@@ -242,31 +266,69 @@ class RendezvousStore:
         self.control: Any = None
         self.member_id: int | None = None
         self._lock = threading.Lock()
+        self._secret: bytes | None = None
+        self._etcd: Any = None
 
     # ------------------------------------------------------------------------------ opening
     def open(self) -> RendezvousStore:
-        """Connects to the job's store host, starting it if there is none, and registers this process.
+        """Connects to the job's store (etcd, or the store host, starting it if there is none) and registers.
 
         Raises:
-            StoreUnavailable: no host was reachable within ``connect_timeout_s``.
+            StoreUnavailable: no host was reachable within ``connect_timeout_s``, or the etcd cluster
+                refused the credentials (:class:`~.etcd_gateway.StoreAccessDenied`) or did not answer.
         """
         cfg = self.config
+        if cfg.etcd is not None:
+            return self._open_etcd()
+        if cfg.run_dir is None:  # $TMPDIR/resihp-<uid>: this user's alone
+            self.run_dir.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         deadline = time.monotonic() + cfg.connect_timeout_s
         while True:
             with file_lock(self.run_dir / LOCK_FILE, max(deadline - time.monotonic(), 0.1)):
+                self._load_secret(create=cfg.spawn)
                 client = self._find_host()
                 if client is None and cfg.spawn:
                     client = self._spawn_host(deadline)
                 if client is not None:
-                    self._register(client)
+                    self._register(self._sign(client))
                     break
             if time.monotonic() > deadline:
                 raise StoreUnavailable(
                     f"no store host reachable for run dir {self.run_dir} within {cfg.connect_timeout_s:.0f} s"
                 )
             time.sleep(0.2)
-        log.info("rank %d uses the store host at %s:%d", self.rank, *self.address)
+        log.info("rank %d uses the store host at %s:%d%s", self.rank, *self.address,
+                 " (values signed)" if self._secret else "")
         return self
+
+    def _open_etcd(self) -> RendezvousStore:
+        from resihp_lightning.resilience.etcd_store import EtcdStore
+
+        cfg = self.config
+        assert cfg.etcd is not None
+        self._etcd = EtcdStore(cfg.etcd, root="", timeout=datetime.timedelta(seconds=cfg.timeout_s))
+        self._register(self._etcd.connect_now())
+        log.info("rank %d uses the etcd store at %s", self.rank, ", ".join(cfg.etcd.endpoints))
+        return self
+
+    def _load_secret(self, create: bool) -> None:
+        path = self.config.resolved_secret_file()
+        if path is None or self._secret is not None:
+            return
+        from resihp_lightning.resilience.store_auth import create_secret, read_secret
+
+        if create and self.config.secret_file is None:
+            self._secret = create_secret(path)
+        else:
+            self._secret = read_secret(path)
+
+    def _sign(self, client: Any) -> Any:
+        """``client`` with the job's signature on every value (unchanged without a secret)."""
+        if self._secret is None:
+            return client
+        from resihp_lightning.resilience.store_auth import SignedStore
+
+        return SignedStore(client, self._secret)
 
     def _find_host(self) -> Any:
         cfg = self.config
@@ -306,6 +368,9 @@ class RendezvousStore:
             "--spawner", ProcessIdentity.current().to_json(),
             "--detach",
         ]
+        secret_file = cfg.resolved_secret_file()
+        if secret_file is not None:
+            command += ["--secret-file", str(secret_file)]
         env = dict(os.environ)
         package_root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
@@ -337,7 +402,9 @@ class RendezvousStore:
         import torch.distributed as dist
 
         client.set_timeout(datetime.timedelta(seconds=self.config.timeout_s))
-        self._raw = LockedStore(client, self._lock)
+        # etcd: the host's bookkeeping keys (nobody reads them there) stay inside the job's prefix.
+        raw = client if self._etcd is None else dist.PrefixStore(f"resihp/{self.config.resolved_run_id()}", client)
+        self._raw = LockedStore(raw, self._lock)
         self.control = LockedStore(dist.PrefixStore(self.namespace, client), self._lock)
         identity = ProcessIdentity.current()
         self.member_id = int(self._raw.add(host_key("count"), 1)) - 1
@@ -354,15 +421,25 @@ class RendezvousStore:
     # ------------------------------------------------------------------------------ clients
     def connect(self) -> Any:
         """A new connection to the store (raw keys; wrap with :meth:`scoped` for job keys)."""
+        if self._etcd is not None:
+            return self._etcd.clone().connect_now()
         if self.address is None:
             raise StoreUnavailable("the store is not open")
-        return tcp_client(self.address[0], self.address[1], self.config.timeout_s)
+        return self._sign(tcp_client(self.address[0], self.address[1], self.config.timeout_s))
+
+    @property
+    def peer_addresses(self) -> list[tuple[str, int]]:
+        """``(host, port)`` of the store's servers (``"*"``: any host), whose connections an abort must not cut."""
+        if self.config.etcd is not None:
+            return self.config.etcd.peer_addresses()
+        return [("*", self.address[1])] if self.address else []
 
     def scoped(self, client: Any) -> Any:
         """``client`` seen through this job's key namespace."""
         import torch.distributed as dist
 
-        return dist.PrefixStore(self.namespace, client)
+        view = dist.PrefixStore(self.namespace, client)
+        return view if type(client).__module__.startswith("torch") else Pinned(view, client)
 
     # ------------------------------------------------------------------------------ leaving
     def mark_left(self, rank: int, reason: str) -> None:
@@ -384,7 +461,25 @@ class RendezvousStore:
                 self._raw.set(host_key(f"left/{self.member_id}"), "done")
             except Exception as err:  # noqa: BLE001
                 log.debug("could not say goodbye to the store host: %s", err)
+        if self._etcd is not None:
+            self._etcd.gateway.close()
         self._raw = self.control = None
+
+
+class Pinned:
+    """A C++ store view (``PrefixStore``) over a store written in Python, holding that store alive.
+
+    pybind11 keeps only the C++ part of a Python subclass of ``torch.distributed.Store`` that nothing
+    in Python references: its overridden methods are then gone ("Not implemented"). This view keeps
+    the reference for as long as the view is used.
+    """
+
+    def __init__(self, view: Any, pinned: Any) -> None:
+        self._view = view
+        self._pinned = pinned
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._view, name)
 
 
 class LockedStore:

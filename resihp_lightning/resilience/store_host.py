@@ -13,6 +13,11 @@ within ``--remote-idle`` seconds (measured on the host's own clock). The worker 
 host counts until somebody registers. When nobody counts for ``--linger`` seconds, or nobody ever
 registered within ``--startup-timeout``, or ``resihp/host/shutdown`` is set, the host takes the
 run directory's lock, checks once more, removes its address file and exits.
+
+The server listens on ``--host`` only (torch's ``TCPStore`` server would listen on every interface:
+the host hands it a socket bound to the job's address). With ``--secret-file`` the host counts only
+registrations, goodbyes and shutdown requests signed with the job's secret (:mod:`.store_auth`): a
+stranger who reaches the port cannot keep it alive by registering, nor stop it.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import datetime
 import json
 import logging
 import os
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -56,6 +62,8 @@ class StoreHost:
         remote_idle_s: a remote member counts while its heartbeat changed within this long.
         spawner: the worker that started the host (counts until someone registers).
         poll_s: seconds between checks.
+        secret: the job's secret: registrations, goodbyes and shutdown requests count only when
+            signed with it (:mod:`.store_auth`); None: every value counts.
     """
 
     def __init__(
@@ -70,25 +78,39 @@ class StoreHost:
         remote_idle_s: float,
         spawner: ProcessIdentity | None = None,
         poll_s: float = 0.2,
+        secret: bytes | None = None,
     ) -> None:
         self.run_dir = run_dir
         self.host, self.port = host, port
         self.timeout_s, self.linger_s = timeout_s, linger_s
         self.startup_timeout_s, self.remote_idle_s = startup_timeout_s, remote_idle_s
         self.spawner, self.poll_s = spawner, poll_s
+        self.secret = secret
         self.store: Any = None
+        self._listener: socket.socket | None = None
         self._members: dict[int, _Member] = {}
 
     def serve(self) -> str:
         """Runs the server until the lifetime rule ends it; returns why it ended."""
         import torch.distributed as dist
 
-        self.store = dist.TCPStore(
-            self.host, self.port, None, True, datetime.timedelta(seconds=self.timeout_s), wait_for_workers=False
+        # torch's server listens on every interface; a socket bound here to the job's address keeps
+        # it off the others (127.0.0.1 on one machine).
+        self._listener = bound_listener(self.host, self.port)
+        server = dist.TCPStore(
+            self.host, self._listener.getsockname()[1], None, True, datetime.timedelta(seconds=self.timeout_s),
+            wait_for_workers=False, master_listen_fd=self._listener.fileno(),
         )
+        if self.secret is not None:
+            from resihp_lightning.resilience.store_auth import SignedStore
+
+            self.store = SignedStore(server, self.secret)
+        else:
+            self.store = server
         identity = ProcessIdentity.current()
-        write_address(self.run_dir, {"host": self.host, "port": self.store.port, "identity": vars(identity)})
-        log.info("store host %d serving %s:%d", os.getpid(), self.host, self.store.port)
+        write_address(self.run_dir, {"host": self.host, "port": server.port, "identity": vars(identity)})
+        log.info("store host %d serving %s:%d%s", os.getpid(), self.host, server.port,
+                 " (signed values only)" if self.secret is not None else "")
         started = last_alive = time.monotonic()
         while True:
             time.sleep(self.poll_s)
@@ -145,10 +167,28 @@ class StoreHost:
             )
 
 
+def bound_listener(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` only (port 0: a free one)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, proto)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(address)
+    listener.listen(512)
+    return listener
+
+
 def _detach() -> None:
     """Forks; the parent exits so that whoever spawned it can reap it at once."""
     if os.fork() > 0:
         os._exit(0)
+
+
+def _secret(path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    from resihp_lightning.resilience.store_auth import read_secret
+
+    return read_secret(Path(path))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--startup-timeout", type=float, default=120.0)
     parser.add_argument("--remote-idle", type=float, default=30.0)
     parser.add_argument("--spawner", default=None, help="the spawning worker's identity (JSON)")
+    parser.add_argument("--secret-file", default=None, help="the job's secret: only values signed with it count")
     parser.add_argument("--detach", action="store_true")
     args = parser.parse_args(argv)
     if args.detach:
@@ -177,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         startup_timeout_s=args.startup_timeout,
         remote_idle_s=args.remote_idle,
         spawner=ProcessIdentity.from_json(args.spawner) if args.spawner else None,
+        secret=_secret(args.secret_file),
     )
     try:
         host.serve()

@@ -237,6 +237,10 @@ class EtcdStore(_Store):  # type: ignore[misc,valid-type]
                                              "count_only": True})
         return int(answer.get("count", 0))
 
+    # torch's C++ side calls these two by their C++ names.
+    deleteKey = delete_key  # noqa: N815
+    getNumKeys = num_keys  # noqa: N815
+
     def delete_all(self) -> int:
         """Deletes every key under ``root`` (a finished job's); how many there were."""
         answer = self._call("/v3/kv/deleterange", {"key": b64(self.root), "range_end": b64(prefix_end(self.root))})

@@ -246,6 +246,10 @@ class SignedStore(_Store):  # type: ignore[misc,valid-type]
     def num_keys(self) -> int:
         return int(self.inner.num_keys())
 
+    # torch's C++ side calls these two by their C++ names.
+    deleteKey = delete_key  # noqa: N815
+    getNumKeys = num_keys  # noqa: N815
+
     def set_timeout(self, timeout: datetime.timedelta) -> None:
         super().set_timeout(timeout)
         if hasattr(self, "inner"):

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from resihp_lightning.resilience.failures import StoreUnavailable
 from resihp_lightning.resilience.procs import ProcessIdentity
 from resihp_lightning.resilience.store import LOCK_FILE, file_lock, host_key, read_address, write_address
 
@@ -89,6 +90,8 @@ class StoreHost:
         self.store: Any = None
         self._listener: socket.socket | None = None
         self._members: dict[int, _Member] = {}
+        self._count = 0
+        self._count_error: str | None = None
 
     def serve(self) -> str:
         """Runs the server until the lifetime rule ends it; returns why it ended."""
@@ -156,7 +159,14 @@ class StoreHost:
         return alive
 
     def _read_members(self, now: float) -> None:
-        count = int(self.store.add(host_key("count"), 0))
+        try:
+            count = int(self.store.add(host_key("count"), 0))
+        except StoreUnavailable as err:  # a stranger overwrote the signed counter: no new registrations
+            if self._count_error is None:
+                log.warning("store host: %s; registrations after it are ignored", err)
+            self._count_error = str(err)
+            count = self._count
+        self._count = count
         for index in range(count):
             key = host_key(f"member/{index}")
             if index in self._members or not self.store.check([key]):

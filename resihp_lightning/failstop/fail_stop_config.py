@@ -13,17 +13,18 @@ from resihp_lightning.errors import invalid_option
 UNRECOVERABLE_EXIT_CODE = 75
 
 STORE_BACKENDS = ("tcp", "etcd")
-_TCP_STORE_OPTIONS = ("backend", "port", "secret_file", "authenticate")
+_TCP_ONLY = ("port", "secret_file")
+_ETCD_ONLY = ("endpoints", "user", "password_file", "ca_file", "cert_file", "key_file")
 
 
 @dataclass(frozen=True, kw_only=True)
 class StoreOptions:
-    """Where the survivors agree: ``fail_stop.store``, written as one mapping.
+    """Where the survivors agree: ``fail_stop.store``.
 
-    ``{"backend": "tcp"}`` (the default) is the store host, a process of its own on one machine
-    (:mod:`~resihp_lightning.resilience.store`); ``{"backend": "etcd", "endpoints": [...], "user": ...,
-    "password_file": ...}`` is a replicated etcd cluster (:mod:`~resihp_lightning.resilience.etcd_store`),
-    which survives the loss of any one machine, machine 0 included (docs/machines.md has the recipe).
+    ``backend: tcp`` (the default) is the store host, a process of its own on one machine
+    (:mod:`~resihp_lightning.resilience.store`); ``backend: etcd`` is a replicated etcd cluster
+    (:mod:`~resihp_lightning.resilience.etcd_store`), which survives the loss of any one machine,
+    machine 0 included (docs/machines.md has the recipe).
 
     Attributes:
         backend: ``"tcp"`` or ``"etcd"``.
@@ -33,50 +34,72 @@ class StoreOptions:
             file every machine can read).
         authenticate: tcp: sign values and ignore unsigned ones (``false``: anyone who reaches the
             port may write).
-        etcd: etcd: the cluster's options (``endpoints``, ``user``, ``password_file``, ``ca_file``,
-            ``cert_file``, ``key_file``, ``request_timeout_s``, ``op_timeout_s``, ``poll_s``; see
-            :class:`~resihp_lightning.resilience.etcd_config.EtcdConfig`), given flat in the mapping.
+        endpoints: etcd: every member's client URL (``http://node0:2379``, ...).
+        user: etcd: the job's user (``python -m resihp_lightning.resilience.etcd_admin`` makes it);
+            None: the cluster has auth off.
+        password_file: etcd: file with that user's password.
+        ca_file: etcd: CA of ``https://`` endpoints.
+        cert_file: etcd: client certificate (members with ``--client-cert-auth``).
+        key_file: etcd: its key.
+        request_timeout_s: etcd: bound of one request to one member before the next is tried.
+        op_timeout_s: etcd: bound of one operation over all members; then ``StoreUnavailable``
+            (e.g. the cluster lost its quorum).
+        poll_s: etcd: longest pause between two polls of a key waited for.
     """
 
     backend: str = "tcp"
     port: int | None = None
     secret_file: str | None = None
     authenticate: bool = True
-    etcd: Any = None
+    endpoints: list[str] | None = None
+    user: str | None = None
+    password_file: str | None = None
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    request_timeout_s: float = 2.0
+    op_timeout_s: float = 10.0
+    poll_s: float = 0.05
 
     def __post_init__(self) -> None:
+        from resihp_lightning.resilience.etcd_config import check_etcd_values
+
         if self.backend not in STORE_BACKENDS:
             raise invalid_option("fail_stop.store.backend", self.backend, STORE_BACKENDS)
+        foreign = _ETCD_ONLY if self.backend == "tcp" else _TCP_ONLY
+        for name in foreign:
+            if getattr(self, name) is not None:
+                raise invalid_option(f"fail_stop.store.{name}", getattr(self, name), f"null with backend {self.backend!r}")
         if self.port is not None and (not isinstance(self.port, int) or isinstance(self.port, bool) or not 1 <= self.port <= 65535):
             raise invalid_option("fail_stop.store.port", self.port, "null or a TCP port 1..65535")
         if not isinstance(self.authenticate, bool):
             raise invalid_option("fail_stop.store.authenticate", self.authenticate, "true or false")
-        if self.backend == "etcd" and self.etcd is None:
-            raise invalid_option("fail_stop.store.endpoints", None, "a non-empty list of etcd client URLs")
+        if self.backend == "etcd":
+            check_etcd_values(vars(self), "fail_stop.store")
 
     @classmethod
     def from_value(cls, value: Any) -> StoreOptions:
-        """From ``None`` (defaults), a :class:`StoreOptions`, or the mapping a user writes."""
-        from resihp_lightning.resilience.etcd_config import ETCD_OPTIONS, EtcdConfig, check_etcd_values
-
+        """From ``None`` (defaults), a :class:`StoreOptions`, or its mapping."""
         if value is None:
             return cls()
         if isinstance(value, cls):
             return value
-        if isinstance(value, EtcdConfig):
-            return cls(backend="etcd", etcd=value)
         if not isinstance(value, Mapping):
             raise invalid_option("fail_stop.store", value, "a mapping with `backend` ('tcp' or 'etcd') and its options")
-        backend = value.get("backend", "tcp")
-        allowed = _TCP_STORE_OPTIONS if backend == "tcp" else ("backend", *ETCD_OPTIONS)
-        unknown = sorted(set(value) - set(allowed))
-        if backend in STORE_BACKENDS and unknown:
-            raise invalid_option(f"fail_stop.store.{unknown[0]}", value[unknown[0]], f"for backend {backend!r}: {', '.join(allowed)}")
-        if backend != "etcd":
-            return cls(**dict(value))
-        etcd = {k: v for k, v in value.items() if k != "backend"}
-        check_etcd_values(etcd, "fail_stop.store")
-        return cls(backend="etcd", etcd=EtcdConfig(**etcd))
+        unknown = sorted(set(value) - {f.name for f in fields(cls)})
+        if unknown:
+            raise invalid_option(f"fail_stop.store.{unknown[0]}", value[unknown[0]], [f.name for f in fields(cls)])
+        return cls(**dict(value))
+
+    def etcd_config(self) -> Any:
+        """The :class:`~resihp_lightning.resilience.etcd_config.EtcdConfig` of ``backend: etcd``."""
+        from resihp_lightning.resilience.etcd_config import EtcdConfig
+
+        return EtcdConfig(
+            endpoints=tuple(self.endpoints or ()), user=self.user, password_file=self.password_file,
+            ca_file=self.ca_file, cert_file=self.cert_file, key_file=self.key_file,
+            request_timeout_s=self.request_timeout_s, op_timeout_s=self.op_timeout_s, poll_s=self.poll_s,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,7 +130,7 @@ class FailStopConfig:
             job's processes through a file in the temporary directory. Several machines need a fixed
             port; the host then runs on node 0 at ``$MASTER_ADDR`` (that machine is a single point of
             failure: losing it ends the job, for a restart; ``store`` with the etcd backend has none).
-        store: which store the survivors agree through (:class:`StoreOptions`, or its mapping, e.g.
+        store: which store the survivors agree through (:class:`StoreOptions` or its mapping, e.g.
             ``{"backend": "etcd", "endpoints": ["http://node0:2379", ...], "user": "job",
             "password_file": "job.pw"}``); default: the TCP store host.
     """
@@ -122,7 +145,7 @@ class FailStopConfig:
     exit_code: int = UNRECOVERABLE_EXIT_CODE
     kill_evicted: bool = True
     store_port: int | None = None
-    store: StoreOptions | Mapping[str, Any] | None = None
+    store: StoreOptions | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "store", StoreOptions.from_value(self.store))
@@ -179,7 +202,7 @@ class FailStopConfig:
         assert isinstance(options, StoreOptions)
         port = self.store_port or options.port
         if options.backend == "etcd":
-            store = StoreConfig(etcd=options.etcd)
+            store = StoreConfig(etcd=options.etcd_config())
         else:
             store = StoreConfig(
                 port=port, spawn=port is None or node_rank == 0,

@@ -33,7 +33,16 @@ start) and gives an in-memory store with blocking waits, ``compare_set`` and ``a
 Multi-node: pass a fixed ``port`` and ``host`` = an address of the node that runs the host, and
 ``spawn=False`` on the other nodes. The host's machine is then a single point of failure: if that
 machine dies, so does the store; the survivors notice (:class:`~.failures.StoreUnavailable`) and the
-job has to be restarted from a checkpoint (a restartable or replicated store is future work).
+job has to be restarted from a checkpoint. With ``etcd`` set (:mod:`.etcd_store`) there is no store
+host: the keys live in a replicated etcd cluster that survives the loss of any one machine.
+
+**Who may write.** The host listens on ``host`` only (127.0.0.1 on one machine; torch's own server
+would listen on every interface). Every value is signed with the job's secret (:mod:`.store_auth`),
+made in the run directory on one machine (mode 0600; several machines sign only with an explicit
+``secret_file``), and values that are not are ignored: a stranger who reaches the port cannot publish
+an abort marker, vote, register as a member or stop the host (it can still read, delete or overwrite
+keys: a denial of service). On etcd, the cluster's users and roles do this
+(:mod:`.etcd_admin`).
 
 Keys: host bookkeeping lives under ``resihp/host/``; everything else a job writes goes under
 ``resihp/<run id>/a<attempt>`` (:attr:`RendezvousStore.namespace`), so that the next attempt of a

@@ -192,6 +192,14 @@ class StoreConfig:
         return None if self.port is not None else self.resolved_run_dir() / SECRET_FILE
 
 
+def _private_dir(path: Path) -> None:
+    """Creates ``path`` readable by this user only (made so if it exists and is this user's)."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = path.stat()
+    if info.st_uid == os.getuid() and info.st_mode & 0o077:
+        path.chmod(0o700)
+
+
 @contextlib.contextmanager
 def file_lock(path: Path, timeout_s: float) -> Iterator[None]:
     """An exclusive ``flock`` on ``path`` (created if needed), waited for at most ``timeout_s``.
@@ -290,7 +298,7 @@ class RendezvousStore:
         if cfg.etcd is not None:
             return self._open_etcd()
         if cfg.run_dir is None:  # $TMPDIR/resihp-<uid>: this user's alone
-            self.run_dir.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            _private_dir(self.run_dir.parent)
         deadline = time.monotonic() + cfg.connect_timeout_s
         while True:
             with file_lock(self.run_dir / LOCK_FILE, max(deadline - time.monotonic(), 0.1)):

@@ -6,14 +6,18 @@ in a regroup, register as a member (the store host would then outlive the job), 
 shut down. :class:`SignedStore` wraps a store connection so that:
 
 * every value written (``set``, ``multi_set``, ``compare_set``, ``append``, and the counters of
-  ``add``) is a *record*: ``magic, length, HMAC-SHA256(secret, key NUL value), value``, the MAC
-  binding the value to its full key (a record copied to another key does not verify);
+  ``add``) is a *record*: ``magic, length, nonce, HMAC-SHA256(secret, key NUL nonce value), value``,
+  the MAC binding the value to its full key (a record copied to another key does not verify). The
+  random nonce makes every write's bytes unique, so that a ``compare_set`` that returns what this
+  process wrote really is this process's write (two racing ``add``s computing the same new count
+  would otherwise both see "their" bytes and one increment would be lost);
 * every value read is verified; a key whose value is unsigned or badly signed counts as *absent*
   (``check`` false, ``get``/``wait`` keep waiting for a valid value until the timeout) and each such
   value is reported once per key (a warning, and :attr:`SignedStore.rejected`);
 * ``append`` adds one record; a read keeps the valid records of the sequence, in order;
 * ``add`` is a ``compare_set`` loop over a signed decimal counter (TCPStore's own ``add`` counts on
-  the server and could not be signed).
+  the server and could not be signed), and so is ``compare_set`` with a non-empty expected value
+  (the stored record's bytes are compared, not recomputed).
 
 The secret is 32 random bytes in a file that only the job's user can read (mode 0600, checked on
 every open: a file another user owns or can read is refused). On one machine the first worker
@@ -59,7 +63,7 @@ except ImportError:  # pragma: no cover
 log = get_logger(__name__)
 
 _MAGIC = b"\xa5S"
-_HEADER = struct.Struct(">2sI32s")  # magic, value length, MAC
+_HEADER = struct.Struct(">2sI8s32s")  # magic, value length, nonce, MAC
 
 
 class SecretError(StoreUnavailable):
@@ -132,13 +136,14 @@ class SignedStore(_Store):  # type: ignore[misc,valid-type]
         return SignedStore(inner, self._secret, self._on_rejected)
 
     # ----------------------------------------------------------------------- records
-    def _mac(self, key: str, value: bytes) -> bytes:
-        return hmac.new(self._secret, key.encode() + b"\0" + value, hashlib.sha256).digest()
+    def _mac(self, key: str, nonce: bytes, value: bytes) -> bytes:
+        return hmac.new(self._secret, key.encode() + b"\0" + nonce + value, hashlib.sha256).digest()
 
     def seal(self, key: str, value: Any) -> bytes:
-        """``value`` as a signed record for ``key``."""
+        """``value`` as a signed record for ``key`` (with a fresh nonce: never the same bytes twice)."""
         value = _bytes(value)
-        return _HEADER.pack(_MAGIC, len(value), self._mac(key, value)) + value
+        nonce = secrets.token_bytes(8)
+        return _HEADER.pack(_MAGIC, len(value), nonce, self._mac(key, nonce, value)) + value
 
     def open_records(self, key: str, raw: bytes) -> bytes | None:
         """The verified value of ``raw`` (the concatenated values of its valid records), or None if none is valid."""
@@ -148,12 +153,12 @@ class SignedStore(_Store):  # type: ignore[misc,valid-type]
             if len(raw) - offset < _HEADER.size:
                 bad = True
                 break
-            magic, length, mac = _HEADER.unpack_from(raw, offset)
+            magic, length, nonce, mac = _HEADER.unpack_from(raw, offset)
             value = raw[offset + _HEADER.size: offset + _HEADER.size + length]
             if magic != _MAGIC or len(value) != length:
                 bad = True
                 break  # framing lost: the rest cannot be parsed
-            if hmac.compare_digest(mac, self._mac(key, value)):
+            if hmac.compare_digest(mac, self._mac(key, nonce, value)):
                 out.append(value)
             else:
                 bad = True
@@ -217,12 +222,22 @@ class SignedStore(_Store):  # type: ignore[misc,valid-type]
 
     def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
         expected_b, desired_b = _bytes(expected), _bytes(desired)
-        raw_expected = self.seal(key, expected_b) if expected_b else b""
-        current = self.inner.compare_set(key, raw_expected, self.seal(key, desired_b))
-        if not expected_b and current == raw_expected:
-            return expected_b
-        value = self.open_records(key, current)
-        return value if value is not None else b""
+        while True:
+            if expected_b:
+                raw = self.inner.get(key) if self.inner.check([key]) else b""
+                current = self.open_records(key, raw) if raw else None
+                if current != expected_b:  # absent: TCPStore answers ``expected``
+                    return expected_b if not raw else (current if current is not None else b"")
+            else:
+                raw = b""
+            sealed = self.seal(key, desired_b)
+            answer = self.inner.compare_set(key, raw, sealed)
+            if answer == sealed:
+                return desired_b
+            if not expected_b:  # somebody else's value was there first
+                value = self.open_records(key, answer)
+                return value if value is not None else b""
+            # the record changed between the read and the swap: read it again
 
     def append(self, key: str, value: Any) -> None:
         self.inner.append(key, self.seal(key, value))

@@ -123,3 +123,32 @@ def test_a_stranger_can_neither_reach_the_store_host_elsewhere_nor_abort_registe
         time.sleep(0.05)
     assert not host_process.alive(), "a forged registration kept the store host alive"
     assert os.stat(tmp_path / "store.secret").st_mode & 0o077 == 0
+
+
+def test_racing_adds_and_votes_on_the_signed_store_lose_nothing():
+    """Two adds that compute the same new count must not both succeed (each record's nonce makes the
+    bytes unique); this is the step-commit vote of every optimizer step."""
+    import threading
+
+    from resihp_lightning.resilience.store_auth import SignedStore
+    from resihp_lightning.testing.stores import tcp_store_client
+
+    server, first, _ = _signed(timeout_s=10.0)
+    stores = [first] + [SignedStore(tcp_store_client(server, 10.0), b"s" * 32) for _ in range(3)]
+    results: list[list[int]] = [[] for _ in stores]
+    winners: list[bytes] = []
+
+    def work(i: int) -> None:
+        for _ in range(25):
+            results[i].append(stores[i].add("votes", 1))
+        winners.append(stores[i].compare_set("decision", "", f"rank {i}"))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(stores))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert sorted(n for r in results for n in r) == list(range(1, 101)), "every add got its own count"
+    assert len(set(winners)) == 1 and winners[0].startswith(b"rank ")
+    assert first.compare_set("decision", winners[0], "swapped") == b"swapped"
+    assert first.compare_set("decision", winners[0], "again") == b"swapped", "a stale expectation swaps nothing"

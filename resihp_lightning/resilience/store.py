@@ -87,7 +87,8 @@ SECRET_FILE = "store.secret"
 
 
 def host_key(name: str) -> str:
-    """A host bookkeeping key (``count``, ``member/<i>``, ``left/<i>``, ``shutdown``)."""
+    """A host bookkeeping key (``count``, ``member/<i>``, ``left/<i>``, ``shutdown``; the host writes
+    ``members``, how many registrations it has read)."""
     return HOST_PREFIX + name
 
 

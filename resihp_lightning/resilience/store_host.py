@@ -175,6 +175,7 @@ class StoreHost:
             self._members[index] = _Member(
                 index, ProcessIdentity(**info["identity"]), info["beat_key"], beat_changed=now
             )
+            self.store.set(host_key("members"), str(len(self._members)))  # how many the host counts
 
 
 def bound_listener(host: str, port: int) -> socket.socket:

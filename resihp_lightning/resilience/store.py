@@ -46,7 +46,9 @@ keys: a denial of service). On etcd, the cluster's users and roles do this
 
 Keys: host bookkeeping lives under ``resihp/host/``; everything else a job writes goes under
 ``resihp/<run id>/a<attempt>`` (:attr:`RendezvousStore.namespace`), so that the next attempt of a
-restarted job (``TORCHELASTIC_RESTART_COUNT``) never reads the keys of the last one. Relaunching the
+restarted job never reads the keys of the last one. Under torchrun the attempt is the launch round
+the workers agree on through the store (``resihp/<run id>/r<round>``, :mod:`.store_round`):
+``TORCHELASTIC_RESTART_COUNT`` differs between agents after a membership change. Relaunching the
 same run id and attempt within ``linger_s`` of the end of the last launch could reuse its host and
 keys: give each launch its own run id.
 """
@@ -106,8 +108,9 @@ class StoreConfig:
             ``$TMPDIR/resihp-<uid>/<run_id>``. Must be on a local disk.
         run_id: names the job; default ``$TORCHELASTIC_RUN_ID`` (unless ``"none"``), else
             ``$SLURM_JOB_ID``, else ``<MASTER_ADDR>-<MASTER_PORT>``.
-        attempt: restart count of the job; default ``$TORCHELASTIC_RESTART_COUNT`` or
-            ``$SLURM_RESTART_COUNT`` or 0.
+        attempt: restart count of the job; default: under torchrun, the launch round the workers
+            agree on through the store (:mod:`.store_round`; torchrun's own restart count differs
+            between agents after a membership change), else ``$SLURM_RESTART_COUNT`` or 0.
         host: address the host binds and workers connect to; default 127.0.0.1, or
             ``$MASTER_ADDR`` when ``port`` is fixed.
         port: fixed port of the host (multi-node); None: a free port published in ``run_dir``.
@@ -173,6 +176,13 @@ class StoreConfig:
             if os.environ.get(name, "").isdigit():
                 return int(os.environ[name])
         return 0
+
+    def agrees_round(self) -> bool:
+        """Whether the workers agree on their launch round through the store (:mod:`.store_round`):
+        under torchrun (``$TORCHELASTIC_RESTART_COUNT`` set, ``$WORLD_SIZE`` known) unless ``attempt``
+        is given."""
+        return (self.attempt is None and "TORCHELASTIC_RESTART_COUNT" in os.environ
+                and os.environ.get("WORLD_SIZE", "").isdigit())
 
     def resolved_run_dir(self) -> Path:
         if self.run_dir is not None:
@@ -286,6 +296,7 @@ class RendezvousStore:
         self._lock = threading.Lock()
         self._secret: bytes | None = None
         self._etcd: Any = None
+        self._client: Any = None
 
     # ------------------------------------------------------------------------------ opening
     def open(self) -> RendezvousStore:
@@ -315,6 +326,7 @@ class RendezvousStore:
                     f"no store host reachable for run dir {self.run_dir} within {cfg.connect_timeout_s:.0f} s"
                 )
             time.sleep(0.2)
+        self._join_namespace()
         log.info("rank %d uses the store host at %s:%d%s", self.rank, *self.address,
                  " (values signed)" if self._secret else "")
         return self
@@ -326,6 +338,7 @@ class RendezvousStore:
         assert cfg.etcd is not None
         self._etcd = EtcdStore(cfg.etcd, root="", timeout=datetime.timedelta(seconds=cfg.timeout_s))
         self._register(self._etcd.connect_now())
+        self._join_namespace()
         log.info("rank %d uses the etcd store at %s", self.rank, ", ".join(cfg.etcd.endpoints))
         return self
 
@@ -417,22 +430,46 @@ class RendezvousStore:
         raise StoreUnavailable(f"the store host did not come up; see {self.run_dir / LOG_FILE}")
 
     def _register(self, client: Any) -> None:
+        """Registers with the host (under the run directory's lock), then joins the job's namespace."""
         import torch.distributed as dist
 
         client.set_timeout(datetime.timedelta(seconds=self.config.timeout_s))
         # etcd: the host's bookkeeping keys (nobody reads them there) stay inside the job's prefix.
         raw = client if self._etcd is None else dist.PrefixStore(f"resihp/{self.config.resolved_run_id()}", client)
         self._raw = LockedStore(raw, self._lock)
-        self.control = LockedStore(dist.PrefixStore(self.namespace, client), self._lock)
+        self._client = client
         identity = ProcessIdentity.current()
         self.member_id = int(self._raw.add(host_key("count"), 1)) - 1
         registration = {
             "rank": self.rank,
             "identity": json.loads(identity.to_json()),
-            # The host's sign of life from a member on another machine: its machine's beat.
-            "beat_key": f"{self.namespace}/{machine_beat_key(identity.machine_key)}",
+            # The host's sign of life from a member on another machine: its machine's beat (under the
+            # namespace; None until the launch round is agreed, then in ``member/<i>/beat``).
+            "beat_key": None if self.config.agrees_round() else self._beat_key(identity),
         }
         self._raw.set(host_key(f"member/{self.member_id}"), json.dumps(registration))
+
+    def _beat_key(self, identity: ProcessIdentity) -> str:
+        return f"{self.namespace}/{machine_beat_key(identity.machine_key)}"
+
+    def _join_namespace(self) -> None:
+        """Agrees on the launch round where torchrun's restart count cannot name it, then writes this
+        process's job keys (outside the run directory's lock: the agreement waits for the others)."""
+        import torch.distributed as dist
+
+        cfg = self.config
+        identity = ProcessIdentity.current()
+        if cfg.agrees_round():
+            from resihp_lightning.resilience.store_round import agree_round
+
+            rounds = dist.PrefixStore(f"resihp/{cfg.resolved_run_id()}/rounds", self._client)
+            with self._lock:
+                number = agree_round(rounds, rank=self.rank, world_size=int(os.environ["WORLD_SIZE"]),
+                                     timeout_s=cfg.startup_timeout_s)
+            self.namespace = f"resihp/{cfg.resolved_run_id()}/r{number}"
+            self._raw.set(host_key(f"member/{self.member_id}/beat"), self._beat_key(identity))
+            log.info("rank %d: launch round %d (store namespace %s)", self.rank, number, self.namespace)
+        self.control = LockedStore(dist.PrefixStore(self.namespace, self._client), self._lock)
         self.control.set(f"member/{self.rank}", str(self.member_id))
         self.control.set(proc_key(self.rank), identity.to_json())
 

@@ -45,7 +45,7 @@ log = logging.getLogger("resihp_lightning.resilience.store_host")
 class _Member:
     index: int
     identity: ProcessIdentity
-    beat_key: str
+    beat_key: str | None
     beat: bytes | None = None
     beat_changed: float = 0.0
 
@@ -150,6 +150,12 @@ class StoreHost:
             if member.identity.comparable():
                 alive = alive or member.identity.alive()
                 continue
+            if member.beat_key is None:  # the launch round is being agreed: the key comes after
+                key = host_key(f"member/{member.index}/beat")
+                if not self.store.check([key]):
+                    alive = alive or now - member.beat_changed <= self.remote_idle_s
+                    continue
+                member.beat_key = self.store.get(key).decode()
             beat = self.store.get(member.beat_key) if self.store.check([member.beat_key]) else None
             if beat != member.beat:
                 member.beat, member.beat_changed = beat, now

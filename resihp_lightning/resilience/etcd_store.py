@@ -12,17 +12,15 @@ like the TCP store (``PrefixStore`` over it, ``init_process_group(store=...)`` f
 rendezvous, the detector's beats, ``compare_set`` votes, ``append``), through :class:`.EtcdGateway`.
 How each operation maps onto etcd:
 
-=================  ==========================================================================
-``set``            one ``put``
-``get`` / ``wait``  a linearizable ``range``, polled (2 ms doubling to ``poll_s``) until the keys
-                    exist or the store's timeout passes (then ``DistStoreError``, like TCPStore)
-``check``           one transaction of ``range`` (count only) per key
-``multi_get/set``   one transaction
-``compare_set``     one transaction: put if the key is absent (expected ``""``) or holds the
-                    expected value, else return what it holds (TCPStore's semantics)
-``add``/``append``  read, then a transaction that writes only if the key's ``mod_revision`` is
-                    unchanged; retried on a conflict
-=================  ==========================================================================
+* ``set``: one ``put``;
+* ``get``, ``wait``: a linearizable ``range``, polled (2 ms doubling to ``poll_s``) until the keys
+  exist or the store's timeout passes (then ``DistStoreError``, like TCPStore);
+* ``check``: one transaction of ``range`` (count only) per key; ``multi_get``/``multi_set``: one
+  transaction;
+* ``compare_set``: one transaction: put if the key is absent (expected ``""``) or holds the expected
+  value, else return what it holds (TCPStore's semantics);
+* ``add``, ``append``: a read, then a transaction that writes only if the key's ``mod_revision`` is
+  unchanged; retried on a conflict.
 
 **When etcd loses its quorum** (a majority of members dead or unreachable), no member answers a
 write or a linearizable read: every operation raises :class:`~.failures.StoreUnavailable` after

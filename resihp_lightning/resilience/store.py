@@ -47,7 +47,7 @@ keys: a denial of service). On etcd, the cluster's users and roles do this
 Keys: host bookkeeping lives under ``resihp/host/``; everything else a job writes goes under
 ``resihp/<run id>/a<attempt>`` (:attr:`RendezvousStore.namespace`), so that the next attempt of a
 restarted job never reads the keys of the last one. Under torchrun the attempt is the launch round
-the workers agree on through the store (``resihp/<run id>/r<round>``, :mod:`.store_round`):
+the workers agree on through the store (:mod:`.store_round`):
 ``TORCHELASTIC_RESTART_COUNT`` differs between agents after a membership change. Relaunching the
 same run id and attempt within ``linger_s`` of the end of the last launch could reuse its host and
 keys: give each launch its own run id.
@@ -466,7 +466,7 @@ class RendezvousStore:
             with self._lock:
                 number = agree_round(rounds, rank=self.rank, world_size=int(os.environ["WORLD_SIZE"]),
                                      timeout_s=cfg.startup_timeout_s)
-            self.namespace = f"resihp/{cfg.resolved_run_id()}/r{number}"
+            self.namespace = f"resihp/{cfg.resolved_run_id()}/a{number}"
             self._raw.set(host_key(f"member/{self.member_id}/beat"), self._beat_key(identity))
             log.info("rank %d: launch round %d (store namespace %s)", self.rank, number, self.namespace)
         self.control = LockedStore(dist.PrefixStore(self.namespace, self._client), self._lock)

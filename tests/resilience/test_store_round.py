@@ -102,7 +102,7 @@ def test_a_torchrun_launch_uses_the_agreed_round_as_its_store_namespace(backend,
             for t in threads:
                 t.join(timeout=60)
             assert not errors, errors
-            assert opened[0].namespace == opened[1].namespace == f"resihp/launch/r{launch}"
+            assert opened[0].namespace == opened[1].namespace == f"resihp/launch/a{launch}"
             opened[0].control.set("hello", str(launch))
             assert opened[1].control.get("hello") == str(launch).encode()
             for store in opened.values():

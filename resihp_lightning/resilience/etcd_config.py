@@ -88,5 +88,6 @@ class EtcdConfig:
         return Path(self.password_file).read_text().strip()
 
     def peer_addresses(self) -> list[tuple[str, int]]:
-        """``(host, port)`` of every member (for the socket tracker's exclusions)."""
-        return [(e.host, e.port) for e in map(Endpoint.parse, self.endpoints)]
+        """``("*", port)`` of every member's client port, for the socket tracker's exclusions (any
+        address: an endpoint may be a host name, and the tracker compares the peer's IP)."""
+        return [("*", port) for port in sorted({Endpoint.parse(e).port for e in self.endpoints})]

@@ -64,6 +64,9 @@ log = get_logger(__name__)
 
 _MAGIC = b"\xa5S"
 _HEADER = struct.Struct(">2sI8s32s")  # magic, value length, nonce, MAC
+#: ``compare_set(key, _ABSENT, _ABSENT)`` reads a key without waiting for it: TCPStore answers the
+#: expected value for a missing key and the current value otherwise, and changes nothing.
+_ABSENT = b"\x00resihp:absent\x00"
 
 
 class SecretError(StoreUnavailable):
@@ -185,10 +188,11 @@ class SignedStore(_Store):  # type: ignore[misc,valid-type]
     def multi_set(self, keys: list[str], values: list[Any]) -> None:
         self.inner.multi_set(list(keys), [self.seal(k, v) for k, v in zip(keys, values)])
 
-    def _valid(self, key: str) -> bytes | None:
-        if not self.inner.check([key]):
-            return None
-        return self.open_records(key, self.inner.get(key))
+    def _peek(self, key: str) -> bytes | None:
+        """The raw value of ``key``, or None if it is absent: one atomic request, no wait (a check
+        followed by a get would wait out the whole timeout if the key went away in between)."""
+        raw = self.inner.compare_set(key, _ABSENT, _ABSENT)
+        return None if raw == _ABSENT else raw
 
     def get(self, key: str) -> bytes:
         return self.multi_get([key])[0]
@@ -211,10 +215,11 @@ class SignedStore(_Store):  # type: ignore[misc,valid-type]
             raws = self.inner.multi_get(keys)
 
     def check(self, keys: list[str]) -> bool:
-        keys = list(keys)
-        if not keys or not self.inner.check(keys):
-            return not keys
-        return all(self.open_records(k, r) is not None for k, r in zip(keys, self.inner.multi_get(keys)))
+        for key in keys:
+            raw = self._peek(key)
+            if raw is None or self.open_records(key, raw) is None:
+                return False
+        return True
 
     def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
         if keys:
@@ -224,7 +229,7 @@ class SignedStore(_Store):  # type: ignore[misc,valid-type]
         expected_b, desired_b = _bytes(expected), _bytes(desired)
         while True:
             if expected_b:
-                raw = self.inner.get(key) if self.inner.check([key]) else b""
+                raw = self._peek(key) or b""
                 current = self.open_records(key, raw) if raw else None
                 if current != expected_b:  # absent: TCPStore answers ``expected``
                     return expected_b if not raw else (current if current is not None else b"")
@@ -244,7 +249,7 @@ class SignedStore(_Store):  # type: ignore[misc,valid-type]
 
     def add(self, key: str, amount: int) -> int:
         while True:
-            raw = self.inner.get(key) if self.inner.check([key]) else b""
+            raw = self._peek(key) or b""
             value = self.open_records(key, raw) if raw else b"0"
             if value is None:
                 raise StoreUnavailable(f"the counter {key!r} holds a value not signed by this job")

@@ -90,4 +90,6 @@ def test_a_rank_and_etcd_member_zero_killed_inside_a_step_cost_one_step(tmp_path
     assert record.step == 2 and record.members == (0, 1, 3) and 2 in record.failed, outcome.describe()
     assert not (Path(outcome.run_dir) / "store.json").exists(), "no store host was started"
     recovered_s = record.detected_at - outcome.ranks[2].last_words["died_at"]
-    assert recovered_s < 2.0, f"the death was detected {recovered_s:.2f} s after it"
+    # A local death is seen through /proc; the detector thread may first wait out the etcd leader
+    # election (member 0 died too; 0.5 s election timeout here) in its own store calls.
+    assert recovered_s < 3.0, f"the death was detected {recovered_s:.2f} s after it"

@@ -430,7 +430,7 @@ class RendezvousStore:
         raise StoreUnavailable(f"the store host did not come up; see {self.run_dir / LOG_FILE}")
 
     def _register(self, client: Any) -> None:
-        """Registers with the host (under the run directory's lock), then joins the job's namespace."""
+        """Registers with the host (under the run directory's lock); :meth:`_join_namespace` follows."""
         import torch.distributed as dist
 
         client.set_timeout(datetime.timedelta(seconds=self.config.timeout_s))

@@ -1,7 +1,7 @@
 """A small client of etcd's v3 JSON gateway (``POST /v3/...`` on the client port), with failover.
 
 etcd serves its v3 API as JSON over HTTP next to gRPC on every client port (the gRPC gateway, in
-etcd 3.4 and later). Speaking it with :mod:`http.client` needs no dependency: the ``etcd3`` package
+etcd 3.4 and later). Speaking it with ``http.client`` needs no dependency: the ``etcd3`` package
 is unmaintained and breaks on current protobuf, and a gRPC client would pull in ``grpcio`` for five
 calls. Keys and values travel base64-encoded; 64-bit integers come back as strings.
 

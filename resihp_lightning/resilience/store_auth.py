@@ -9,7 +9,7 @@ shut down. :class:`SignedStore` wraps a store connection so that:
   ``add``) is a *record*: ``magic, length, nonce, HMAC-SHA256(secret, key NUL nonce value), value``,
   the MAC binding the value to its full key (a record copied to another key does not verify). The
   random nonce makes every write's bytes unique, so that a ``compare_set`` that returns what this
-  process wrote really is this process's write (two racing ``add``s computing the same new count
+  process wrote really is this process's write (two racing ``add`` calls computing the same new count
   would otherwise both see "their" bytes and one increment would be lost);
 * every value read is verified; a key whose value is unsigned or badly signed counts as *absent*
   (``check`` false, ``get``/``wait`` keep waiting for a valid value until the timeout) and each such

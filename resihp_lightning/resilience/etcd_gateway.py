@@ -44,6 +44,14 @@ _DENIED = ("permission denied", "authentication failed", "user name is empty", "
 _STALE_TOKEN = ("invalid auth token",)
 
 
+def _refused_certificate(err: ssl.SSLError) -> bool:
+    """Whether a TLS error is a certificate refused (ours by the member, or the member's by us)."""
+    text = str(err).lower()
+    return isinstance(err, ssl.SSLCertVerificationError) or any(
+        s in text for s in ("certificate required", "bad certificate", "unknown ca", "certificate unknown")
+    )
+
+
 class StoreAccessDenied(StoreUnavailable):
     """The etcd cluster refused this client's credentials or its access to a key."""
 
@@ -154,6 +162,12 @@ class EtcdGateway:
                 if self.user is not None and self._token is None:
                     self._authenticate(deadline)
                 status, answer = self._post(path, body, deadline, with_token=True)
+            except ssl.SSLError as err:
+                if _refused_certificate(err):
+                    raise StoreAccessDenied(f"etcd at {self.endpoint} refused the TLS handshake: {err}") from err
+                last_error = f"{self.endpoint}: {type(err).__name__}: {err}"
+                self._next_member()
+                continue
             except (OSError, http.client.HTTPException) as err:
                 last_error = f"{self.endpoint}: {type(err).__name__}: {err}"
                 self._next_member()

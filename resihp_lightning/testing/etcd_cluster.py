@@ -52,6 +52,28 @@ def _free_on_all(hosts: list[str]) -> int:
     raise RuntimeError("no free port pair on the loopback addresses")
 
 
+def make_certificates(directory: Path, hosts: list[str]) -> dict[str, str]:
+    """A CA, a server certificate for ``hosts`` (IP addresses) and a client certificate, made with
+    ``openssl`` in ``directory``; the paths as :class:`LocalEtcdCluster`'s ``tls`` wants them (plus
+    ``client_cert`` and ``client_key``)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = {name: str(directory / f"{name}.pem") for name in ("ca", "ca_key", "cert", "key", "client_cert", "client_key")}
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=resihp-test-ca",
+            "-keyout", paths["ca_key"], "-out", paths["ca"])
+    san = directory / "san.cnf"
+    san.write_text("subjectAltName=" + ",".join(f"IP:{h}" for h in hosts) + "\n")
+    for cert, key, name, extra in (("cert", "key", "etcd", ["-extfile", str(san)]), ("client_cert", "client_key", "job", [])):
+        csr = str(directory / f"{name}.csr")
+        openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", paths[key], "-out", csr)
+        openssl("x509", "-req", "-in", csr, "-CA", paths["ca"], "-CAkey", paths["ca_key"], "-CAcreateserial",
+                "-days", "1", "-out", paths[cert], *extra)
+    return paths
+
+
 class LocalEtcdCluster:
     """Starts ``members`` etcd processes and waits until the cluster answers.
 
@@ -60,26 +82,36 @@ class LocalEtcdCluster:
         members: how many (3 or 5 for a quorum that survives 1 or 2 losses).
         first: last byte of the first member's loopback address.
         start_timeout_s: how long to wait for the cluster to elect a leader.
+        tls: serve clients over TLS and require a client certificate signed by ``tls["ca"]``
+            (``{"ca": ..., "cert": ..., "key": ...}``: the members' certificate and key; see
+            :func:`make_certificates`).
     """
 
-    def __init__(self, base_dir: str | Path, members: int = 3, *, first: int = 11, start_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, base_dir: str | Path, members: int = 3, *, first: int = 11, start_timeout_s: float = 30.0,
+        tls: dict[str, str] | None = None,
+    ) -> None:
         self.base_dir = Path(base_dir)
         self.hosts = [f"127.0.0.{first + i}" for i in range(members)]
         self.client_port = _free_on_all(self.hosts)
         self.names = [f"m{i}" for i in range(members)]
         self.procs: list[subprocess.Popen | None] = [None] * members
         self.start_timeout_s = start_timeout_s
+        self.tls = tls
+        self.scheme = "https" if tls else "http"
         cluster = ",".join(f"{n}=http://{h}:{self.client_port + 1}" for n, h in zip(self.names, self.hosts))
         token = f"resihp-test-{os.getpid()}-{self.client_port}"
         self._commands = [
             [
                 ETCD, "--name", name, "--data-dir", str(self.base_dir / f"{name}.etcd"),
-                "--listen-client-urls", f"http://{host}:{self.client_port}",
-                "--advertise-client-urls", f"http://{host}:{self.client_port}",
+                "--listen-client-urls", f"{self.scheme}://{host}:{self.client_port}",
+                "--advertise-client-urls", f"{self.scheme}://{host}:{self.client_port}",
                 "--listen-peer-urls", f"http://{host}:{self.client_port + 1}",
                 "--initial-advertise-peer-urls", f"http://{host}:{self.client_port + 1}",
                 "--initial-cluster", cluster, "--initial-cluster-token", token, "--initial-cluster-state", "new",
                 "--heartbeat-interval", "50", "--election-timeout", "500", "--log-level", "warn",
+                *(["--cert-file", tls["cert"], "--key-file", tls["key"], "--client-cert-auth",
+                   "--trusted-ca-file", tls["ca"]] if tls else []),
             ]
             for name, host in zip(self.names, self.hosts)
         ]
@@ -87,7 +119,7 @@ class LocalEtcdCluster:
     @property
     def endpoints(self) -> list[str]:
         """Client URLs of all members (dead ones included)."""
-        return [f"http://{h}:{self.client_port}" for h in self.hosts]
+        return [f"{self.scheme}://{h}:{self.client_port}" for h in self.hosts]
 
     def start(self) -> LocalEtcdCluster:
         self.base_dir.mkdir(parents=True, exist_ok=True)
@@ -95,7 +127,9 @@ class LocalEtcdCluster:
             self.start_member(i)
         atexit.register(self.close)
         deadline = time.monotonic() + self.start_timeout_s
-        gateway = EtcdGateway(self.endpoints, request_timeout_s=1.0)
+        tls = self.tls or {}
+        gateway = EtcdGateway(self.endpoints, request_timeout_s=1.0, ca_file=tls.get("ca"),
+                              cert_file=tls.get("client_cert"), key_file=tls.get("client_key"))
         try:
             # A write answers once a leader exists and a majority has the entry.
             gateway.call("/v3/kv/put", {"key": "X19zdGFydF9f", "value": ""}, deadline=deadline)

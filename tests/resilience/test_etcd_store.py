@@ -197,3 +197,28 @@ def test_one_member_lost_costs_nothing_two_lost_say_unavailable_within_the_op_ti
             except StoreUnavailable:
                 assert time.monotonic() < deadline, "the quorum did not come back"
         assert store.compare_set("gen1/abort", "", "late") == b"second", "nothing was lost"
+
+
+def test_tls_with_client_certificates_admits_the_jobs_certificate_only(tmp_path: Path):
+    """Members started with --client-cert-auth: the job's certificate (signed by the job's CA) is let in;
+    a client without one, or one that does not trust the members' CA, is refused at once."""
+    import shutil
+
+    from resihp_lightning.resilience.etcd_gateway import StoreAccessDenied
+    from resihp_lightning.testing.etcd_cluster import make_certificates
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    tls = make_certificates(tmp_path / "pki", ["127.0.0.71"])
+    with LocalEtcdCluster(tmp_path / "etcd", members=1, first=71, tls=tls) as cluster:
+        assert cluster.endpoints[0].startswith("https://")
+        job = _etcd(cluster, ca_file=tls["ca"], cert_file=tls["client_cert"], key_file=tls["client_key"])
+        job.set("gen0/abort", "x")
+        assert job.get("gen0/abort") == b"x"
+        for what, options in (("no client certificate", {"ca_file": tls["ca"]}),
+                              ("members' CA not trusted", {"cert_file": tls["client_cert"], "key_file": tls["client_key"]})):
+            started = time.monotonic()
+            with pytest.raises(StoreAccessDenied, match="TLS"):
+                _etcd(cluster, op_timeout_s=5.0, **options).set("gen0/abort", "forged")
+            assert time.monotonic() - started < 2.0, what
+        assert job.get("gen0/abort") == b"x"

@@ -28,7 +28,9 @@ write or a linearizable read: every operation raises :class:`~.failures.StoreUna
 while no one fails (gloo needs no store once its groups exist), the detector reports the store lost
 after its grace period, and the next failure ends the job with ``fail_stop.exit_code`` (a restart).
 A lost minority costs nothing but the operations in flight on the lost members, retried on the
-others (plus one leader election, about ``--election-timeout``, if the leader was lost).
+others (plus one leader election, about ``--election-timeout``, if the leader was lost). An operation
+that raised ``StoreUnavailable`` may still take effect when the quorum returns (a member had
+accepted it before the deadline): like any lost answer, its outcome is unknown to the writer.
 
 **Non-idempotent retries.** A ``put`` or ``compare_set`` retried after a lost answer is harmless. An
 ``add`` or ``append`` whose answer was lost (the member died after applying it) may be applied twice:

@@ -159,7 +159,8 @@ def test_auth_refuses_a_stranger_and_admits_the_job(tmp_path: Path):
 def test_one_member_lost_costs_nothing_two_lost_say_unavailable_within_the_op_timeout(tmp_path: Path):
     """Member 0 ("machine 0", the first endpoint every client tries) is killed: the others have quorum.
     A second one killed: no quorum, and every operation raises StoreUnavailable after op_timeout_s
-    instead of waiting; a member back restores the quorum and the keys."""
+    instead of waiting; a member back restores the quorum and the keys (a write that timed out may
+    have been applied after all)."""
     from resihp_lightning.resilience.failures import StoreUnavailable
 
     with LocalEtcdCluster(tmp_path / "etcd", first=31) as cluster:
@@ -192,11 +193,14 @@ def test_one_member_lost_costs_nothing_two_lost_say_unavailable_within_the_op_ti
         deadline = time.monotonic() + 30
         while True:
             try:
-                assert store.get("hb/0") == b"2"
+                beat = store.get("hb/0")
                 break
             except StoreUnavailable:
                 assert time.monotonic() < deadline, "the quorum did not come back"
-        assert store.compare_set("gen1/abort", "", "late") == b"second", "nothing was lost"
+        # A write that timed out without quorum may still be applied once the quorum is back (the
+        # member had accepted it): its outcome is unknown to the writer, as with any lost answer.
+        assert beat in (b"2", b"3")
+        assert store.compare_set("gen1/abort", "", "late") == b"second", "nothing committed was lost"
 
 
 def test_tls_with_client_certificates_admits_the_jobs_certificate_only(tmp_path: Path):

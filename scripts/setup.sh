@@ -31,3 +31,16 @@ if [ "$want" != "$have" ]; then
     "$VENV/bin/python" -m pip install --quiet -e '.[test,docs]'
     echo "$want" > "$STAMP"
 fi
+
+# etcd, for the tests of the replicated fail-stop store (docs/machines.md). Best effort: only as root
+# with apt-get (Debian's etcd-server, etcd-client); anywhere else those tests skip and say why.
+# RESIHP_SKIP_ETCD=1 skips it (on a machine with systemd the package also starts a system etcd).
+if ! command -v etcd >/dev/null 2>&1 && [ -z "${RESIHP_SKIP_ETCD:-}" ]; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "[setup] installing etcd-server and etcd-client (apt-get)"
+        DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends etcd-server etcd-client >/dev/null 2>&1 \
+            || echo "[setup] etcd not installed (apt-get failed): the etcd store tests will skip"
+    else
+        echo "[setup] etcd not installed (needs root and apt-get): the etcd store tests will skip"
+    fi
+fi

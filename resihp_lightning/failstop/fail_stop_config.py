@@ -12,6 +12,95 @@ from resihp_lightning.errors import invalid_option
 #: Exit status when the job cannot recover in-process (a launcher's restart policy takes over).
 UNRECOVERABLE_EXIT_CODE = 75
 
+STORE_BACKENDS = ("tcp", "etcd")
+_TCP_ONLY = ("port", "secret_file")
+_ETCD_ONLY = ("endpoints", "user", "password_file", "ca_file", "cert_file", "key_file")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreOptions:
+    """Where the survivors agree: ``fail_stop.store``.
+
+    ``backend: tcp`` (the default) is the store host, a process of its own on one machine
+    (:mod:`~resihp_lightning.resilience.store`); ``backend: etcd`` is a replicated etcd cluster
+    (:mod:`~resihp_lightning.resilience.etcd_store`), which survives the loss of any one machine,
+    machine 0 included (docs/machines.md has the recipe).
+
+    Attributes:
+        backend: ``"tcp"`` or ``"etcd"``.
+        port: tcp: the store host's fixed port (several machines; same as ``fail_stop.store_port``).
+        secret_file: tcp: the job's secret that signs every value (mode 0600). Default on one machine:
+            made in the run directory; with a fixed port, values are signed only if it is given (a
+            file every machine can read).
+        authenticate: tcp: sign values and ignore unsigned ones (``false``: anyone who reaches the
+            port may write).
+        endpoints: etcd: every member's client URL (``http://node0:2379``, ...).
+        user: etcd: the job's user (``python -m resihp_lightning.resilience.etcd_admin`` makes it);
+            None: the cluster has auth off.
+        password_file: etcd: file with that user's password.
+        ca_file: etcd: CA of ``https://`` endpoints.
+        cert_file: etcd: client certificate (members with ``--client-cert-auth``).
+        key_file: etcd: its key.
+        request_timeout_s: etcd: bound of one request to one member before the next is tried.
+        op_timeout_s: etcd: bound of one operation over all members; then ``StoreUnavailable``
+            (e.g. the cluster lost its quorum).
+        poll_s: etcd: longest pause between two polls of a key waited for.
+    """
+
+    backend: str = "tcp"
+    port: int | None = None
+    secret_file: str | None = None
+    authenticate: bool = True
+    endpoints: list[str] | None = None
+    user: str | None = None
+    password_file: str | None = None
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    request_timeout_s: float = 2.0
+    op_timeout_s: float = 10.0
+    poll_s: float = 0.05
+
+    def __post_init__(self) -> None:
+        from resihp_lightning.resilience.etcd_config import check_etcd_values
+
+        if self.backend not in STORE_BACKENDS:
+            raise invalid_option("fail_stop.store.backend", self.backend, STORE_BACKENDS)
+        foreign = _ETCD_ONLY if self.backend == "tcp" else _TCP_ONLY
+        for name in foreign:
+            if getattr(self, name) is not None:
+                raise invalid_option(f"fail_stop.store.{name}", getattr(self, name), f"null with backend {self.backend!r}")
+        if self.port is not None and (not isinstance(self.port, int) or isinstance(self.port, bool) or not 1 <= self.port <= 65535):
+            raise invalid_option("fail_stop.store.port", self.port, "null or a TCP port 1..65535")
+        if not isinstance(self.authenticate, bool):
+            raise invalid_option("fail_stop.store.authenticate", self.authenticate, "true or false")
+        if self.backend == "etcd":
+            check_etcd_values(vars(self), "fail_stop.store")
+
+    @classmethod
+    def from_value(cls, value: Any) -> StoreOptions:
+        """From ``None`` (defaults), a :class:`StoreOptions`, or its mapping."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, Mapping):
+            raise invalid_option("fail_stop.store", value, "a mapping with `backend` ('tcp' or 'etcd') and its options")
+        unknown = sorted(set(value) - {f.name for f in fields(cls)})
+        if unknown:
+            raise invalid_option(f"fail_stop.store.{unknown[0]}", value[unknown[0]], [f.name for f in fields(cls)])
+        return cls(**dict(value))
+
+    def etcd_config(self) -> Any:
+        """The :class:`~resihp_lightning.resilience.etcd_config.EtcdConfig` of ``backend: etcd``."""
+        from resihp_lightning.resilience.etcd_config import EtcdConfig
+
+        return EtcdConfig(
+            endpoints=tuple(self.endpoints or ()), user=self.user, password_file=self.password_file,
+            ca_file=self.ca_file, cert_file=self.cert_file, key_file=self.key_file,
+            request_timeout_s=self.request_timeout_s, op_timeout_s=self.op_timeout_s, poll_s=self.poll_s,
+        )
+
 
 @dataclass(frozen=True, kw_only=True)
 class FailStopConfig:
@@ -40,7 +129,10 @@ class FailStopConfig:
         store_port: the rendezvous store host's port. ``None`` (one machine): a free port, found by the
             job's processes through a file in the temporary directory. Several machines need a fixed
             port; the host then runs on node 0 at ``$MASTER_ADDR`` (that machine is a single point of
-            failure: losing it ends the job, for a restart).
+            failure: losing it ends the job, for a restart; ``store`` with the etcd backend has none).
+        store: which store the survivors agree through (:class:`StoreOptions` or its mapping, e.g.
+            ``{"backend": "etcd", "endpoints": ["http://node0:2379", ...], "user": "job",
+            "password_file": "job.pw"}``); default: the TCP store host.
     """
 
     detect_timeout_s: float = 1.0
@@ -53,8 +145,10 @@ class FailStopConfig:
     exit_code: int = UNRECOVERABLE_EXIT_CODE
     kill_evicted: bool = True
     store_port: int | None = None
+    store: StoreOptions | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "store", StoreOptions.from_value(self.store))
         if self.solver not in SOLVERS:
             raise invalid_option("fail_stop.solver", self.solver, SOLVERS)
         for name in ("interval_s", "join_timeout_s", "regroup_timeout_s"):
@@ -77,6 +171,10 @@ class FailStopConfig:
             raise invalid_option("fail_stop.exit_code", self.exit_code, "an integer 1..255")
         if self.store_port is not None and (not isinstance(self.store_port, int) or not 1 <= self.store_port <= 65535):
             raise invalid_option("fail_stop.store_port", self.store_port, "null or a TCP port 1..65535")
+        store = self.store
+        assert isinstance(store, StoreOptions)
+        if self.store_port is not None and (store.backend == "etcd" or store.port not in (None, self.store_port)):
+            raise invalid_option("fail_stop.store_port", self.store_port, f"null with fail_stop.store {store.backend}:{store.port}")
 
     @classmethod
     def from_value(cls, value: Any) -> FailStopConfig | None:
@@ -100,7 +198,16 @@ class FailStopConfig:
         from resihp_lightning.resilience.store import StoreConfig
         from resihp_lightning.resilience.world import WorldConfig
 
-        store = StoreConfig() if self.store_port is None else StoreConfig(port=self.store_port, spawn=node_rank == 0)
+        options = self.store
+        assert isinstance(options, StoreOptions)
+        port = self.store_port or options.port
+        if options.backend == "etcd":
+            store = StoreConfig(etcd=options.etcd_config())
+        else:
+            store = StoreConfig(
+                port=port, spawn=port is None or node_rank == 0,
+                authenticate=options.authenticate, secret_file=options.secret_file,
+            )
         return WorldConfig(
             store=store,
             backend=backend,

@@ -3,7 +3,10 @@
 The pieces, one job each:
 
 * :mod:`.store` / :mod:`.store_host`: a rendezvous store in a process of its own, so that no
-  worker's death (rank 0's included) takes it down;
+  worker's death (rank 0's included) takes it down; :mod:`.store_auth` signs its values with a
+  per-job secret so that only the job writes it;
+* :mod:`.etcd_store` (:mod:`.etcd_config`, :mod:`.etcd_gateway`, :mod:`.etcd_admin`): the same
+  store on a replicated etcd cluster, which no single machine's loss takes down;
 * :mod:`.failure_detector`: failure detection in two levels (:mod:`.machine_board`): processes on a machine
   through ``/proc`` (:mod:`.procs`) and a board of local files, machines through one heartbeat each in
   that store; progress (hangs) from the beats;

@@ -33,11 +33,22 @@ start) and gives an in-memory store with blocking waits, ``compare_set`` and ``a
 Multi-node: pass a fixed ``port`` and ``host`` = an address of the node that runs the host, and
 ``spawn=False`` on the other nodes. The host's machine is then a single point of failure: if that
 machine dies, so does the store; the survivors notice (:class:`~.failures.StoreUnavailable`) and the
-job has to be restarted from a checkpoint (a restartable or replicated store is future work).
+job has to be restarted from a checkpoint. With ``etcd`` set (:mod:`.etcd_store`) there is no store
+host: the keys live in a replicated etcd cluster that survives the loss of any one machine.
+
+**Who may write.** The host listens on ``host`` only (127.0.0.1 on one machine; torch's own server
+would listen on every interface). Every value is signed with the job's secret (:mod:`.store_auth`),
+made in the run directory on one machine (mode 0600; several machines sign only with an explicit
+``secret_file``), and values that are not are ignored: a stranger who reaches the port cannot publish
+an abort marker, vote, register as a member or stop the host (it can still read, delete or overwrite
+keys: a denial of service). On etcd, the cluster's users and roles do this
+(:mod:`.etcd_admin`).
 
 Keys: host bookkeeping lives under ``resihp/host/``; everything else a job writes goes under
 ``resihp/<run id>/a<attempt>`` (:attr:`RendezvousStore.namespace`), so that the next attempt of a
-restarted job (``TORCHELASTIC_RESTART_COUNT``) never reads the keys of the last one. Relaunching the
+restarted job never reads the keys of the last one. Under torchrun the attempt is the launch round
+the workers agree on through the store (:mod:`.store_round`):
+``TORCHELASTIC_RESTART_COUNT`` differs between agents after a membership change. Relaunching the
 same run id and attempt within ``linger_s`` of the end of the last launch could reuse its host and
 keys: give each launch its own run id.
 """
@@ -63,6 +74,7 @@ from typing import Any
 
 from resihp_lightning._logging import get_logger
 from resihp_lightning.errors import invalid_option
+from resihp_lightning.resilience.etcd_config import EtcdConfig
 from resihp_lightning.resilience.failures import StoreUnavailable
 from resihp_lightning.resilience.machine_board import machine_beat_key
 from resihp_lightning.resilience.procs import ProcessIdentity
@@ -73,10 +85,12 @@ HOST_PREFIX = "resihp/host/"
 ADDRESS_FILE = "store.json"
 LOCK_FILE = "store.lock"
 LOG_FILE = "store_host.log"
+SECRET_FILE = "store.secret"
 
 
 def host_key(name: str) -> str:
-    """A host bookkeeping key (``count``, ``member/<i>``, ``left/<i>``, ``shutdown``)."""
+    """A host bookkeeping key (``count``, ``member/<i>``, ``left/<i>``, ``shutdown``; the host writes
+    ``members``, how many registrations it has read)."""
     return HOST_PREFIX + name
 
 
@@ -94,8 +108,9 @@ class StoreConfig:
             ``$TMPDIR/resihp-<uid>/<run_id>``. Must be on a local disk.
         run_id: names the job; default ``$TORCHELASTIC_RUN_ID`` (unless ``"none"``), else
             ``$SLURM_JOB_ID``, else ``<MASTER_ADDR>-<MASTER_PORT>``.
-        attempt: restart count of the job; default ``$TORCHELASTIC_RESTART_COUNT`` or
-            ``$SLURM_RESTART_COUNT`` or 0.
+        attempt: restart count of the job; default: under torchrun, the launch round the workers
+            agree on through the store (:mod:`.store_round`; torchrun's own restart count differs
+            between agents after a membership change), else ``$SLURM_RESTART_COUNT`` or 0.
         host: address the host binds and workers connect to; default 127.0.0.1, or
             ``$MASTER_ADDR`` when ``port`` is fixed.
         port: fixed port of the host (multi-node); None: a free port published in ``run_dir``.
@@ -106,6 +121,13 @@ class StoreConfig:
         startup_timeout_s: the host exits if nobody registers within this long.
         remote_idle_s: a member on another machine counts as alive while its heartbeat key changed
             within this long.
+        authenticate: sign every value with the job's secret (:mod:`.store_auth`) and ignore values
+            that are not; on one machine the secret is made in ``run_dir``; with a fixed ``port``
+            (several machines) only when ``secret_file`` names a file every machine reads.
+        secret_file: the job's secret (mode 0600, this user's); default ``<run_dir>/store.secret``
+            on one machine.
+        etcd: the job's etcd cluster (:mod:`.etcd_store`): no store host then, and no single
+            machine whose loss ends the job. None: the store host.
     """
 
     run_dir: str | None = None
@@ -119,6 +141,9 @@ class StoreConfig:
     linger_s: float = 2.0
     startup_timeout_s: float = 120.0
     remote_idle_s: float = 30.0
+    authenticate: bool = True
+    secret_file: str | None = None
+    etcd: EtcdConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("timeout_s", "connect_timeout_s", "linger_s", "startup_timeout_s", "remote_idle_s"):
@@ -129,6 +154,10 @@ class StoreConfig:
             raise invalid_option("resilience.store.attempt", self.attempt, "null or an integer >= 0")
         if self.run_id is not None and not re.fullmatch(r"[A-Za-z0-9_.:-]+", self.run_id):
             raise invalid_option("resilience.store.run_id", self.run_id, "letters, digits and _ . : -")
+        if not isinstance(self.authenticate, bool):
+            raise invalid_option("resilience.store.authenticate", self.authenticate, "true or false")
+        if self.etcd is not None and not isinstance(self.etcd, EtcdConfig):
+            raise invalid_option("resilience.store.etcd", self.etcd, "null or an EtcdConfig")
 
     def resolved_run_id(self) -> str:
         if self.run_id is not None:
@@ -148,6 +177,13 @@ class StoreConfig:
                 return int(os.environ[name])
         return 0
 
+    def agrees_round(self) -> bool:
+        """Whether the workers agree on their launch round through the store (:mod:`.store_round`):
+        under torchrun (``$TORCHELASTIC_RESTART_COUNT`` set, ``$WORLD_SIZE`` known) unless ``attempt``
+        is given."""
+        return (self.attempt is None and "TORCHELASTIC_RESTART_COUNT" in os.environ
+                and os.environ.get("WORLD_SIZE", "").isdigit())
+
     def resolved_run_dir(self) -> Path:
         if self.run_dir is not None:
             return Path(self.run_dir)
@@ -157,6 +193,22 @@ class StoreConfig:
         if self.host is not None:
             return self.host
         return os.environ.get("MASTER_ADDR", "127.0.0.1") if self.port is not None else "127.0.0.1"
+
+    def resolved_secret_file(self) -> Path | None:
+        """The secret that signs the TCP store's values, or None (unsigned)."""
+        if not self.authenticate or self.etcd is not None:
+            return None
+        if self.secret_file is not None:
+            return Path(self.secret_file)
+        return None if self.port is not None else self.resolved_run_dir() / SECRET_FILE
+
+
+def _private_dir(path: Path) -> None:
+    """Creates ``path`` readable by this user only (made so if it exists and is this user's)."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = path.stat()
+    if info.st_uid == os.getuid() and info.st_mode & 0o077:
+        path.chmod(0o700)
 
 
 @contextlib.contextmanager
@@ -242,31 +294,72 @@ class RendezvousStore:
         self.control: Any = None
         self.member_id: int | None = None
         self._lock = threading.Lock()
+        self._secret: bytes | None = None
+        self._etcd: Any = None
+        self._client: Any = None
 
     # ------------------------------------------------------------------------------ opening
     def open(self) -> RendezvousStore:
-        """Connects to the job's store host, starting it if there is none, and registers this process.
+        """Connects to the job's store (etcd, or the store host, starting it if there is none) and registers.
 
         Raises:
-            StoreUnavailable: no host was reachable within ``connect_timeout_s``.
+            StoreUnavailable: no host was reachable within ``connect_timeout_s``, or the etcd cluster
+                refused the credentials (:class:`~.etcd_gateway.StoreAccessDenied`) or did not answer.
         """
         cfg = self.config
+        if cfg.etcd is not None:
+            return self._open_etcd()
+        if cfg.run_dir is None:  # $TMPDIR/resihp-<uid>: this user's alone
+            _private_dir(self.run_dir.parent)
         deadline = time.monotonic() + cfg.connect_timeout_s
         while True:
             with file_lock(self.run_dir / LOCK_FILE, max(deadline - time.monotonic(), 0.1)):
+                self._load_secret(create=cfg.spawn)
                 client = self._find_host()
                 if client is None and cfg.spawn:
                     client = self._spawn_host(deadline)
                 if client is not None:
-                    self._register(client)
+                    self._register(self._sign(client))
                     break
             if time.monotonic() > deadline:
                 raise StoreUnavailable(
                     f"no store host reachable for run dir {self.run_dir} within {cfg.connect_timeout_s:.0f} s"
                 )
             time.sleep(0.2)
-        log.info("rank %d uses the store host at %s:%d", self.rank, *self.address)
+        self._join_namespace()
+        log.info("rank %d uses the store host at %s:%d%s", self.rank, *self.address,
+                 " (values signed)" if self._secret else "")
         return self
+
+    def _open_etcd(self) -> RendezvousStore:
+        from resihp_lightning.resilience.etcd_store import EtcdStore
+
+        cfg = self.config
+        assert cfg.etcd is not None
+        self._etcd = EtcdStore(cfg.etcd, root="", timeout=datetime.timedelta(seconds=cfg.timeout_s))
+        self._register(self._etcd.connect_now())
+        self._join_namespace()
+        log.info("rank %d uses the etcd store at %s", self.rank, ", ".join(cfg.etcd.endpoints))
+        return self
+
+    def _load_secret(self, create: bool) -> None:
+        path = self.config.resolved_secret_file()
+        if path is None or self._secret is not None:
+            return
+        from resihp_lightning.resilience.store_auth import create_secret, read_secret
+
+        if create and self.config.secret_file is None:
+            self._secret = create_secret(path)
+        else:
+            self._secret = read_secret(path)
+
+    def _sign(self, client: Any) -> Any:
+        """``client`` with the job's signature on every value (unchanged without a secret)."""
+        if self._secret is None:
+            return client
+        from resihp_lightning.resilience.store_auth import SignedStore
+
+        return SignedStore(client, self._secret)
 
     def _find_host(self) -> Any:
         cfg = self.config
@@ -306,6 +399,9 @@ class RendezvousStore:
             "--spawner", ProcessIdentity.current().to_json(),
             "--detach",
         ]
+        secret_file = cfg.resolved_secret_file()
+        if secret_file is not None:
+            command += ["--secret-file", str(secret_file)]
         env = dict(os.environ)
         package_root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
@@ -334,35 +430,71 @@ class RendezvousStore:
         raise StoreUnavailable(f"the store host did not come up; see {self.run_dir / LOG_FILE}")
 
     def _register(self, client: Any) -> None:
+        """Registers with the host (under the run directory's lock); :meth:`_join_namespace` follows."""
         import torch.distributed as dist
 
         client.set_timeout(datetime.timedelta(seconds=self.config.timeout_s))
-        self._raw = LockedStore(client, self._lock)
-        self.control = LockedStore(dist.PrefixStore(self.namespace, client), self._lock)
+        # etcd: the host's bookkeeping keys (nobody reads them there) stay inside the job's prefix.
+        raw = client if self._etcd is None else dist.PrefixStore(f"resihp/{self.config.resolved_run_id()}", client)
+        self._raw = LockedStore(raw, self._lock)
+        self._client = client
         identity = ProcessIdentity.current()
         self.member_id = int(self._raw.add(host_key("count"), 1)) - 1
         registration = {
             "rank": self.rank,
             "identity": json.loads(identity.to_json()),
-            # The host's sign of life from a member on another machine: its machine's beat.
-            "beat_key": f"{self.namespace}/{machine_beat_key(identity.machine_key)}",
+            # The host's sign of life from a member on another machine: its machine's beat (under the
+            # namespace; None until the launch round is agreed, then in ``member/<i>/beat``).
+            "beat_key": None if self.config.agrees_round() else self._beat_key(identity),
         }
         self._raw.set(host_key(f"member/{self.member_id}"), json.dumps(registration))
+
+    def _beat_key(self, identity: ProcessIdentity) -> str:
+        return f"{self.namespace}/{machine_beat_key(identity.machine_key)}"
+
+    def _join_namespace(self) -> None:
+        """Agrees on the launch round where torchrun's restart count cannot name it, then writes this
+        process's job keys (outside the run directory's lock: the agreement waits for the others)."""
+        import torch.distributed as dist
+
+        cfg = self.config
+        identity = ProcessIdentity.current()
+        if cfg.agrees_round():
+            from resihp_lightning.resilience.store_round import agree_round
+
+            rounds = dist.PrefixStore(f"resihp/{cfg.resolved_run_id()}/rounds", self._client)
+            with self._lock:
+                number = agree_round(rounds, rank=self.rank, world_size=int(os.environ["WORLD_SIZE"]),
+                                     timeout_s=cfg.startup_timeout_s)
+            self.namespace = f"resihp/{cfg.resolved_run_id()}/a{number}"
+            self._raw.set(host_key(f"member/{self.member_id}/beat"), self._beat_key(identity))
+            log.info("rank %d: launch round %d (store namespace %s)", self.rank, number, self.namespace)
+        self.control = LockedStore(dist.PrefixStore(self.namespace, self._client), self._lock)
         self.control.set(f"member/{self.rank}", str(self.member_id))
         self.control.set(proc_key(self.rank), identity.to_json())
 
     # ------------------------------------------------------------------------------ clients
     def connect(self) -> Any:
         """A new connection to the store (raw keys; wrap with :meth:`scoped` for job keys)."""
+        if self._etcd is not None:
+            return self._etcd.clone().connect_now()
         if self.address is None:
             raise StoreUnavailable("the store is not open")
-        return tcp_client(self.address[0], self.address[1], self.config.timeout_s)
+        return self._sign(tcp_client(self.address[0], self.address[1], self.config.timeout_s))
+
+    @property
+    def peer_addresses(self) -> list[tuple[str, int]]:
+        """``(host, port)`` of the store's servers (``"*"``: any host), whose connections an abort must not cut."""
+        if self.config.etcd is not None:
+            return self.config.etcd.peer_addresses()
+        return [("*", self.address[1])] if self.address else []
 
     def scoped(self, client: Any) -> Any:
         """``client`` seen through this job's key namespace."""
         import torch.distributed as dist
 
-        return dist.PrefixStore(self.namespace, client)
+        view = dist.PrefixStore(self.namespace, client)
+        return view if type(client).__module__.startswith("torch") else Pinned(view, client)
 
     # ------------------------------------------------------------------------------ leaving
     def mark_left(self, rank: int, reason: str) -> None:
@@ -384,7 +516,25 @@ class RendezvousStore:
                 self._raw.set(host_key(f"left/{self.member_id}"), "done")
             except Exception as err:  # noqa: BLE001
                 log.debug("could not say goodbye to the store host: %s", err)
+        if self._etcd is not None:
+            self._etcd.gateway.close()
         self._raw = self.control = None
+
+
+class Pinned:
+    """A C++ store view (``PrefixStore``) over a store written in Python, holding that store alive.
+
+    pybind11 keeps only the C++ part of a Python subclass of ``torch.distributed.Store`` that nothing
+    in Python references: its overridden methods are then gone ("Not implemented"). This view keeps
+    the reference for as long as the view is used.
+    """
+
+    def __init__(self, view: Any, pinned: Any) -> None:
+        self._view = view
+        self._pinned = pinned
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._view, name)
 
 
 class LockedStore:

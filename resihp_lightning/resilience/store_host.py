@@ -13,6 +13,11 @@ within ``--remote-idle`` seconds (measured on the host's own clock). The worker 
 host counts until somebody registers. When nobody counts for ``--linger`` seconds, or nobody ever
 registered within ``--startup-timeout``, or ``resihp/host/shutdown`` is set, the host takes the
 run directory's lock, checks once more, removes its address file and exits.
+
+The server listens on ``--host`` only (torch's ``TCPStore`` server would listen on every interface:
+the host hands it a socket bound to the job's address). With ``--secret-file`` the host counts only
+registrations, goodbyes and shutdown requests signed with the job's secret (:mod:`.store_auth`): a
+stranger who reaches the port cannot keep it alive by registering, nor stop it.
 """
 
 from __future__ import annotations
@@ -22,12 +27,14 @@ import datetime
 import json
 import logging
 import os
+import socket
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from resihp_lightning.resilience.failures import StoreUnavailable
 from resihp_lightning.resilience.procs import ProcessIdentity
 from resihp_lightning.resilience.store import LOCK_FILE, file_lock, host_key, read_address, write_address
 
@@ -38,7 +45,7 @@ log = logging.getLogger("resihp_lightning.resilience.store_host")
 class _Member:
     index: int
     identity: ProcessIdentity
-    beat_key: str
+    beat_key: str | None
     beat: bytes | None = None
     beat_changed: float = 0.0
 
@@ -56,6 +63,8 @@ class StoreHost:
         remote_idle_s: a remote member counts while its heartbeat changed within this long.
         spawner: the worker that started the host (counts until someone registers).
         poll_s: seconds between checks.
+        secret: the job's secret: registrations, goodbyes and shutdown requests count only when
+            signed with it (:mod:`.store_auth`); None: every value counts.
     """
 
     def __init__(
@@ -70,25 +79,41 @@ class StoreHost:
         remote_idle_s: float,
         spawner: ProcessIdentity | None = None,
         poll_s: float = 0.2,
+        secret: bytes | None = None,
     ) -> None:
         self.run_dir = run_dir
         self.host, self.port = host, port
         self.timeout_s, self.linger_s = timeout_s, linger_s
         self.startup_timeout_s, self.remote_idle_s = startup_timeout_s, remote_idle_s
         self.spawner, self.poll_s = spawner, poll_s
+        self.secret = secret
         self.store: Any = None
+        self._listener: socket.socket | None = None
         self._members: dict[int, _Member] = {}
+        self._count = 0
+        self._count_error: str | None = None
 
     def serve(self) -> str:
         """Runs the server until the lifetime rule ends it; returns why it ended."""
         import torch.distributed as dist
 
-        self.store = dist.TCPStore(
-            self.host, self.port, None, True, datetime.timedelta(seconds=self.timeout_s), wait_for_workers=False
+        # torch's server listens on every interface; a socket bound here to the job's address keeps
+        # it off the others (127.0.0.1 on one machine).
+        self._listener = bound_listener(bind_address(self.host, self.port), self.port)
+        server = dist.TCPStore(
+            self.host, self._listener.getsockname()[1], None, True, datetime.timedelta(seconds=self.timeout_s),
+            wait_for_workers=False, master_listen_fd=self._listener.fileno(),
         )
+        if self.secret is not None:
+            from resihp_lightning.resilience.store_auth import SignedStore
+
+            self.store = SignedStore(server, self.secret)
+        else:
+            self.store = server
         identity = ProcessIdentity.current()
-        write_address(self.run_dir, {"host": self.host, "port": self.store.port, "identity": vars(identity)})
-        log.info("store host %d serving %s:%d", os.getpid(), self.host, self.store.port)
+        write_address(self.run_dir, {"host": self.host, "port": server.port, "identity": vars(identity)})
+        log.info("store host %d serving %s:%d%s", os.getpid(), self.host, server.port,
+                 " (signed values only)" if self.secret is not None else "")
         started = last_alive = time.monotonic()
         while True:
             time.sleep(self.poll_s)
@@ -125,6 +150,12 @@ class StoreHost:
             if member.identity.comparable():
                 alive = alive or member.identity.alive()
                 continue
+            if member.beat_key is None:  # the launch round is being agreed: the key comes after
+                key = host_key(f"member/{member.index}/beat")
+                if not self.store.check([key]):
+                    alive = alive or now - member.beat_changed <= self.remote_idle_s
+                    continue
+                member.beat_key = self.store.get(key).decode()
             beat = self.store.get(member.beat_key) if self.store.check([member.beat_key]) else None
             if beat != member.beat:
                 member.beat, member.beat_changed = beat, now
@@ -134,7 +165,14 @@ class StoreHost:
         return alive
 
     def _read_members(self, now: float) -> None:
-        count = int(self.store.add(host_key("count"), 0))
+        try:
+            count = int(self.store.add(host_key("count"), 0))
+        except StoreUnavailable as err:  # a stranger overwrote the signed counter: no new registrations
+            if self._count_error is None:
+                log.warning("store host: %s; registrations after it are ignored", err)
+            self._count_error = str(err)
+            count = self._count
+        self._count = count
         for index in range(count):
             key = host_key(f"member/{index}")
             if index in self._members or not self.store.check([key]):
@@ -143,12 +181,48 @@ class StoreHost:
             self._members[index] = _Member(
                 index, ProcessIdentity(**info["identity"]), info["beat_key"], beat_changed=now
             )
+            self.store.set(host_key("members"), str(len(self._members)))  # how many the host counts
+
+
+def bind_address(host: str, port: int) -> str:
+    """The address to listen on: ``host``, unless a fixed port (other machines connect) and a name
+    that resolves to loopback here (Debian maps the host's own name to 127.0.1.1 in /etc/hosts):
+    then every interface, with a warning, rather than a store the other machines cannot reach."""
+    try:
+        address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0]
+    except OSError:
+        return host
+    loopback = address.startswith("127.") or address == "::1"
+    if port and loopback and host not in ("localhost", "127.0.0.1", "::1") and not host.startswith("127."):
+        log.warning("store host: %s resolves to %s here; listening on every interface so that the other "
+                    "machines can connect (set fail_stop.store host/MASTER_ADDR to this machine's address)",
+                    host, address)
+        return "0.0.0.0"
+    return host
+
+
+def bound_listener(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` only (port 0: a free one)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, proto)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(address)
+    listener.listen(512)
+    return listener
 
 
 def _detach() -> None:
     """Forks; the parent exits so that whoever spawned it can reap it at once."""
     if os.fork() > 0:
         os._exit(0)
+
+
+def _secret(path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    from resihp_lightning.resilience.store_auth import read_secret
+
+    return read_secret(Path(path))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--startup-timeout", type=float, default=120.0)
     parser.add_argument("--remote-idle", type=float, default=30.0)
     parser.add_argument("--spawner", default=None, help="the spawning worker's identity (JSON)")
+    parser.add_argument("--secret-file", default=None, help="the job's secret: only values signed with it count")
     parser.add_argument("--detach", action="store_true")
     args = parser.parse_args(argv)
     if args.detach:
@@ -177,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         startup_timeout_s=args.startup_timeout,
         remote_idle_s=args.remote_idle,
         spawner=ProcessIdentity.from_json(args.spawner) if args.spawner else None,
+        secret=_secret(args.secret_file),
     )
     try:
         host.serve()

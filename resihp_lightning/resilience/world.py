@@ -678,8 +678,7 @@ class ElasticWorld:
 
         cfg = self.config
         assert self.store is not None and self.detector is not None
-        port = self.store.address[1] if self.store.address else 0
-        gen = Generation(number, members, SocketTracker(exclude_peers=[("*", port)]))
+        gen = Generation(number, members, SocketTracker(exclude_peers=self.store.peer_addresses))
         with self._lock:
             self._gen = gen
         # While it forms, no hang verdicts; at start, no silence verdicts on ranks not yet heard of.

@@ -17,7 +17,7 @@ plan-demo: setup
 	$(VENV)/bin/resihp plan examples/problems/two_slow_of_sixteen.json
 
 # scripts/test_suite.sh: the files that measure compute speed alone, then the files that measure
-# timeouts beside the rest of the suite (two tests at a time, pytest-xdist, at the lowest CPU priority);
+# timeouts beside the rest of the suite (two tests at a time, pytest-xdist, at a lower CPU priority);
 # every part always runs; any one failing fails the target (tests/timing_files.txt lists which is which).
 TEST_WORKERS ?= 2
 test: setup

@@ -8,9 +8,11 @@
 #    * the timeout files, one test at a time, printed as they run, at nice -5 where permitted (root,
 #      as in CI), else at normal priority: they mostly wait (heartbeat timeouts, sleeps inside steps,
 #      a torchrun agent's start-up), and what they measure is whole seconds;
-#    * the bulk (every other file), TEST_WORKERS at a time (pytest-xdist) at the lowest CPU priority
-#      (`nice -n 19`, inherited by every process a test starts): it fills the cores the timeout lane
-#      leaves idle; printed once the timeout lane is done.
+#    * the bulk (every other file), TEST_WORKERS at a time (pytest-xdist) at a lower CPU priority
+#      (`nice -n 5`, inherited by every process a test starts): it fills the cores the timeout lane
+#      leaves idle; printed once the timeout lane is done. Not the lowest priority: at nice 19, while
+#      a torchrun test's nine processes start up, a bulk job's live rank got no CPU for longer than
+#      its regroup's join timeout and was evicted; at nice 5 it keeps about a tenth of a busy core.
 #
 # Every part always runs to the end; any one failing fails the target. Extra arguments go to every
 # pytest run (e.g. `scripts/test_suite.sh -x`); PYTEST_ADDOPTS works too.
@@ -42,12 +44,12 @@ echo "[test] 1/2: ${#speed[@]} speed files, one test at a time, nothing else run
 speed_status=$?
 
 bulk_log=$(mktemp -t resihp-bulk-lane-XXXXXX.log)
-nice -n 19 "$PY" -m pytest -n "$WORKERS" "${ignores[@]}" "$@" >"$bulk_log" 2>&1 &
+nice -n 5 "$PY" -m pytest -n "$WORKERS" "${ignores[@]}" "$@" >"$bulk_log" 2>&1 &
 bulk=$!
 trap 'kill "$bulk" 2>/dev/null; exit 130' INT TERM
 
 echo "[test] 2/2: ${#timeout[@]} timeout files one test at a time${raised:+ at nice -5}, beside the rest of the suite" \
-     "($WORKERS at a time at nice 19, printed after)"
+     "($WORKERS at a time at nice 5, printed after)"
 "${raised[@]}" "$PY" -m pytest -p no:xdist "${timeout[@]}" "$@"
 timeout_status=$?
 

@@ -109,13 +109,16 @@ def test_slow_rank_is_detected_and_replanned_around(distributed, tmp_path):
     trace = [(s["step"], round(s["ms"]), {r: round(v, 2) for r, v in s["raw_speeds"].items()}) for s in results[0]["steps"]]
     fits = [r["steps"][-1]["rel_scale"] for r in results]
     assert detected, f"no detection; events: {events}; rank 0 saw (step, ms, raw speeds): {trace}; fit noise per rank {fits}"
-    assert {e["rank"] for e in detected} == {SLOW_RANK}, detected
     first = detected[0]
-    assert first["step"] >= FAULT_STEP and first["speed"] < 0.8, first
+    assert first["rank"] == SLOW_RANK and first["step"] >= FAULT_STEP and first["speed"] < 0.8, detected
 
     computed = of.get("plan_computed", [])
     applied = of.get("plan_applied", [])
     assert computed and applied, f"events: {events}"
+    # Until the first re-plan only the slow rank is named. After it the healthy ranks carry more
+    # micro-batches on the same two shared cores, and one is now and then named for a step or two
+    # (seen once in four quiet runs on 2026-12-02): the plans below must still give the slow rank the least work.
+    assert {e["rank"] for e in detected if e["step"] <= applied[0]["step"]} == {SLOW_RANK}, detected
     # The slowed rank answers the link probe slowly too (all of its compute waits), so a slow_link_detected
     # for it may come first and start a plan: no plan before the slow rank was seen, one way or the other.
     links = of.get("slow_link_detected", [])

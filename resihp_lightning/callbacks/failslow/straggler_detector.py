@@ -101,6 +101,7 @@ class StragglerDetector(Callback):
         self._probe_streaks: dict[int, int] = {}  # device -> probes in a row at a healed speed (same on every rank)
         self._idle_probe_seen: dict[int, int] = {}  # idle device -> the step of its last probe counted
         self._idle_since_sync = False  # this process was a spare since its state was last synced
+        self._idle_probes = False  # the strategy shares spares' probes (IdleProbes): set in setup
         self.detections: list[dict[str, Any]] = []
         self.rank = 0
         self._pending: list[RankSummary] = []
@@ -167,6 +168,8 @@ class StragglerDetector(Callback):
         probing = self.config.link_probe_interval_steps > 0 and provides(trainer.strategy, LinkProber)
         self._tensor_job = tensor_degree_of(trainer.strategy) > 1
         self._probe_links = probing and not self._tensor_job
+        # Checked once: the protocol lookups would otherwise run at every step's end.
+        self._idle_probes = provides(trainer.strategy, IdleProbes) and provides(trainer.strategy, Replannable)
         if probing and not self._probe_links:
             user_info("StragglerDetector: links are not probed under tensor parallelism (slow links are not detected)")
         if self.events is None:
@@ -181,7 +184,7 @@ class StragglerDetector(Callback):
             self.events.rank = self.rank
         if getattr(strategy, "is_spare", False):
             self._idle_since_sync = True  # its cross-rank state stops here (see _resync)
-            if provides(strategy, IdleProbes):
+            if self._idle_probes:
                 self.share_idle_probe(trainer)
             return  # a spare computes nothing, and joins no collective
         stats = strategy.last_step_stats
@@ -235,7 +238,7 @@ class StragglerDetector(Callback):
             speed = min((speeds[p] for p in members if p in speeds), default=None)
             if speed is None:
                 continue
-            healed = speed >= 2.0 / (1.0 + self.config.member_threshold)
+            healed = speed >= self._probe_clear_speed
             self._probe_streaks[dev] = self._probe_streaks.get(dev, 0) + 1 if healed else 0
             if self._probe_streaks[dev] < self.config.patience:
                 continue
@@ -246,6 +249,11 @@ class StragglerDetector(Callback):
             self.events.log(event["event"], step, rank=dev, speed=speed, source="probe")
             user_info(f"straggler: rank {dev} recovered (speed probe {speed:.2f}, step {step})")
             self._clear_lone_member(event)
+
+    @property
+    def _probe_clear_speed(self) -> float:
+        """A probed device's speed at which it counts as healed: where the member core clears a member."""
+        return 2.0 / (1.0 + self.config.member_threshold)
 
     def share_idle_probe(self, trainer: Any) -> None:
         """A spare: every ``probe_interval_steps`` times the speed probe and shares the time (no collective).
@@ -276,7 +284,7 @@ class StragglerDetector(Callback):
         outcome are the same on every member."""
         strategy = trainer.strategy
         interval = self.config.probe_interval_steps
-        if not interval or step % interval or not provides(strategy, IdleProbes) or not provides(strategy, Replannable):
+        if not interval or step % interval or not self._idle_probes:
             return
         idle = set(strategy.devices_alive) - set(strategy.current_plan.device_ids)
         flagged = sorted(idle & set(self.core.flagged))
@@ -297,14 +305,13 @@ class StragglerDetector(Callback):
             return
         members, shared = got
         median = statistics.median(members.values())
-        threshold = 2.0 / (1.0 + self.config.member_threshold)
         for dev in flagged:
             if dev not in shared or shared[dev][0] <= self._idle_probe_seen.get(dev, -1):
                 continue  # no new probe from it since the last one counted
             probe_step, probe_ms = shared[dev]
             self._idle_probe_seen[dev] = probe_step
             speed = median / probe_ms if probe_ms > 0 else 0.0
-            self._probe_streaks[dev] = self._probe_streaks.get(dev, 0) + 1 if speed >= threshold else 0
+            self._probe_streaks[dev] = self._probe_streaks.get(dev, 0) + 1 if speed >= self._probe_clear_speed else 0
             if self._probe_streaks[dev] < self.config.patience:
                 continue
             del self._probe_streaks[dev]

@@ -15,6 +15,15 @@ Protocol (all keys under the job namespace, ``gen<g>/``):
    survivor until ``timeout_s``);
 3. everyone polls ``gen<g>/members``; the first proposal written wins and is final.
 
+Failures one survivor knows are shared with the others while they wait: each appends the candidates
+it knows to have failed, with the reason, to ``gen<g>/failed``, and everyone counts the ranks named
+there as failed too. Across machines a death is often known to only some survivors: a process's pid is
+watched by its own machine's processes, and a survivor whose collective broke at the death (a
+connection reset) starts the regroup before the neighbour that sees the exit has aborted the
+generation with the dead rank's name. Without the shared record the leader would wait
+``join_timeout_s`` for a candidate that its neighbours know to be dead. A verdict, as everywhere in
+detection, is final: a rank named failed by any survivor is left out.
+
 Why this is safe without a consensus library: the member list is written once, atomically, by
 ``compare_set``; every process reads the same value. Processes may disagree on who the leader is
 (their detectors are not in lockstep) -- then two of them propose and one proposal wins. If the
@@ -31,7 +40,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from resihp_lightning._logging import get_logger
@@ -56,13 +65,38 @@ def read_joined(store: Any, generation: int) -> set[int]:
     return {int(r) for r in store.get(key).decode().split(",") if r}
 
 
+def failed_key(generation: int) -> str:
+    return f"gen{generation}/failed"
+
+
+def read_failures(store: Any, generation: int) -> dict[int, str]:
+    """Original rank -> ``"<reason> (reported by rank <r>)"`` for the failures survivors of ``generation``
+    shared so far (the first report of each rank)."""
+    key = failed_key(generation)
+    if not store.check([key]):
+        return {}
+    failures: dict[int, str] = {}
+    for line in filter(None, store.get(key).decode().split("\n")):
+        entry = json.loads(line)
+        failures.setdefault(int(entry["rank"]), f"{entry['why']} (reported by rank {entry['by']})")
+    return failures
+
+
+def share_failures(store: Any, generation: int, me: int, failures: Mapping[int, str]) -> None:
+    """Appends ``failures`` (original rank -> reason) as known to ``me`` to ``generation``'s record."""
+    if failures:
+        store.append(failed_key(generation), "".join(
+            json.dumps({"rank": rank, "by": me, "why": why}) + "\n" for rank, why in sorted(failures.items())
+        ))
+
+
 def agree_members(
     store: Any,
     *,
     generation: int,
     me: int,
     candidates: Sequence[int],
-    failed: Callable[[], set[int]],
+    failed: Callable[[], Mapping[int, str]],
     join_timeout_s: float,
     timeout_s: float,
     poll_s: float = 0.01,
@@ -74,7 +108,8 @@ def agree_members(
         generation: the generation being formed.
         me: this process's original rank.
         candidates: the members of the previous generation.
-        failed: returns the original ranks this process currently knows to have failed.
+        failed: returns the original ranks this process currently knows to have failed, with the
+            reasons (shared with the other joiners, whose failures count here too).
         join_timeout_s: how long the leader waits for candidates that neither joined nor failed.
         timeout_s: how long this call may take in all.
 
@@ -86,12 +121,17 @@ def agree_members(
     store.append(joined_key(generation), f"{me},")
     key = members_key(generation)
     proposed = False
+    shared: set[int] = set()  # the failures this process has appended to the generation's record
     while True:
         if store.check([key]):
             members = json.loads(store.get(key))
             break
         now = time.monotonic()
-        dead = failed()
+        known = failed()
+        news = {r: why for r, why in known.items() if r in candidates and r != me and r not in shared}
+        share_failures(store, generation, me, news)
+        shared.update(news)
+        dead = set(known) | set(read_failures(store, generation))
         alive = [r for r in sorted(candidates) if r not in dead or r == me]
         late = now - started > join_timeout_s
         leader = alive[0] if alive else None

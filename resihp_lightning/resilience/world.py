@@ -72,7 +72,7 @@ from resihp_lightning.resilience.failures import (
     StoreUnavailable,
 )
 from resihp_lightning.resilience.frameworks import reset_deepspeed
-from resihp_lightning.resilience.membership import agree_members
+from resihp_lightning.resilience.membership import agree_members, read_failures
 from resihp_lightning.resilience.sockets import SocketTracker
 from resihp_lightning.resilience.stall_dump import StallDump
 from resihp_lightning.resilience.store import RendezvousStore, StoreConfig, proc_key
@@ -521,10 +521,10 @@ class ElasticWorld:
         if gen is not None and gen.number == number and by != self.original_rank:
             self.abort(f"aborted by rank {by}: {payload.get('reason', '?')}", publish=False, generation=gen)
 
-    def _failed_now(self, ranks: tuple[int, ...]) -> set[int]:
+    def _failed_now(self, ranks: tuple[int, ...]) -> dict[int, str]:
         if self.detector is not None:
             self.detector.probe_exits(ranks)
-        return set(self.failed)
+        return self.failed
 
     def _peer_failure(self, gen: Generation) -> PeerFailure:
         failed = {r: why for r, why in self.failed.items() if r in gen.members}
@@ -590,8 +590,10 @@ class ElasticWorld:
             log.info("rank %d: generation %d agreed on members %s (left out: %s) after %.2f s", self.original_rank,
                      number, list(members), left_out, agreed_at - started)
             if self.detector is not None:
+                # A survivor's verdict shared during the agreement names the cause; else being left out is it.
+                shared = read_failures(self.store.control, number) if left_out else {}  # type: ignore[union-attr]
                 why = f"left out of generation {number}"
-                self.detector.declare(Failure(r, why, members[0], agreed_at) for r in left_out)
+                self.detector.declare(Failure(r, shared.get(r, why), members[0], agreed_at) for r in left_out)
             if members[0] == self.original_rank:
                 for rank in sorted(set(candidates) - set(members)):
                     self._try(lambda r=rank: self.store.mark_left(r, "evicted"))  # type: ignore[union-attr]

@@ -156,6 +156,14 @@ def _kill_one_worker(machines: Machines, job: TorchrunJob, host_index: int, loca
     return int(start["tag"].split("-")[1])
 
 
+def _exit_found_at_once(job: TorchrunJob, victim: int, killed_at: float) -> None:
+    """The killed worker is named by a failure verdict (its machine's neighbours see its pid gone), well
+    inside the heartbeat timeout: not by the regroup's join timeout (30 s)."""
+    found = [e for e in job.events() if e["event"] == "fail_stop_detected" and int(e["rank"]) == victim]
+    assert found and all(e["how"].startswith("exited") for e in found), found
+    assert 0 < min(e["at"] for e in found) - killed_at < DETECT_S, (found, killed_at)
+
+
 def _recovery_events(job: TorchrunJob, failed: set[int]) -> list[dict]:
     return [e for e in job.events() if e["event"] == "recovery_started" and failed <= set(map(int, e["failed"]))]
 
@@ -178,6 +186,7 @@ def test_with_one_standalone_agent_per_process_deaths_cost_one_step_and_a_frozen
         killed_at = _fault_inside_step(job, step=2)
         victim = _kill_one_worker(machines, job, 1, 0)
         job.wait_for(lambda: _recovery_events(job, {victim}), 60, "the recovery from the killed worker")
+        _exit_found_at_once(job, victim, killed_at)
         stopped_at = _fault_inside_step(job, step=4)
         assert len(machines[2].stop()) == 4  # two agents, two workers
         frozen = set(_ranks_of(job, "node2"))
@@ -229,6 +238,7 @@ def test_under_srun_a_dead_task_costs_one_step_and_every_other_task_finishes_exa
         assert {s["master_addr"] for s in job.starts()} == {None}  # srun sets none: the strategy derives it
         first = _recovery_events(job, {victim})
         assert first and set(map(int, first[0]["failed"])) == {victim}, job.events()
+        _exit_found_at_once(job, victim, killed_at)
         last_step = max(r["step"] for tag, rows in job.steps().items() if int(tag.split("-")[1]) == victim for r in rows)
         assert first[0]["step"] == last_step + 1 and time.monotonic() - killed_at < 150
         evicted_at_the_end = {int(r) for res in results.values() if res["recovery"]["step"] >= STEPS

@@ -6,8 +6,10 @@ from __future__ import annotations
 import threading
 import time
 
+import torch.distributed as dist
+
 from resihp_lightning.resilience.failures import EvictedError, RegroupError
-from resihp_lightning.resilience.membership import agree_members
+from resihp_lightning.resilience.membership import agree_members, read_failures
 from resihp_lightning.testing.stores import tcp_store_client, tcp_store_server
 
 
@@ -15,8 +17,10 @@ def _agree(store_server, me, candidates, failed, results, **kwargs):
     import torch.distributed as dist
 
     store = dist.PrefixStore("job", tcp_store_client(store_server))
+    known = failed.get(me, set()) if isinstance(failed, dict) else failed
     try:
-        results[me] = agree_members(store, me=me, candidates=candidates, failed=lambda: set(failed), **kwargs)
+        results[me] = agree_members(store, me=me, candidates=candidates, failed=lambda: {r: "exited" for r in known},
+                                    **kwargs)
     except Exception as err:  # noqa: BLE001 - checked by the test
         results[me] = err
 
@@ -43,6 +47,23 @@ def test_survivors_agree_without_the_failed_ranks():
     results, _ = _run_agreement([0, 1, 3], [0, 1, 2, 3], failed={2})
     assert results == {0: [0, 1, 3], 1: [0, 1, 3], 3: [0, 1, 3]}
     assert time.monotonic() - started < 2.0  # nobody waited for the join timeout
+
+
+def test_a_failure_only_one_survivor_knows_is_shared_so_nobody_waits_for_the_join_timeout():
+    # Rank 3 watches rank 2's pid (one machine); ranks 0 and 1 run elsewhere and know nothing.
+    started = time.monotonic()
+    results, server = _run_agreement([0, 1, 3], [0, 1, 2, 3], failed={3: {2}}, join_timeout_s=5.0)
+    assert results == {0: [0, 1, 3], 1: [0, 1, 3], 3: [0, 1, 3]}
+    assert time.monotonic() - started < 2.0
+    store = dist.PrefixStore("job", tcp_store_client(server))
+    assert read_failures(store, 1) == {2: "exited (reported by rank 3)"}
+
+
+def test_a_dead_leader_known_to_one_survivor_hands_the_lead_on_at_once():
+    started = time.monotonic()
+    results, _ = _run_agreement([1, 2], [0, 1, 2], failed={2: {0}}, join_timeout_s=5.0)
+    assert results == {1: [1, 2], 2: [1, 2]}
+    assert time.monotonic() - started < 2.0
 
 
 def test_simultaneous_failures_are_all_left_out():

@@ -228,7 +228,7 @@ class PipelineRuntime:
         return {f"{index}.{name}": t for index in sorted(layers) for name, t in layer_tensors(layers[index]).items()}
 
     # -------------------------------------------------------------------------- lifecycle
-    def start(self, optimizer: Optimizer | None, broadcast: bool = True) -> None:
+    def start(self, optimizer: Optimizer | None, broadcast: bool = True, previous: PipelineRuntime | None = None) -> None:
         """Binds the user's optimizer (``None`` outside fitting) and builds the engine (collective).
 
         Args:
@@ -236,12 +236,18 @@ class PipelineRuntime:
                 groups and refills them with this process's parameters after every switch.
             broadcast: make every replica's copy of a layer equal to the first replica's (at the start,
                 when replicas may have built layers with different random values).
+            previous: the runtime this one replaces under the same plan and layers (the strategy set up
+                again, e.g. ``trainer.validate`` between two fits): optimizer state it keeps outside the
+                user's optimizer (the layer-wise ZeRO-1's slices) carries over when ``optimizer`` is the one
+                it trained with.
         """
         params = self.local_parameters()
         bound = BoundOptimizer.bind(optimizer, params) if optimizer is not None else None
         self._carrier = carrier_for(bound, self.config.deepspeed_config)
         self._layer_numel = self._gather_layer_sizes()
         self._build_engine(broadcast)
+        if previous is not None:
+            self._carrier.carry_over(previous._carrier)
 
     def switch(self, plan: Plan) -> MigrationRecord:
         """Puts ``plan`` in force (collective when the layout changes); returns what it cost.

@@ -46,7 +46,7 @@ from resihp_lightning.state.zero_shards import (
     trained_parameters,
 )
 from resihp_lightning.state import layer_checkpoint
-from resihp_lightning.state.optimizer_state import CapturedState, PlainStateCarrier, StateByKey
+from resihp_lightning.state.optimizer_state import CapturedState, PlainStateCarrier, StateByKey, StateCarrier
 from resihp_lightning.state.zero_holders import shard_holders
 from resihp_lightning.state.zero_layout import SliceLayout
 
@@ -225,6 +225,16 @@ class ShardedStateCarrier(PlainStateCarrier):
         by_key, self.assembled_bytes = assemble_full_state(holding, slices, self.bound.group_of)
         captured.by_key = by_key
         return captured
+
+    def carry_over(self, previous: StateCarrier) -> None:
+        """The slices ``previous`` kept, when it stepped the same user's optimizer: the moments belong to that
+        optimizer object, as the plain optimizer's own ``state`` does (a new one from ``configure_optimizers``
+        starts without state under either)."""
+        if (
+            isinstance(previous, ShardedStateCarrier) and previous.shards is not None and self.shards is not None
+            and previous.bound is not None and self.bound is not None and previous.bound.optimizer is self.bound.optimizer
+        ):
+            self.shards.adopt(previous.shards)
 
     def bind(self, params: Mapping[str, nn.Parameter], received: StateByKey) -> None:
         self.shards = None  # the next engine's shards cut their slices at restore

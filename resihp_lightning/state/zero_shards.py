@@ -368,6 +368,21 @@ class ZeroShards:
             total += sum(v.numel() * v.element_size() for k, v in self._shadow.state.get(shadow, {}).items() if elementwise(k, v))
         return float(total)
 
+    def adopt(self, previous: ZeroShards) -> None:
+        """Takes over the slices ``previous`` kept of the same layers under the same layout (local): the state of
+        a rebuild that changed nothing (the strategy set up again, e.g. ``trainer.validate`` between fits).
+        A layer whose slices differ is left without state."""
+        if self._shadow is None or previous._shadow is None:
+            return
+        for index, shard in self.layers.items():
+            old = previous.layers.get(index)
+            if old is None or (old.layout, old.holder, old.keys) != (shard.layout, shard.holder, shard.keys):
+                continue
+            for s, entries in shard.pieces.items():
+                for (piece, shadow), (old_piece, old_shadow) in zip(entries, old.pieces.get(s, ()), strict=False):
+                    if piece == old_piece and old_shadow in previous._shadow.state:
+                        self._shadow.state[shadow] = previous._shadow.state[old_shadow]
+
     def destroy(self) -> None:
         """Releases the process groups this object created (local; the others belong to the reducer)."""
         release_process_groups(self._owned)

@@ -17,6 +17,11 @@ nothing on disk:
 While a plan changes, every old holder so holds its layers' whole moments for a moment (8 bytes per
 parameter with Adam), as the unsharded engine always does.
 
+Under tensor parallelism the unit is a member's shard of a layer, sliced over the processes holding the
+same shard (:mod:`~resihp_lightning.state.zero_holders`); step 2 is then a re-split
+(:mod:`~resihp_lightning.tensor.resplit`), which cuts the whole states of the old shards like their
+parameters.
+
 After a death, a slice whose two keepers both died has no live copy: every process finds that from
 the same gathered inventory and raises :class:`~resihp_lightning.errors.PlanError` before any transfer,
 so the survivors exit for a restart from a checkpoint (status 75) instead of waiting.

@@ -8,15 +8,17 @@ and head, 4 micro-batches), run twice on real gloo processes, with ZeRO-1 and wi
 * step 0 in two groups of two (two replicas: every shard kept by both holders, D = 2);
 * step 1 after a planned re-split to four groups of one (four replicas, D = 4: each process keeps 2 of the 4
   slices of every layer, half the unsharded Adam bytes);
-* step 2 after a re-split back to two groups of two;
-* step 3: rank 1 is SIGKILLed at the forward of its 2nd micro-batch: group 0 goes on as rank 0 alone
+* step 2 after a plan change over the same groups: two replicas of two stages with their own bounds, layers
+  moving with their moments;
+* step 3 after a re-split back to two groups of two;
+* step 4: rank 1 is SIGKILLed at the forward of its 2nd micro-batch: group 0 goes on as rank 0 alone
   (degree 1) beside group 1 at degree 2, its lost shard (and the shard's moments) cut from group 1, and the
   step is redone;
-* step 4 under the survivors' plan.
+* step 5 under the survivors' plan.
 
 Asserted: with and without ZeRO-1 the survivors' losses, final fp32 weights and whole Adam moments are equal to
 1e-6 (bit for bit, in practice) under the same plans; inside the recovery, before the redo, every survivor's
-whole weights and moments equal those it had when step 2 ended (the state is copied, never recomputed, and the
+whole weights and moments equal those it had when step 3 ended (the state is copied, never recomputed, and the
 interrupted step left nothing); the losses match one process training the unsplit model within bf16's
 tolerance.
 
@@ -33,15 +35,17 @@ import torch
 
 from resihp_lightning.testing.tensor_jobs import kill_inside_step, packed_batches, tensor_parallel_llama, unsplit_reference
 
-STEPS = 5
-VICTIM, AT_STEP = 1, 3
+STEPS = 6
+VICTIM, AT_STEP = 1, 4
 ZERO1 = {"zero_optimization": {"stage": 1}}
 #: |bf16-mixed job - one-process bf16-autocast reference| on the losses (split matmuls round other bf16 sums).
 BF16_LOSS_TOLERANCE = 3e-3
-#: Step -> (groups, plan over them) requested after that step.
+#: Step -> (groups or None: the same, plan over them) requested after that step.
 SCHEDULE = {
     0: ([[0], [1], [2], [3]], {"replicas": [{"devices": [g], "bounds": [0, 4], "micro_batches": 1} for g in range(4)]}),
-    1: ([[0, 1], [2, 3]], {"replicas": [{"devices": [g], "bounds": [0, 4], "micro_batches": 2} for g in range(2)]}),
+    1: (None, {"replicas": [{"devices": [3, 0], "bounds": [0, 2, 4], "micro_batches": 2},
+                            {"devices": [1, 2], "bounds": [0, 3, 4], "micro_batches": 2}]}),
+    2: ([[0, 1], [2, 3]], {"replicas": [{"devices": [g], "bounds": [0, 4], "micro_batches": 2} for g in range(2)]}),
 }
 
 
@@ -76,6 +80,7 @@ def _job(rank: int, world: int, run_dir: str, config: dict) -> dict:
             self.restored: dict = {}
             self.kept: tuple[float, float] | None = None
             self.steppers: set[str] = set()
+            self.requested = 0
 
         def on_train_start(self, trainer, pl_module):
             strategy = trainer.strategy
@@ -95,6 +100,7 @@ def _job(rank: int, world: int, run_dir: str, config: dict) -> dict:
             if step in SCHEDULE:
                 groups, plan = SCHEDULE[step]
                 strategy.request_plan(Plan.from_dict(plan), tensor_groups=groups)
+                self.requested += 1
 
     watch = Watch()
     module = tensor_parallel_llama()
@@ -114,6 +120,7 @@ def _job(rank: int, world: int, run_dir: str, config: dict) -> dict:
         "restored": watch.restored,
         "kept": watch.kept,
         "steppers": watch.steppers,
+        "requested": watch.requested,
         "recovery": strategy.last_recovery,
         "plan": strategy.current_plan.to_dict(),
         "groups": runtime.config.tensor.groups.members,
@@ -151,10 +158,11 @@ def test_zero1_under_tensor_parallelism_recovers_a_lost_member_exactly_like_the_
         assert got["groups"] == want["groups"] == ((0,), (2, 3)), rank
         # The comparison needs the same plans: the survivors' plan is the planner's in either run.
         assert got["plan"]["replicas"] == want["plan"]["replicas"], (got["plan"], want["plan"])
+        assert got["requested"] == want["requested"] == len(SCHEDULE), rank
         assert got["steppers"] == {"ShardedStep"} and "ShardedStep" not in want["steppers"], (got["steppers"], want["steppers"])
         # Four groups of one (D = 4): each process kept 2 of the 4 slices of every layer.
         assert got["kept"] is not None and got["kept"][0] == got["kept"][1] / 2, got["kept"]
-        # The recovery copied the state of step 2's end, bit for bit, before redoing step 3.
+        # The recovery copied the state of step 3's end, bit for bit, before redoing step 4.
         for run in (got, want):
             assert sorted(run["restored"]["weights"]) == sorted(run["before"]["weights"]), rank
             for key, value in run["before"]["weights"].items():

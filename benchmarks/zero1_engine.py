@@ -1,23 +1,31 @@
-"""ZeRO-1: the layer-wise engine's (sharded moments, every slice kept twice) vs unsharded vs DeepSpeed's wrapper.
+"""bf16 and ZeRO-1: the layer-wise engine's (sharded moments, every slice kept twice) vs DeepSpeed's wrappers.
 
 Not a test, not run by CI. The README demo's model (Llama-style, hidden 192, 6 decoder layers, 4 query /
 2 key-value heads, intermediate 512, byte vocabulary; embedding and head as pipeline layers) with synthetic
 byte-token rows of ``--seq-len`` tokens, AdamW (lr 1e-3), ``Trainer(precision="bf16-mixed")``, 4 spawned
 gloo processes with one thread each. Three parts:
 
-1. ``--part engine``: step time and memory, same model and plan (P = 1 x D = 4 and P = 2 x D = 2):
+1. ``--part engine``: step time and memory, same model and plan (``--plans``: P = 1 x D = 4 and / or
+   P = 2 x D = 2, shared bounds, which DeepSpeed's wrappers need), four variants:
 
-   * ``layer-wise ZeRO-1``: ``deepspeed_config={"zero_optimization": {"stage": 1}}`` (the default: layer-wise);
-   * ``layer-wise unsharded``: no ``zero_optimization`` (Adam's moments whole on every holder);
-   * ``DeepSpeed ZeRO-1``: ``{"zero_optimization": {"stage": 1, "layerwise": False}}`` (with bf16-mixed that
-     is DeepSpeed's bf16 + ZeRO-1: ``DeepSpeedZeroOptimizer`` with bf16 parameters, fp32 masters and moments
-     in flat partitions of each stage's data-parallel group).
+   * ``layer-wise bf16``: no ``deepspeed_config`` (autocast over fp32 parameters, Adam's moments whole on
+     every holder);
+   * ``layer-wise bf16 + ZeRO-1``: ``{"zero_optimization": {"stage": 1}}`` (the default: layer-wise);
+   * ``DeepSpeed bf16``: ``{"bf16": {"enabled": True}}`` (``BF16_Optimizer``: bf16 parameters, fp32 masters
+     and moments in flat partitions of each stage's data-parallel group);
+   * ``DeepSpeed bf16 + ZeRO-1``: ``{"zero_optimization": {"stage": 1, "layerwise": False}}``
+     (``DeepSpeedZeroOptimizer`` with bf16 parameters).
 
-   Measured: the median over ``--steps`` steps (after ``--warmup``) of the slowest rank's
-   ``StepStats.step_ms``; the optimizer state the largest rank keeps (what its state carrier counts:
-   Adam's moments, and DeepSpeed's fp32 masters, which the layer-wise engine does not need because
-   its parameters are fp32), in MiB; and the peak resident set of the largest rank over its resident
-   set before the first step (``VmHWM`` after a reset through ``/proc/self/clear_refs``), in MiB.
+   The variants run interleaved (A B C D A B C D ..., ``--repeats`` rounds) in one set of 4 processes, so
+   that a load change on a shared machine hits every variant alike; per variant the median and the
+   minimum over the rounds are reported. Per run: the slowest rank's
+   ``StepStats.step_ms``, median over ``--steps`` timed steps after ``--warmup`` untimed ones; the CPU
+   time of all 4 processes per timed step (``time.process_time``; less exposed to other jobs than
+   wall time); the optimizer state the largest rank keeps (what its state carrier counts: Adam's
+   moments, and DeepSpeed's fp32 masters, which the layer-wise engine does not keep apart because its
+   parameters are fp32), in MiB. Memory comes from one more run of each variant in fresh processes: the
+   peak resident set of the largest rank over its resident set before the first step (``VmHWM`` after a
+   reset through ``/proc/self/clear_refs``), in MiB. The load average before and after is printed.
 
 2. ``--part comm``: the two choices inside the layer-wise step, on 4 gloo processes, for a buffer the
    size of the demo model's parameters: the gradient reduction as one all-reduce vs a reduce-scatter
@@ -29,11 +37,11 @@ gloo processes with one thread each. Three parts:
    rank 2 (the only primary of slice 2 of every layer) SIGKILLed at the forward of its 2nd
    micro-batch of step 2; the survivors' :class:`~resihp_lightning.failstop.recovery_record.RecoveryRecord`
    (the kill to the survivors' abort, regroup, plan, restore with the slice rebuild, the redone step, the
-   moment slices sent), against the same run unsharded.
+   moment slices sent), interleaved with the same run unsharded, ``--repeats`` rounds.
 
-Run (an idle machine; timings on a shared one move by tens of percent between runs)::
+Run (timings on a shared machine move by tens of percent between runs, hence the interleaving)::
 
-    OMP_NUM_THREADS=1 python benchmarks/zero1_engine.py [--part engine|comm|recovery|all] [--steps 4] [--warmup 2] [--repeats 1]
+    OMP_NUM_THREADS=1 python benchmarks/zero1_engine.py [--part engine|comm|recovery|all] [--steps 4] [--warmup 2] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -52,23 +60,18 @@ from bf16_engine import SHAPE, WORLD, _batches, _reset_peak, _rss_kib  # noqa: E
 
 ZERO1 = {"zero_optimization": {"stage": 1}}
 ENGINE_VARIANTS = {
-    "layer-wise ZeRO-1": ZERO1,
-    "layer-wise unsharded": {},
-    "DeepSpeed ZeRO-1": {"zero_optimization": {"stage": 1, "layerwise": False}},
+    "layer-wise bf16": {},
+    "layer-wise bf16 + ZeRO-1": ZERO1,
+    "DeepSpeed bf16": {"bf16": {"enabled": True}},
+    "DeepSpeed bf16 + ZeRO-1": {"zero_optimization": {"stage": 1, "layerwise": False}},
 }
 PLANS = {"P=1 x D=4": 1, "P=2 x D=2": 2}
 
 
 # ------------------------------------------------------------------------------------ part 1
-def _engine_rank(rank: int, port: int, variant: str, pipeline_degree: int, micro_batches: int, seq_len: int,
-                 warmup: int, steps: int, queue) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(WORLD), OMP_NUM_THREADS="1",
-    )
-    sys.stdout = sys.stderr
-    import warnings
-
+def _fit_variant(rank: int, variant: str, pipeline_degree: int, micro_batches: int, seq_len: int, warmup: int,
+                 steps: int) -> dict:
+    """One ``trainer.fit`` of ``variant`` on this process (its group exists); what it measured."""
     import lightning.pytorch as pl
     import torch
     from torch.utils.data import DataLoader
@@ -77,9 +80,7 @@ def _engine_rank(rank: int, port: int, variant: str, pipeline_degree: int, micro
     from resihp_lightning.models import CausalLMPipelineModule
     from resihp_lightning.strategy.strategy import ResiHPStrategy
 
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    record: dict = {"rank": rank, "step_ms": [], "losses": [], "stepper": None}
+    record: dict = {"rank": rank, "variant": variant, "step_ms": [], "losses": [], "stepper": None}
 
     class Probe(pl.Callback):
         def on_train_start(self, trainer, module):
@@ -88,17 +89,20 @@ def _engine_rank(rank: int, port: int, variant: str, pipeline_degree: int, micro
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
             if trainer.global_step == warmup:
                 _reset_peak()
+                record["cpu_start"] = time.process_time()
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             stats = trainer.strategy.last_step_stats
             record["losses"].append(float(outputs["loss"]))
             if trainer.global_step > warmup and stats is not None:
                 record["step_ms"].append(stats.step_ms)
+            record["cpu_s"] = time.process_time() - record.get("cpu_start", 0.0)
             runtime = trainer.strategy._state.runtime
             record["stepper"] = type(runtime.engine.optimizer).__name__
             record["state_mib"] = sum(runtime._carrier.state_bytes(runtime.engine, p)
                                       for p in runtime.local_parameters().values()) / 2**20
 
+    torch.manual_seed(0)
     module = CausalLMPipelineModule(scratch=ScratchModelConfig(**SHAPE), seed=0, learning_rate=1e-3)
     strategy = ResiHPStrategy(pipeline_degree=pipeline_degree, micro_batch_size=1, micro_batches=micro_batches,
                               deepspeed_config=ENGINE_VARIANTS[variant])
@@ -107,26 +111,81 @@ def _engine_rank(rank: int, port: int, variant: str, pipeline_degree: int, micro
                          enable_checkpointing=False, use_distributed_sampler=False, callbacks=[Probe()])
     trainer.fit(module, DataLoader(_batches(warmup + steps, micro_batches, seq_len), batch_size=None))
     record["peak_mib"] = (_rss_kib("VmHWM") - record["before_kib"]) / 1024
-    queue.put(record)
+    return record
 
 
-def run_engine(micro_batches: int, seq_len: int, warmup: int, steps: int, repeats: int, variants: list[str]) -> None:
-    print("4 processes, bf16-mixed | plan | optimizer step | step ms, slowest rank (median over runs) | "
-          "optimizer state MiB, largest rank | peak MiB of the largest rank | last loss")
-    print("---|---|---|---|---|---|---")
-    for plan, degree in PLANS.items():
+def _engine_rank(rank: int, port: int, order: list[str], pipeline_degree: int, micro_batches: int, seq_len: int,
+                 warmup: int, steps: int, queue) -> None:
+    """Fits every variant of ``order`` in turn in the same 4 processes (one fit each)."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(WORLD), OMP_NUM_THREADS="1",
+    )
+    sys.stdout = sys.stderr
+    import warnings
+
+    import torch
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    records = []
+    for i, variant in enumerate(order):
+        record = _fit_variant(rank, variant, pipeline_degree, micro_batches, seq_len, warmup, steps)
+        record["load"] = os.getloadavg()[0]
+        records.append(record)
+        if rank == 0:
+            print(f"# run {i + 1}/{len(order)}: {variant}: {max(record['step_ms']):.0f} ms (rank 0's slowest step), "
+                  f"load {record['load']:.1f}", file=sys.__stdout__, flush=True)
+    queue.put(records)
+
+
+def _summary(ranks: list[dict], steps: int) -> dict:
+    """One run's numbers: the slowest rank per timed step (median), all ranks' CPU per step, the largest rank."""
+    return {
+        "step_ms": statistics.median(max(r["step_ms"][i] for r in ranks) for i in range(len(ranks[0]["step_ms"]))),
+        "cpu_s": sum(r["cpu_s"] for r in ranks) / steps,
+        "state_mib": max(r["state_mib"] for r in ranks),
+        "peak_mib": max(r["peak_mib"] for r in ranks),
+        "stepper": ranks[0]["stepper"],
+        "loss": ranks[-1]["losses"][-1],
+    }
+
+
+def run_engine(micro_batches: int, seq_len: int, warmup: int, steps: int, repeats: int, variants: list[str],
+               plans: list[str]) -> None:
+    """Timing: every variant ``repeats`` times, interleaved (A B C D A B C D ...) in one set of 4 processes
+    (fresh processes per run would spend minutes on imports per run on a loaded machine, and spread the
+    variants' runs over a longer stretch of changing load). Memory: one run of each variant in fresh
+    processes (an allocator that ran other variants before keeps their pages, and the peak over the
+    resident set before the first step would understate a later variant's)."""
+    print(f"load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
+    runs: dict[tuple[str, str], list[dict]] = {}
+    memory: dict[tuple[str, str], dict] = {}
+    for plan in plans:
+        order = [variant for _ in range(repeats) for variant in variants]
+        got = run_ranks(_engine_rank, (order, PLANS[plan], micro_batches, seq_len, warmup, steps), WORLD, WORLD,
+                        timeout=3600)
+        for i, variant in enumerate(order):
+            runs.setdefault((plan, variant), []).append(_summary([ranks[i] for ranks in sorted(got, key=lambda r: r[0]["rank"])], steps))
         for variant in variants:
-            runs = []
-            for _ in range(repeats):
-                got = run_ranks(_engine_rank, (variant, degree, micro_batches, seq_len, warmup, steps), WORLD, WORLD,
-                                timeout=1800)
-                runs.append(sorted(got, key=lambda r: r["rank"]))
-            step_ms = [statistics.median(max(r["step_ms"][i] for r in ranks) for i in range(len(ranks[0]["step_ms"])))
-                       for ranks in runs]
-            state = max(r["state_mib"] for r in runs[0])
-            peak = [max(r["peak_mib"] for r in ranks) for ranks in runs]
-            print(f"{variant} | {plan} | {runs[0][0]['stepper']} | {_spread(step_ms)} | {state:.1f} | {_spread(peak)} | "
-                  f"{runs[0][-1]['losses'][-1]:.4f}", flush=True)
+            fresh = run_ranks(_engine_rank, ([variant], PLANS[plan], micro_batches, seq_len, warmup, steps), WORLD, WORLD,
+                              timeout=1800)
+            memory[(plan, variant)] = _summary([ranks[0] for ranks in fresh], steps)
+    print(f"load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}\n")
+    print(f"4 processes, bf16-mixed | plan | optimizer step | step ms, slowest rank: median (min) of {repeats} | "
+          "CPU s per step, 4 processes: median (min) | optimizer state MiB, largest rank | "
+          "peak MiB, largest rank (fresh processes) | last loss")
+    print("---|---|---|---|---|---|---|---")
+    for (plan, variant), got in runs.items():
+        print(f"{variant} | {plan} | {got[0]['stepper']} | {_med_min(got, 'step_ms', 0)} | {_med_min(got, 'cpu_s', 2)} | "
+              f"{got[0]['state_mib']:.1f} | {memory[(plan, variant)]['peak_mib']:.0f} | {got[0]['loss']:.4f}", flush=True)
+    print("\nper run, in the order run: " + "; ".join(
+        f"{variant} {runs[(plan, variant)][i]['step_ms']:.0f}" for plan in plans for i in range(repeats) for variant in variants))
+
+
+def _med_min(runs: list[dict], key: str, digits: int) -> str:
+    values = [r[key] for r in runs]
+    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f})"
 
 
 # ------------------------------------------------------------------------------------ part 2
@@ -219,11 +278,13 @@ def _recovery_rank(rank: int, world: int, run_dir: str, config: dict, micro_batc
 def run_recovery(micro_batches: int, seq_len: int, repeats: int) -> None:
     from resihp_lightning.testing.harness import run_job
 
+    print(f"load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
     print("bf16-mixed, P=1 x D=4, rank 2 SIGKILLed mid-step | kill to abort s | regroup s | plan s | restore s | redo s | "
           "MiB of moment slices sent (all survivors) | survivors' plan")
     print("---|---|---|---|---|---|---|---")
-    for name, config in (("layer-wise ZeRO-1", ZERO1), ("layer-wise unsharded", {})):
-        for _ in range(repeats):
+    totals: dict[str, list[tuple[float, ...]]] = {}
+    for _ in range(repeats):
+        for name, config in (("layer-wise ZeRO-1", ZERO1), ("layer-wise unsharded", {})):  # interleaved
             outcome = run_job(_recovery_rank, WORLD, timeout=900, wait_for=[0, 1, 3], config=config,
                               micro_batches=micro_batches, seq_len=seq_len)
             values = outcome.values()
@@ -234,13 +295,15 @@ def run_recovery(micro_batches: int, seq_len: int, repeats: int) -> None:
             detect = statistics.median(r.aborted_at - died_at for r in records)
             worst = max(records, key=lambda r: r.regroup_s + r.plan_s + r.restore_s)
             sent = sum(v["assembled"] for v in values.values()) / 2**20
+            totals.setdefault(name, []).append((detect, worst.regroup_s, worst.plan_s, worst.restore_s, worst.redo_s))
             print(f"{name} | {detect:.2f} | {worst.regroup_s:.2f} | {worst.plan_s:.2f} | {worst.restore_s:.2f} | "
                   f"{worst.redo_s:.2f} | {sent:.1f} | {worst.plan.layout_key()}", flush=True)
-
-
-def _spread(values: list[float]) -> str:
-    med = statistics.median(values)
-    return f"{med:.0f}" if len(values) == 1 else f"{med:.0f} ({min(values):.0f}-{max(values):.0f})"
+    print(f"load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}\n")
+    print(f"median (min) of {repeats} | kill to abort s | regroup s | plan s | restore s | redo s")
+    print("---|---|---|---|---|---")
+    for name, rows in totals.items():
+        cells = [f"{statistics.median(col):.2f} ({min(col):.2f})" for col in zip(*rows)]
+        print(f"{name} | {' | '.join(cells)}")
 
 
 def main() -> None:
@@ -250,9 +313,10 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--variants", nargs="*", default=list(ENGINE_VARIANTS), choices=list(ENGINE_VARIANTS),
                         help="part 1: which variants to run")
+    parser.add_argument("--plans", nargs="*", default=["P=1 x D=4"], choices=list(PLANS), help="part 1: which plans")
     args = parser.parse_args()
     print(f"demo model {SHAPE}; M = {args.micro_batches} rows of {args.seq_len} tokens; "
           f"{args.warmup} warm-up + {args.steps} timed steps; {args.repeats} run(s)\n", flush=True)
@@ -260,7 +324,7 @@ def main() -> None:
         run_comm(max(args.repeats, 5))
         print(flush=True)
     if args.part in ("engine", "all"):
-        run_engine(args.micro_batches, args.seq_len, args.warmup, args.steps, args.repeats, args.variants)
+        run_engine(args.micro_batches, args.seq_len, args.warmup, args.steps, args.repeats, args.variants, args.plans)
         print(flush=True)
     if args.part in ("recovery", "all"):
         run_recovery(args.micro_batches, args.seq_len, args.repeats)

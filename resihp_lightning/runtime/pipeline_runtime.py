@@ -48,7 +48,7 @@ from resihp_lightning.torch_utils import meta
 from resihp_lightning._logging import get_logger
 from resihp_lightning.contract import MigrationRecord
 from resihp_lightning.errors import ConfigError
-from resihp_lightning.placement import Position, Transfer, plan_transfers, position, relabel, same_layout
+from resihp_lightning.placement import Position, Transfer, layer_holders, plan_transfers, position, relabel, same_layout
 from resihp_lightning.plan import Plan
 from resihp_lightning.torch_utils.shards import gather_shards, shard_of, split_dim
 from resihp_lightning.runtime import batching, engine as engines
@@ -62,6 +62,7 @@ from resihp_lightning.state.bound_optimizer import BoundOptimizer, local_paramet
 from resihp_lightning.state.optimizer_state import CapturedState, StateCarrier, carrier_for
 from resihp_lightning.state import zero_config
 from resihp_lightning.state.sharded_moments import OldHolding, ShardedStateCarrier
+from resihp_lightning.state.zero_holders import shard_holders
 from resihp_lightning.state.zero_shards import ZeroShards
 from resihp_lightning.runtime.pipeline_module import BoundedPipelineModule, materialize_layer
 from resihp_lightning.runtime.profiling import StageProfiler
@@ -227,7 +228,7 @@ class PipelineRuntime:
         return {f"{index}.{name}": t for index in sorted(layers) for name, t in layer_tensors(layers[index]).items()}
 
     # -------------------------------------------------------------------------- lifecycle
-    def start(self, optimizer: Optimizer | None, broadcast: bool = True) -> None:
+    def start(self, optimizer: Optimizer | None, broadcast: bool = True, previous: PipelineRuntime | None = None) -> None:
         """Binds the user's optimizer (``None`` outside fitting) and builds the engine (collective).
 
         Args:
@@ -235,12 +236,18 @@ class PipelineRuntime:
                 groups and refills them with this process's parameters after every switch.
             broadcast: make every replica's copy of a layer equal to the first replica's (at the start,
                 when replicas may have built layers with different random values).
+            previous: the runtime this one replaces under the same plan and layers (the strategy set up
+                again, e.g. ``trainer.validate`` between two fits): optimizer state it keeps outside the
+                user's optimizer (the layer-wise ZeRO-1's slices) carries over when ``optimizer`` is the one
+                it trained with.
         """
         params = self.local_parameters()
         bound = BoundOptimizer.bind(optimizer, params) if optimizer is not None else None
         self._carrier = carrier_for(bound, self.config.deepspeed_config)
         self._layer_numel = self._gather_layer_sizes()
         self._build_engine(broadcast)
+        if previous is not None:
+            self._carrier.carry_over(previous._carrier)
 
     def switch(self, plan: Plan) -> MigrationRecord:
         """Puts ``plan`` in force (collective when the layout changes); returns what it cost.
@@ -409,12 +416,18 @@ class PipelineRuntime:
         for layer in new_layers.values():
             layer.to(self.config.device)
         self._carrier.prepare_incoming(list(new_layers.values()))
-        captured = self._carrier.capture(self._engine, self.local_parameters())
-        state_s = time.perf_counter() - start
+        rank_of = (lambda d: d) if ranks is None else dict(ranks).__getitem__
         old_layers = self.local_layers()
+        captured = self._carrier.capture(self._engine, self.local_parameters())
+        # The layer-wise ZeRO-1's slices made whole on every live old holder (collective), then cut like the
+        # parameters: a full gather on the old holders, as a plan change without tensor parallelism does.
+        captured = self._carrier.complete(captured, OldHolding(
+            self._plan, alive if alive is not None else old_tensor.groups.ranks, rank_of, me, old_layers,
+            old_tensor.groups.members,
+        ))
+        state_s = time.perf_counter() - start
         if self._engine is not None:
             self._stop_engine()
-        rank_of = (lambda d: d) if ranks is None else dict(ranks).__getitem__
         moving = time.perf_counter()
         sent, received = resplit(
             old_tensor.groups, self._plan, tensor.groups, plan, me, old_layers, new_layers,
@@ -480,9 +493,7 @@ class PipelineRuntime:
         self._pipe, self._held = None, old_layers
         moving = time.perf_counter()
         try:
-            captured = self._carrier.complete(
-                captured, OldHolding(old, alive if alive is not None else old.device_ids, self._rank, self.device, old_layers)
-            )
+            captured = self._carrier.complete(captured, self._old_holding(old, old_layers, alive))
             sent, received = migrate(transfers, me, old_layers, new_layers, self._carrier.outgoing(captured))
             transfer_s = time.perf_counter() - moving
             total = torch.tensor([float(sent)], dtype=torch.float64, device=self.config.device)
@@ -526,6 +537,17 @@ class PipelineRuntime:
             rebuild_seconds=seconds - transfer_s,
             state_seconds=state_s,
         )
+
+    def _old_holding(self, old: Plan, old_layers: Mapping[int, nn.Module], alive: set[int] | None) -> OldHolding:
+        """Where the layer-wise ZeRO-1's slices live under ``old`` (the plan being left, over this runtime's
+        devices; ``alive``: the live ones, ``None``: all). Under tensor parallelism (groups of one degree, no
+        process lost: a loss goes through :meth:`recover_tensor`) each member's shard has its own slices."""
+        tensor = self.config.tensor
+        if tensor is None:
+            return OldHolding(old, alive if alive is not None else old.device_ids, self._rank, self.device, old_layers)
+        groups = tensor.groups
+        return OldHolding(old, groups.ranks, self._rank_of_id, groups.rank(self.device, tensor.member), old_layers,
+                          groups.members)
 
     def teardown(self) -> None:
         """Releases the engine, its process groups and the reducer's (the layers stay usable)."""
@@ -833,17 +855,30 @@ class PipelineRuntime:
         self._profiler.attach(self._engine, self.local_layers())
 
     def _zero_shards(self, plan: Plan) -> ZeroShards | None:
-        """The layer-wise ZeRO-1's slices for ``plan`` when it runs (:mod:`~resihp_lightning.state.zero_shards`)."""
+        """The layer-wise ZeRO-1's slices for ``plan`` when it runs (:mod:`~resihp_lightning.state.zero_shards`).
+
+        Each shard's moments are sliced over the processes holding the same shard
+        (:mod:`~resihp_lightning.state.zero_holders`): the reducer's holder sets without tensor parallelism or
+        with groups of one degree (this process's slice of the job); with groups of different degrees, sets per
+        degree, whose process groups every process creates here (collective, in one order).
+        """
         carrier = self._carrier
         if not isinstance(carrier, ShardedStateCarrier) or carrier.bound is None:
             return None
-        if self.config.tensor is not None:
-            raise ConfigError(
-                "deepspeed_config.zero_optimization.stage=1 (the layer-wise ZeRO-1) with tensor parallelism is not "
-                "supported yet; allowed: tensor_degree=1, or zero_optimization.stage=0"
+        if not self.mixed_degrees:
+            carrier.shards = ZeroShards(
+                layer_holders(self._in_ranks(plan)), self._rank(self.device), self.local_layers(), carrier.bound,
+                self._reducer.groups,
             )
+            return carrier.shards
+        members = self._members()
+        units = shard_holders(plan, [members[g] for g in range(len(members))])
+        rank = dist.get_rank()
+        sets = sorted({unit.holders for per in units.values() for unit in per.values() if len(unit.holders) > 1})
+        created = {ranks: dist.new_group(ranks=sorted(ranks)) for ranks in sets}
         carrier.shards = ZeroShards(
-            self._in_ranks(plan), self._rank(self.device), self.local_layers(), carrier.bound, self._reducer.groups
+            {layer: unit.holders for layer, unit in units.get(rank, {}).items()}, rank, self.local_layers(),
+            carrier.bound, {ranks: group for ranks, group in created.items() if rank in ranks}, owned=list(created.values()),
         )
         return carrier.shards
 
@@ -857,6 +892,8 @@ class PipelineRuntime:
         if self._reducer is not None:
             self._reducer.destroy()
             self._reducer = None
+        if isinstance(self._carrier, ShardedStateCarrier) and self._carrier.shards is not None:
+            self._carrier.shards.destroy()
 
     def _abandon_engine(self) -> None:
         """Drops the engine and the reducer without any collective (their groups died with a peer)."""

@@ -84,6 +84,11 @@ class StateCarrier(ABC):
         """
         return captured
 
+    def carry_over(self, previous: StateCarrier) -> None:
+        """Takes the state ``previous`` (the carrier of a runtime this one replaces under the same plan and
+        layers) keeps outside the user's optimizer, once the engine is built (default: nothing; the plain
+        optimizer's state lives in the optimizer object itself)."""
+
     def prepare_incoming(self, layers: Iterable[nn.Module]) -> None:
         """Readies freshly built layers to receive migrated values (default: nothing)."""
 

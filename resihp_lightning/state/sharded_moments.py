@@ -17,6 +17,11 @@ nothing on disk:
 While a plan changes, every old holder so holds its layers' whole moments for a moment (8 bytes per
 parameter with Adam), as the unsharded engine always does.
 
+Under tensor parallelism the unit is a member's shard of a layer, sliced over the processes holding the
+same shard (:mod:`~resihp_lightning.state.zero_holders`); step 2 is then a re-split
+(:mod:`~resihp_lightning.tensor.resplit`), which cuts the whole states of the old shards like their
+parameters.
+
 After a death, a slice whose two keepers both died has no live copy: every process finds that from
 the same gathered inventory and raises :class:`~resihp_lightning.errors.PlanError` before any transfer,
 so the survivors exit for a restart from a checkpoint (status 75) instead of waiting.
@@ -27,7 +32,7 @@ checkpoint resumes under any plan and world, with ZeRO-1 on or off.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +41,6 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from resihp_lightning.errors import PlanError
-from resihp_lightning.placement import layer_holders
 from resihp_lightning.plan import Plan
 from resihp_lightning.state.zero_shards import (
     PieceState,
@@ -47,7 +51,8 @@ from resihp_lightning.state.zero_shards import (
     trained_parameters,
 )
 from resihp_lightning.state import layer_checkpoint
-from resihp_lightning.state.optimizer_state import CapturedState, PlainStateCarrier, StateByKey
+from resihp_lightning.state.optimizer_state import CapturedState, PlainStateCarrier, StateByKey, StateCarrier
+from resihp_lightning.state.zero_holders import shard_holders
 from resihp_lightning.state.zero_layout import SliceLayout
 
 
@@ -67,11 +72,13 @@ class OldHolding:
     """What the plan being left says about where optimizer state lives (the same on every process).
 
     Attributes:
-        plan: the old plan (device ids).
-        alive: the devices still alive (every device of the current group).
+        plan: the old plan (device ids; with ``groups``, group ids).
+        alive: the processes still alive (every process of the current group), by device id.
         rank_of: device id -> rank of the current process group (for the alive ones).
         device: this process's device id.
-        layers: this process's layers under the old plan.
+        layers: this process's layers under the old plan (its shards of them, under tensor parallelism).
+        groups: under tensor parallelism, the old groups' members (device ids, member order), by group id;
+            each shard's state is sliced over its own holders (:mod:`~resihp_lightning.state.zero_holders`).
     """
 
     plan: Plan
@@ -79,6 +86,7 @@ class OldHolding:
     rank_of: Callable[[int], int]
     device: int
     layers: Mapping[int, nn.Module]
+    groups: Sequence[Sequence[int]] | None = None
 
 
 def _describe(state: PieceState) -> dict[str, tuple[str, Any]]:
@@ -106,53 +114,60 @@ def assemble_full_state(
     Raises:
         PlanError: some slice of some layer has no live keeper (every process raises it, before any transfer).
     """
-    holders = layer_holders(holding.plan)
+    # Slices are counted per shard: a layer's own (no tensor parallelism) or a member's shard of it.
+    units = shard_holders(holding.plan, holding.groups)
+    holders = {unit.key: unit.holders for per in units.values() for unit in per.values()}
+    mine_units = units.get(holding.device, {})
     alive = set(holding.alive)
     trained = trained_parameters(holding.layers, group_of)
     mine = {
-        "sizes": {i: SliceLayout(tuple(p.numel() for _, p in params), len(holders[i])).sizes() for i, params in trained.items()},
-        "slices": {(i, s): [_describe(state) for state in states] for i, per in slices.items() for s, states in per.items()},
+        "sizes": {mine_units[i].key: SliceLayout(tuple(p.numel() for _, p in params), len(mine_units[i].holders)).sizes()
+                  for i, params in trained.items()},
+        "slices": {(mine_units[i].key, s): [_describe(state) for state in states]
+                   for i, per in slices.items() for s, states in per.items()},
     }
     inventory: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(inventory, mine)
     by_rank = dict(enumerate(inventory))
-    sizes: dict[int, list[int]] = {}
+    sizes: dict[tuple[int, int, int], list[int]] = {}
     for part in inventory:
         sizes.update(part["sizes"])
     # Who keeps what, in ranks of the current group; the lost slices, the same on every process.
     rank_alive = {d: holding.rank_of(d) for d in alive}
-    sources: dict[tuple[int, int], int] = {}
-    lost: dict[tuple[int, tuple[int, ...]], list[int]] = {}  # (slice, its keepers) -> layers
-    for layer in sorted(sizes):
-        layout_holders = holders[layer]
-        for s, size in enumerate(sizes[layer]):
+    sources: dict[tuple[tuple[int, int, int], int], int] = {}
+    lost: dict[tuple[int, tuple[int, ...]], list[tuple[int, ...]]] = {}  # (slice, its keepers) -> shards
+    for key in sorted(sizes):
+        owners = holders[key]
+        for s, size in enumerate(sizes[key]):
             if not size:
                 continue
-            keepers = [layout_holders[k] for k in SliceLayout((), len(layout_holders)).keepers(s)]
-            live = [rank_alive[d] for d in keepers if d in rank_alive and (layer, s) in by_rank[rank_alive[d]]["slices"]]
+            keepers = [owners[k] for k in SliceLayout((), len(owners)).keepers(s)]
+            live = [rank_alive[d] for d in keepers if d in rank_alive and (key, s) in by_rank[rank_alive[d]]["slices"]]
             if live:
-                sources[(layer, s)] = live[0]
+                sources[(key, s)] = live[0]
             else:
-                lost.setdefault((s, tuple(keepers)), []).append(layer)
+                lost.setdefault((s, tuple(keepers)), []).append(key if holding.groups is not None else key[0])
     if lost:
-        what = "; ".join(f"slice {s} of layers {layers} (kept by devices {list(keepers)})" for (s, keepers), layers in lost.items())
+        what = "; ".join(f"slice {s} of {'shards (layer, degree, member)' if holding.groups is not None else 'layers'} "
+                         f"{shards} (kept by devices {list(keepers)})" for (s, keepers), shards in lost.items())
         raise PlanError(f"ZeRO-1 optimizer state with no live copy: {what}; restart from a checkpoint")
     me = dist.get_rank()
     ops: list[dist.P2POp] = []
     sent = 0
     received: dict[tuple[int, int], list[PieceState]] = {}
-    for (layer, s), src in sorted(sources.items()):
-        metas = by_rank[src]["slices"][(layer, s)]
+    for (key, s), src in sorted(sources.items()):
+        layer = key[0]
+        metas = by_rank[src]["slices"][(key, s)]
         receivers = [
-            rank_alive[d] for d in holders[layer]
-            if d in rank_alive and (layer, s) not in by_rank[rank_alive[d]]["slices"]
+            rank_alive[d] for d in holders[key]
+            if d in rank_alive and (key, s) not in by_rank[rank_alive[d]]["slices"]
         ]
         if src == me:
             for dst in receivers:
                 for state in slices[layer][s]:
-                    for key in sorted(state):
-                        if elementwise(key, state[key]):
-                            tensor = state[key].contiguous()
+                    for name in sorted(state):
+                        if elementwise(name, state[name]):
+                            tensor = state[name].contiguous()
                             ops.append(dist.P2POp(dist.isend, tensor, dst))
                             sent += tensor.numel() * tensor.element_size()
         elif me in receivers:
@@ -160,14 +175,14 @@ def assemble_full_state(
             states: list[PieceState] = []
             for meta in metas:
                 state: PieceState = {}
-                for key in sorted(meta):
-                    kind, info = meta[key]
+                for name in sorted(meta):
+                    kind, info = meta[name]
                     if kind == "tensor":
                         numel, dtype = info
-                        state[key] = torch.empty(numel, dtype=dtype, device=device)
-                        ops.append(dist.P2POp(dist.irecv, state[key], src))
+                        state[name] = torch.empty(numel, dtype=dtype, device=device)
+                        ops.append(dist.P2POp(dist.irecv, state[name], src))
                     else:
-                        state[key] = info.clone() if isinstance(info, Tensor) else info
+                        state[name] = info.clone() if isinstance(info, Tensor) else info
                 states.append(state)
             received[(layer, s)] = states
     if ops:
@@ -176,7 +191,7 @@ def assemble_full_state(
     out: StateByKey = {}
     for layer, params in trained.items():
         per_slice = {**slices.get(layer, {}), **{s: st for (i, s), st in received.items() if i == layer}}
-        layout = SliceLayout(tuple(p.numel() for _, p in params), len(holders[layer]))
+        layout = SliceLayout(tuple(p.numel() for _, p in params), len(mine_units[layer].holders))
         joined = join_slices(layout, [p.shape for _, p in params], per_slice)
         out.update({key: state for (key, _), state in zip(params, joined) if state})
     return out, sent
@@ -215,6 +230,16 @@ class ShardedStateCarrier(PlainStateCarrier):
         by_key, self.assembled_bytes = assemble_full_state(holding, slices, self.bound.group_of)
         captured.by_key = by_key
         return captured
+
+    def carry_over(self, previous: StateCarrier) -> None:
+        """The slices ``previous`` kept, when it stepped the same user's optimizer: the moments belong to that
+        optimizer object, as the plain optimizer's own ``state`` does (a new one from ``configure_optimizers``
+        starts without state under either)."""
+        if (
+            isinstance(previous, ShardedStateCarrier) and previous.shards is not None and self.shards is not None
+            and previous.bound is not None and self.bound is not None and previous.bound.optimizer is self.bound.optimizer
+        ):
+            self.shards.adopt(previous.shards)
 
     def bind(self, params: Mapping[str, nn.Parameter], received: StateByKey) -> None:
         self.shards = None  # the next engine's shards cut their slices at restore

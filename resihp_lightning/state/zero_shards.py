@@ -22,17 +22,21 @@ engine runs, so the reduced gradients, and with them the sharded step, are bit-e
 run's; the copy needs the neighbour's reduced slice as well (a reduce-scatter would give each holder its
 own only); and ``benchmarks/zero1_engine.py`` measured it on this machine (``benchmarks/README.md``).
 
+Under tensor parallelism every member's shard of a layer is a parameter of its own, whose moments are
+sliced over the processes holding the same shard in the other replicas
+(:mod:`~resihp_lightning.state.zero_holders`); nothing else changes.
+
 Use (the runtime does this in ``_build_engine``)::
 
     reducer = LayerwiseReducer(plan, rank, layers)
-    shards = ZeroShards(plan, rank, layers, bound, reducer.groups)
+    shards = ZeroShards(layer_holders(plan), rank, layers, bound, reducer.groups)
     install(engine, reducer, zero=shards)      # the engine's optimizer step is now shards.step()
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,10 +45,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from resihp_lightning.errors import ConfigError
-from resihp_lightning.placement import holder_sets, layer_holders
-from resihp_lightning.plan import Plan
 from resihp_lightning.state.bound_optimizer import FROZEN, BoundOptimizer
 from resihp_lightning.state.zero_layout import Piece, SliceLayout
+from resihp_lightning.torch_utils.collectives import release_process_groups
 
 #: Optimizer classes whose state the layer-wise ZeRO-1 shards (element-wise maths, per-element state).
 SUPPORTED_OPTIMIZERS: tuple[type, ...] = (torch.optim.Adam, torch.optim.AdamW)
@@ -172,12 +175,15 @@ class ZeroShards:
     rank is in (every holder calls them at the same point, as the reducer's ``reduce``).
 
     Args:
-        plan: the plan in force, in ranks of the current process group.
+        holders: layer -> the ranks (of the current process group) sharing this rank's shard of it, in
+            replica order, for at least this rank's layers (:func:`~resihp_lightning.placement.layer_holders`
+            of the plan in ranks; under tensor parallelism :func:`~resihp_lightning.state.zero_holders.shard_holders`).
         rank: this process's rank.
         local_layers: its layers by global index.
         bound: the user's optimizer (its class and hyper-parameters are used; its own ``state`` stays empty).
-        groups: the process group of every holder set of two or more ranks this rank is in
-            (:attr:`LayerwiseReducer.groups <resihp_lightning.runtime.layerwise.LayerwiseReducer.groups>`).
+        groups: the process group of every holder set of two or more ranks this rank is in, by the set's
+            ranks in replica order (e.g. :attr:`LayerwiseReducer.groups <resihp_lightning.runtime.layerwise.LayerwiseReducer.groups>`).
+        owned: process groups this object created for itself (released by :meth:`destroy`).
 
     Raises:
         ConfigError: the optimizer is not Adam / AdamW, or a parameter is not contiguous.
@@ -185,17 +191,18 @@ class ZeroShards:
 
     def __init__(
         self,
-        plan: Plan,
+        holders: Mapping[int, tuple[int, ...]] | Sequence[tuple[int, ...]],
         rank: int,
         local_layers: Mapping[int, nn.Module],
         bound: BoundOptimizer,
         groups: Mapping[tuple[int, ...], Any],
+        owned: Sequence[Any] = (),
     ) -> None:
         check_optimizer(bound.optimizer)
         self.bound = bound
         self.bucket_numel = GATHER_BUCKET_NUMEL
         self.rank = rank
-        holders = layer_holders(plan)
+        self._owned = list(owned)
         per_group: list[list[nn.Parameter]] = [[] for _ in bound.groups]
         self.layers: dict[int, _LayerShard] = {}
         for index, params in trained_parameters(local_layers, bound.group_of).items():
@@ -218,7 +225,15 @@ class ZeroShards:
             for piece, shadow in (e for entries in shard.pieces.values() for e in entries):
                 self._pieces_of.setdefault(id(shard.params[piece.param]), []).append(shadow)
         self._groups = dict(groups)
-        self._order = [h for h in holder_sets(plan) if h in self._groups and any(s.ranks == h for s in self.layers.values())]
+        # Every member of a holder set holds all of the set's layers: ordered by their first layer, the
+        # sets' collectives run in the same order on every rank.
+        first: dict[tuple[int, ...], int] = {}
+        for index in sorted(self.layers):
+            first.setdefault(self.layers[index].ranks, index)
+        self._order = sorted((h for h in first if len(h) > 1), key=lambda h: (first[h], h))
+        missing = [h for h in self._order if h not in self._groups]
+        if missing:
+            raise ValueError(f"no process group for the holder sets {missing}")
         self._shadow = self._make_shadow(per_group) if any(per_group) else None
 
     def _make_shadow(self, per_group: list[list[nn.Parameter]]) -> torch.optim.Optimizer:
@@ -352,6 +367,26 @@ class ZeroShards:
         for shadow in self._pieces_of.get(id(param), ()):
             total += sum(v.numel() * v.element_size() for k, v in self._shadow.state.get(shadow, {}).items() if elementwise(k, v))
         return float(total)
+
+    def adopt(self, previous: ZeroShards) -> None:
+        """Takes over the slices ``previous`` kept of the same layers under the same layout (local): the state of
+        a rebuild that changed nothing (the strategy set up again, e.g. ``trainer.validate`` between fits).
+        A layer whose slices differ is left without state."""
+        if self._shadow is None or previous._shadow is None:
+            return
+        for index, shard in self.layers.items():
+            old = previous.layers.get(index)
+            if old is None or (old.layout, old.holder, old.keys) != (shard.layout, shard.holder, shard.keys):
+                continue
+            for s, entries in shard.pieces.items():
+                for (piece, shadow), (old_piece, old_shadow) in zip(entries, old.pieces.get(s, ()), strict=False):
+                    if piece == old_piece and old_shadow in previous._shadow.state:
+                        self._shadow.state[shadow] = previous._shadow.state[old_shadow]
+
+    def destroy(self) -> None:
+        """Releases the process groups this object created (local; the others belong to the reducer)."""
+        release_process_groups(self._owned)
+        self._owned = []
 
 
 def _layer_buckets(shards: list[_LayerShard], numel: int) -> list[list[_LayerShard]]:

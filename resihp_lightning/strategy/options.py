@@ -9,7 +9,7 @@ from typing import Any
 from resihp_lightning.errors import invalid_option
 from resihp_lightning.plan import Plan
 from resihp_lightning.failstop.fail_stop_config import FailStopConfig
-from resihp_lightning.state.zero_config import layerwise_zero
+from resihp_lightning.state.zero_config import deepspeed_runs_zero, layerwise_zero
 
 #: DeepSpeed config keys the strategy owns; an override of them is refused.
 RESERVED_DEEPSPEED_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
@@ -47,8 +47,9 @@ class StrategyOptions:
             ``False`` (default): off, a lost rank ends the job; ``True``: on with the defaults.
         tensor_degree: t, processes that split each layer (tensor parallelism; consecutive ranks form a
             group, and plans, ``pipeline_degree`` and ``plan`` count groups). 1 (default): none. With
-            t > 1 there is no fail-stop recovery or elastic restart yet (detection and re-plans work per group), the
-            optimizer plain fp32, and the module must define ``pipeline_split_layer`` and
+            t > 1 the optimizer runs in the layer-wise engine (plain, or its ZeRO-1 with each member's shard
+            sliced over the same shard's holders; no DeepSpeed ZeRO / bf16 / fp16 wrapper), and the module must
+            define ``pipeline_split_layer`` and
             ``pipeline_tensor_parallel_loss`` (``CausalLMPipelineModule`` does); see docs/tensor_parallel.md.
     """
 
@@ -94,8 +95,10 @@ class StrategyOptions:
         self.fail_stop = FailStopConfig.from_value(self.fail_stop)
         if not isinstance(self.tensor_degree, int) or isinstance(self.tensor_degree, bool) or self.tensor_degree < 1:
             raise invalid_option("tensor_degree", self.tensor_degree, "an integer >= 1")
-        if self.tensor_degree > 1 and (stage or any((self.deepspeed_config.get(k) or {}).get("enabled") for k in ("bf16", "fp16"))):
-            raise invalid_option("tensor_degree", self.tensor_degree, "1 with ZeRO / bf16 / fp16 in deepspeed_config "
-                                 "(tensor parallelism needs the plain fp32 optimizer for now)")
+        if self.tensor_degree > 1 and (deepspeed_runs_zero(self.deepspeed_config)
+                                       or any((self.deepspeed_config.get(k) or {}).get("enabled") for k in ("bf16", "fp16"))):
+            raise invalid_option("tensor_degree", self.tensor_degree, "1 with DeepSpeed's ZeRO / bf16 / fp16 wrappers in "
+                                 "deepspeed_config (tensor parallelism needs the layer-wise engine: the plain optimizer "
+                                 "or its ZeRO-1, zero_optimization.stage=1 without layerwise=False)")
         if isinstance(self.timeout, (int, float)):
             self.timeout = timedelta(seconds=self.timeout)

@@ -566,7 +566,7 @@ class ResiHPStrategyMixin:
             optimizer = self._setup_user_optimizer(trainer)
         else:  # the fitted optimizer, if any, so that layer_profile() still counts its state
             optimizer = previous.optimizer.optimizer if previous is not None and previous.optimizer is not None else None
-        runtime.start(optimizer)
+        runtime.start(optimizer, previous=previous)
         self.setup_precision_plugin()
 
     # Lightning's own collectives (ModelCheckpoint, early stopping, ...) between steps: with fail-stop

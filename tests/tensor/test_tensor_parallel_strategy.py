@@ -259,10 +259,14 @@ def test_tensor_degree_is_checked_by_name():
 
     assert StrategyOptions(tensor_degree=2).tensor_degree == 2
     assert StrategyOptions(tensor_degree=2, fail_stop=True).fail_stop is not None  # a lost member is recovered
+    # The layer-wise engine's ZeRO-1 runs under tensor parallelism; DeepSpeed's wrappers do not.
+    assert StrategyOptions(tensor_degree=2, deepspeed_config={"zero_optimization": {"stage": 1}}).tensor_degree == 2
     for bad, pattern in (
         ({"tensor_degree": 0}, r"`tensor_degree`; allowed: an integer >= 1"),
         ({"tensor_degree": True}, r"`tensor_degree`; allowed: an integer >= 1"),
-        ({"tensor_degree": 2, "deepspeed_config": {"zero_optimization": {"stage": 1}}}, r"`tensor_degree`.*fp32"),
+        ({"tensor_degree": 2, "deepspeed_config": {"zero_optimization": {"stage": 1, "layerwise": False}}},
+         r"`tensor_degree`.*layer-wise engine"),
+        ({"tensor_degree": 2, "deepspeed_config": {"bf16": {"enabled": True}}}, r"`tensor_degree`.*DeepSpeed's ZeRO / bf16"),
     ):
         with pytest.raises(ConfigError, match=pattern):
             StrategyOptions(**bad)

@@ -43,8 +43,8 @@ class SurvivingMembership:
             ``device_conditions``, which the re-plan controller sets).
         on_regrouped: called on every process once a new group exists (the strategy points
             Lightning's rank-zero utilities at the new rank).
-        lightning_state: the Lightning side's state a newcomer takes at its admission (the members'
-            rank 0 calls it; :mod:`resihp_lightning.strategy.newcomer_state`).
+        lightning_state: the Lightning side's state a newcomer takes at its admission (every member calls it
+            there, rank 0 sends it; :mod:`resihp_lightning.strategy.newcomer_state`).
     """
 
     #: Lost peers are recovered from in-process.
@@ -230,8 +230,14 @@ class SurvivingMembership:
 
     def admit_newcomers(self, call: int) -> bool:
         """Every member at the start of a training call: admits the newcomers the last commit counted (none:
-        nothing happens); whether some were admitted (the members then plan for them: :meth:`plan_with_newcomers`)."""
-        admitted = self.job.admit_newcomers(call, lambda a: self._admission_record(call, a))
+        nothing happens); whether some were admitted (the members then plan for them: :meth:`plan_with_newcomers`).
+
+        Every member reads the Lightning state, not only rank 0, which sends it: reading it may be collective
+        (a callback's ``state_dict``, as when Lightning writes a checkpoint)."""
+        if not self.job.admissions.due():
+            return False
+        lightning = self._lightning_state()
+        admitted = self.job.admit_newcomers(call, lambda a: self._admission_record(call, a, lightning))
         if admitted is None:
             return False
         if admitted.ranks:
@@ -253,7 +259,7 @@ class SurvivingMembership:
             user_info(f"ResiHPStrategy: the next step runs {plan.pipeline_degree}x{plan.data_degree} on devices "
                       f"{sorted(plan.device_ids)} (live: {list(self.job.job_members)})")
 
-    def _admission_record(self, call: int, admitted: Admitted) -> AdmissionRecord:
+    def _admission_record(self, call: int, admitted: Admitted, lightning: dict[str, Any]) -> AdmissionRecord:
         """The members' rank 0: what the newcomers of ``admitted`` take (the plan in force, the state of this call's start)."""
         world, runtime = self.job.world, self.state.require()
         bound = runtime.optimizer
@@ -261,7 +267,7 @@ class SurvivingMembership:
             generation=world.generation, members=tuple(world.members), job=tuple(world.job_members), call=call,
             considered=admitted.considered, newcomers_ready=self.job.commit.newcomers_ready,
             plan=runtime.plan.to_dict(), micro_batches=self.state.micro_batches, layer_sizes=runtime.layer_sizes,
-            group_of=None if bound is None else dict(bound.group_of), lightning=self._lightning_state(),
+            group_of=None if bound is None else dict(bound.group_of), lightning=lightning,
         )
 
     def await_admission(self, memory_mb: float | None) -> AdmissionRecord:

@@ -31,7 +31,8 @@ from typing import Any
 
 
 def capture(trainer: Any) -> dict[str, Any]:
-    """The members' rank 0, at the start of a training step: what a newcomer admitted there takes."""
+    """At the start of the admission step, on every member (a callback's ``state_dict`` may be collective, as
+    when Lightning writes a checkpoint): what a newcomer admitted there takes (rank 0's is sent)."""
     loop = copy.deepcopy(trainer.fit_loop.state_dict())
     loop.get("state_dict", {}).pop("combined_loader", None)
     epoch_loop = loop.get("epoch_loop.state_dict", {})

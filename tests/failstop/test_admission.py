@@ -7,7 +7,8 @@ wait at the start of step 2 until it has registered, so that the steps are fixed
 counts it, step 3 admits it (it mirrors step 3 as a hot spare, and the members plan for 4 devices),
 step 4's reshape takes it in. Every process, the newcomer included, must report the one-process
 reference's loss at every step it saw and end ``fit`` with the reference's trained weights, and the
-newcomer's Lightning counters (global step, LR schedule) must be the members'.
+newcomer's Lightning counters (global step, LR schedule) and its straggler detector's state must be the
+members'.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def _job(rank: int, world: int, run_dir: str) -> dict:
 
     import lightning.pytorch as pl
 
+    from resihp_lightning.callbacks import StragglerDetector
     from resihp_lightning.failstop.fail_stop_config import FailStopConfig
     from resihp_lightning.strategy.strategy import ResiHPStrategy
     from resihp_lightning.testing.harness import last_words
@@ -71,11 +73,13 @@ def _job(rank: int, world: int, run_dir: str) -> dict:
                 start_file.touch()  # the survivors recovered: start the replacement
 
     story = Story()
+    # A callback whose state_dict is collective (the admission reads every member's) and that resyncs at take-in.
+    detector = StragglerDetector(warmup_steps=1, fit_steps=2)
     x, y = make_data()
     strategy = ResiHPStrategy(micro_batch_size=MBS, pipeline_degree=2, fail_stop=FailStopConfig())
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                         callbacks=[story], limit_val_batches=0)
+                         callbacks=[story, detector], limit_val_batches=0)
     model = build_class()()
     trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=M * MBS))
     job = strategy._membership.job
@@ -87,6 +91,7 @@ def _job(rank: int, world: int, run_dir: str) -> dict:
         "global_step": trainer.global_step,
         "scheduler_epoch": trainer.lr_scheduler_configs[0].scheduler.last_epoch,
         "clock": dict(job.admission_clock),
+        "detector": detector.core.state_dict(),
         "started_fit": started_fit,
     }
 
@@ -123,6 +128,7 @@ def test_a_replacement_joins_is_admitted_at_a_step_boundary_and_the_next_plan_us
     # Lightning's counters and LR schedule went on from the members'.
     assert newcomer["global_step"] == STEPS and newcomer["scheduler_epoch"] == STEPS
     assert [s["lr"] for s in story] == [s["lr"] for s in members[3:]]
+    assert newcomer["detector"] == values[0]["detector"]  # its detector took the members' state at take-in
     clock = newcomer["clock"]
     assert clock["registered"] <= clock["admitted"] < story[1]["at"]
 

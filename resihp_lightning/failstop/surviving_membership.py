@@ -12,12 +12,13 @@ started after the job began, :mod:`~resihp_lightning.failstop.admission`) on bot
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
 
-from resihp_lightning._logging import user_info, user_warn
+from resihp_lightning._logging import get_logger, user_info, user_warn
 from resihp_lightning.contract import DeviceConditions
 from resihp_lightning.plan import Plan
 from resihp_lightning.resilience.failure_detector import FailureDetector
@@ -29,6 +30,8 @@ from resihp_lightning.failstop.spares import Reshape, idle_probes, share_idle_pr
 from resihp_lightning.failstop.survivors import SurvivingJob
 from resihp_lightning.runtime.runtime_state import RuntimeState
 from resihp_lightning.tensor.tensor_groups import TensorGroups, TensorParallelism
+
+log = get_logger(__name__)
 
 
 class SurvivingMembership:
@@ -236,8 +239,10 @@ class SurvivingMembership:
         (a callback's ``state_dict``, as when Lightning writes a checkpoint)."""
         if not self.job.admissions.due():
             return False
+        started = time.perf_counter()
         lightning = self._lightning_state()
         admitted = self.job.admit_newcomers(call, lambda a: self._admission_record(call, a, lightning))
+        log.info("admitted newcomers %s in %.3f s", list(admitted.ranks) if admitted else [], time.perf_counter() - started)
         if admitted is None:
             return False
         if admitted.ranks:
@@ -253,7 +258,10 @@ class SurvivingMembership:
         """Every member, once newcomers were admitted: plans for every live process (collective) and requests
         the plan for the next training step, whose reshape takes in the devices it uses."""
         runtime, state = self.state.require(), self.state
+        started = time.perf_counter()
         plan = self.job.plan_for_job(runtime, state.micro_batches, self._conditions())
+        log.info("planned for the %d live processes in %.3f s: %s", len(self.job.job_members),
+                 time.perf_counter() - started, plan.layout_key())
         if plan.layout_key() != runtime.plan.layout_key():
             state.pending, state.pending_groups = plan, None
             user_info(f"ResiHPStrategy: the next step runs {plan.pipeline_degree}x{plan.data_degree} on devices "

@@ -3,8 +3,8 @@
 Four gloo processes (``resihp_lightning/testing/harness.py``) train a stack of 8 ``Linear(1024) + tanh`` layers with
 Adam (M = 8 micro-batches of 64 rows) under ``ResiHPStrategy(fail_stop=True)``, starting 2 x 2. Rank 1 is
 SIGKILLed inside step 3 (the survivors recover on 3 processes); then a fifth process starts the same script with
-``RESIHP_JOIN=1`` and rank 1's ``LOCAL_RANK``. The members wait at the start of step 5 until it has registered (so
-that every run admits it at the same step: step 5's commit counts it, step 6 admits it, step 7 takes it in).
+``RESIHP_JOIN=1`` and rank 1's ``LOCAL_RANK``. The members wait at the start of step 4 until it has registered (so
+that every run admits it at the same step: step 4's commit counts it, step 5 admits it, step 6 takes it in).
 
 Printed, median over the runs (the newcomer's clock and the members' rank 0's records, one machine's clock):
 
@@ -34,7 +34,8 @@ sys.path.insert(0, str(ROOT))
 from resihp_lightning.testing.harness import last_words, run_job  # noqa: E402
 
 WIDTH, DEPTH, MBS, M, STEPS = 1024, 8, 64, 8, 10
-WORLD, VICTIM, KILL_STEP, GATE_STEP = 4, 1, 3, 5
+WORLD, VICTIM, KILL_STEP = 4, 1, 3
+GATE_STEP = KILL_STEP + 1  # the newcomer starts at its start; its commit counts it
 ADMIT_STEP, TAKE_IN_STEP = GATE_STEP + 1, GATE_STEP + 2
 
 
@@ -102,11 +103,12 @@ def main() -> None:
             raise SystemExit(outcome.describe())
         newcomer, member = values[WORLD], values[0]
         first = next(r for r in newcomer["rows"] if not r["spare"])
+        assert newcomer["rows"][0]["step"] == ADMIT_STEP and first["step"] == TAKE_IN_STEP, newcomer["rows"]
         clock = newcomer["clock"]
         waits.append(clock["admitted"] - clock["registered"])
         firsts.append(first["at"] - clock["admitted"])
         by_step = {r["step"]: r for r in member["rows"]}
-        typical.append(statistics.median(by_step[s]["s"] for s in (1, 2, 8, 9)))
+        typical.append(statistics.median(by_step[s]["s"] for s in (1, 2, 8, 9) if s not in (KILL_STEP, ADMIT_STEP, TAKE_IN_STEP)))
         admit.append(by_step[ADMIT_STEP]["s"])
         take_in.append(by_step[TAKE_IN_STEP]["s"])
         moved.append(by_step[TAKE_IN_STEP]["migration"][1] / 2**20)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -11,6 +12,9 @@ from resihp_lightning.errors import invalid_option
 
 #: Exit status when the job cannot recover in-process (a launcher's restart policy takes over).
 UNRECOVERABLE_EXIT_CODE = 75
+
+#: The environment variable that makes a process join a running job (``fail_stop.join`` unset).
+JOIN_VARIABLE = "RESIHP_JOIN"
 
 STORE_BACKENDS = ("tcp", "etcd")
 _TCP_ONLY = ("port", "secret_file")
@@ -133,6 +137,14 @@ class FailStopConfig:
         store: which store the survivors agree through (:class:`StoreOptions` or its mapping, e.g.
             ``{"backend": "etcd", "endpoints": ["http://node0:2379", ...], "user": "job",
             "password_file": "job.pw"}``); default: the TCP store host.
+        join: this process joins the running job (a replacement started after the job began) instead of
+            starting with it: it gets a rank above every rank the job has had, waits to be admitted at a
+            step boundary as a hot spare, and the members' next plan may use it. ``None`` (default): from
+            the environment, ``RESIHP_JOIN=1`` joins (``0`` or unset: not), so that one unchanged script
+            serves the job and its replacements.
+        admission_timeout_s: how long a joining process waits to find the running job in the store and to
+            be admitted (the members admit newcomers at their next training step); then it fails with
+            :class:`~resihp_lightning.resilience.failures.AdmissionError`.
     """
 
     detect_timeout_s: float = 1.0
@@ -146,12 +158,17 @@ class FailStopConfig:
     kill_evicted: bool = True
     store_port: int | None = None
     store: StoreOptions | None = None
+    join: bool | None = None
+    admission_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "store", StoreOptions.from_value(self.store))
+        if self.join is not None and not isinstance(self.join, bool):
+            raise invalid_option("fail_stop.join", self.join, "null (from $RESIHP_JOIN), true or false")
+        joins_from_env()  # a bad $RESIHP_JOIN is refused now, not when the strategy sets up
         if self.solver not in SOLVERS:
             raise invalid_option("fail_stop.solver", self.solver, SOLVERS)
-        for name in ("interval_s", "join_timeout_s", "regroup_timeout_s"):
+        for name in ("interval_s", "join_timeout_s", "regroup_timeout_s", "admission_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 raise invalid_option(f"fail_stop.{name}", value, "seconds > 0")
@@ -175,6 +192,11 @@ class FailStopConfig:
         assert isinstance(store, StoreOptions)
         if self.store_port is not None and (store.backend == "etcd" or store.port not in (None, self.store_port)):
             raise invalid_option("fail_stop.store_port", self.store_port, f"null with fail_stop.store {store.backend}:{store.port}")
+
+    @property
+    def joins(self) -> bool:
+        """Whether this process joins a running job (``join``, else ``$RESIHP_JOIN``)."""
+        return self.join if self.join is not None else joins_from_env()
 
     @classmethod
     def from_value(cls, value: Any) -> FailStopConfig | None:
@@ -219,3 +241,15 @@ class FailStopConfig:
                 interval_s=self.interval_s, timeout_s=self.detect_timeout_s, progress_timeout_s=self.progress_timeout_s
             ),
         )
+
+
+def joins_from_env() -> bool:
+    """``$RESIHP_JOIN``: ``1`` joins a running job, ``0`` or unset does not.
+
+    Raises:
+        ConfigError: any other value.
+    """
+    value = os.environ.get(JOIN_VARIABLE, "").strip()
+    if value not in ("", "0", "1"):
+        raise invalid_option(JOIN_VARIABLE, value, "1 (join the running job), 0 or unset")
+    return value == "1"

@@ -17,6 +17,9 @@ the members' rank 0 announces the new plan for the current generation
 (``SurvivingJob.reshape``). When the generation is aborted (a member died), a waiting spare raises
 :class:`~resihp_lightning.resilience.failures.PeerFailure` like a member would, and joins the regroup.
 
+Newcomers admitted at a call (:mod:`.admission`) are named in that call's records (result and
+announcement), so that every spare, and a spare taken in at that call, records them too.
+
 Costs while spares exist: one store write (and one delete) per call on the members' rank 0; each
 spare polls the store every ``poll_s``. A spare also shares its speed-probe time (:func:`share_idle_probe`,
 one small key per spare) so that the members can tell when a device left out for slowness healed.
@@ -32,6 +35,7 @@ from typing import Any
 
 import torch
 
+from resihp_lightning.failstop.admission import Admitted
 from resihp_lightning.plan import Plan
 
 #: Published results kept in the store (a spare lags its members by at most one call).
@@ -75,10 +79,12 @@ class Mirrored:
     Attributes:
         value: the call's result (plain data and tensors).
         plan: the plan the members ran the call under, when it changed since the last record.
+        admitted: newcomers the members admitted at this call.
     """
 
     value: Any
     plan: Plan | None
+    admitted: Admitted | None = None
 
 
 @dataclass(frozen=True)
@@ -90,11 +96,13 @@ class Reshape:
         plan: the plan to put in force.
         include: spares that join the grown group although ``plan`` leaves them idle (the end of
             ``fit``: they receive the trained weights).
+        admitted: newcomers the members admitted at this call (before the reshape).
     """
 
     old: Plan
     plan: Plan
     include: tuple[int, ...] = ()
+    admitted: Admitted | None = None
 
 
 class CallMirror:
@@ -110,16 +118,26 @@ class CallMirror:
         self.poll_s = poll_s
         self.calls = 0
         self._published_plan: str | None = None
+        self._admitted: dict[int, Admitted] = {}  # call -> newcomers admitted there, for its records
 
     def next_call(self) -> int:
         """Numbers the strategy call that starts now (every process of the job calls it, in step)."""
         self.calls += 1
         return self.calls
 
+    def note_admission(self, call: int, admitted: Admitted) -> None:
+        """Members' rank 0: ``call``'s records (its announcement, its result) name the newcomers admitted there."""
+        self._admitted = {call: admitted}
+
+    def _admission(self, call: int) -> Admitted | None:
+        return self._admitted.get(call)
+
     def publish(self, call: int, value: Any, plan: Plan) -> None:
         """Members' rank 0: records what ``call`` returned (with the plan, when it changed)."""
         key = plan.layout_key()
-        payload = {"value": value, "plan": None if key == self._published_plan else plan.to_dict()}
+        admitted = self._admitted.pop(call, None)
+        payload = {"value": value, "plan": None if key == self._published_plan else plan.to_dict(),
+                   "admitted": None if admitted is None else (admitted.ranks, admitted.considered)}
         buffer = io.BytesIO()
         torch.save(payload, buffer)
         store = self.world.store.control
@@ -134,7 +152,9 @@ class CallMirror:
 
     def announce(self, call: int, old: Plan, plan: Plan, include: tuple[int, ...] = ()) -> None:
         """Members' rank 0: before ``call``, the job reshapes from ``old`` to ``plan`` (see :class:`Reshape`)."""
-        body = json.dumps({"old": old.to_dict(), "plan": plan.to_dict(), "include": list(include)})
+        admitted = self._admission(call)
+        body = json.dumps({"old": old.to_dict(), "plan": plan.to_dict(), "include": list(include),
+                           "admitted": None if admitted is None else [list(admitted.ranks), admitted.considered]})
         self.world.store.control.set(reshape_key(self.world.current.number, call), body)
 
     def wait(self, call: int) -> Mirrored | Reshape:
@@ -152,10 +172,20 @@ class CallMirror:
             if store.check([done]):
                 payload = torch.load(io.BytesIO(store.get(done)), weights_only=False)
                 plan = payload["plan"]
-                return Mirrored(payload["value"], Plan.from_dict(plan) if plan is not None else None)
+                return Mirrored(payload["value"], Plan.from_dict(plan) if plan is not None else None,
+                                _admitted(payload.get("admitted")))
             world.check()
             announced = reshape_key(world.current.number, call)
             if store.check([announced]):
                 body = json.loads(store.get(announced))
-                return Reshape(Plan.from_dict(body["old"]), Plan.from_dict(body["plan"]), tuple(body.get("include", ())))
+                return Reshape(Plan.from_dict(body["old"]), Plan.from_dict(body["plan"]), tuple(body.get("include", ())),
+                               _admitted(body.get("admitted")))
             time.sleep(self.poll_s)
+
+
+def _admitted(value: Any) -> Admitted | None:
+    """An admission as a record carries it (``[ranks, considered]``), or ``None``."""
+    if value is None:
+        return None
+    ranks, considered = value
+    return Admitted(tuple(int(r) for r in ranks), int(considered))

@@ -6,26 +6,32 @@ answers rank, world size, device id and live devices from the
 between steps so that a lost peer regroups the survivors (:meth:`SurvivingMembership.recover`)
 instead of ending the job. It also carries what the job's hot spares need: the numbered calls
 whose results the members' rank 0 publishes, the reshapes that take spares in or leave devices
-out, and the end-of-fit weight sync that spares join.
+out, and the end-of-fit weight sync that spares join; and the admission of newcomers (processes
+started after the job began, :mod:`~resihp_lightning.failstop.admission`) on both sides.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
 
-from resihp_lightning._logging import user_info, user_warn
+from resihp_lightning._logging import get_logger, user_info, user_warn
 from resihp_lightning.contract import DeviceConditions
 from resihp_lightning.plan import Plan
 from resihp_lightning.resilience.failure_detector import FailureDetector
 from resihp_lightning.resilience.failures import PeerFailure
+from resihp_lightning.resilience.joining import ready_count
+from resihp_lightning.failstop.admission import AdmissionRecord, Admitted
 from resihp_lightning.failstop.recovery_record import RecoveryRecord
 from resihp_lightning.failstop.spares import Reshape, idle_probes, share_idle_probe
 from resihp_lightning.failstop.survivors import SurvivingJob
 from resihp_lightning.runtime.runtime_state import RuntimeState
 from resihp_lightning.tensor.tensor_groups import TensorGroups, TensorParallelism
+
+log = get_logger(__name__)
 
 
 class SurvivingMembership:
@@ -40,6 +46,8 @@ class SurvivingMembership:
             ``device_conditions``, which the re-plan controller sets).
         on_regrouped: called on every process once a new group exists (the strategy points
             Lightning's rank-zero utilities at the new rank).
+        lightning_state: the Lightning side's state a newcomer takes at its admission (every member calls it
+            there, rank 0 sends it; :mod:`resihp_lightning.strategy.newcomer_state`).
     """
 
     #: Lost peers are recovered from in-process.
@@ -53,12 +61,14 @@ class SurvivingMembership:
         global_step: Callable[[], int],
         conditions: Callable[[], DeviceConditions],
         on_regrouped: Callable[[], None],
+        lightning_state: Callable[[], dict[str, Any]] = dict,
     ) -> None:
         self.job = job
         self.state = state
         self._global_step = global_step
         self._conditions = conditions
         self._on_regrouped = on_regrouped
+        self._lightning_state = lightning_state
         #: A lost peer interrupted this step after its update: its other collectives are skipped here.
         self.interrupted = False
         #: This training step's committed result (what spares taken in by a recovery return).
@@ -215,6 +225,64 @@ class SurvivingMembership:
             f"ResiHPStrategy: now {current.pipeline_degree}x{current.data_degree} on devices "
             f"{sorted(current.device_ids)}; idle (hot spares): {list(job.spares)}"
         )
+
+    # ------------------------------------------------------------------------- newcomers
+    def newcomers_waiting(self) -> int:
+        """Newcomers registered to join and not admitted yet (one store read)."""
+        return max(ready_count(self.job.world.store.control) - self.job.admissions.considered, 0)
+
+    def admit_newcomers(self, call: int) -> bool:
+        """Every member at the start of a training call: admits the newcomers the last commit counted (none:
+        nothing happens); whether some were admitted (the members then plan for them: :meth:`plan_with_newcomers`).
+
+        Every member reads the Lightning state, not only rank 0, which sends it: reading it may be collective
+        (a callback's ``state_dict``, as when Lightning writes a checkpoint)."""
+        if not self.job.admissions.due():
+            return False
+        started = time.perf_counter()
+        lightning = self._lightning_state()
+        admitted = self.job.admit_newcomers(call, lambda a: self._admission_record(call, a, lightning))
+        log.info("admitted newcomers %s in %.3f s", list(admitted.ranks) if admitted else [], time.perf_counter() - started)
+        if admitted is None:
+            return False
+        if admitted.ranks:
+            user_info(f"ResiHPStrategy: admitted newcomer(s) {list(admitted.ranks)} at step {self._global_step()} "
+                      f"as hot spares; live processes now {list(self.job.job_members)}")
+        return bool(admitted.ranks)
+
+    def apply_admission(self, admitted: Admitted) -> bool:
+        """A spare: records the newcomers the members admitted at this call; whether they were new here."""
+        return self.job.admissions.apply(admitted)
+
+    def plan_with_newcomers(self) -> None:
+        """Every member, once newcomers were admitted: plans for every live process (collective) and requests
+        the plan for the next training step, whose reshape takes in the devices it uses."""
+        runtime, state = self.state.require(), self.state
+        started = time.perf_counter()
+        plan = self.job.plan_for_job(runtime, state.micro_batches, self._conditions())
+        log.info("planned for the %d live processes in %.3f s: %s", len(self.job.job_members),
+                 time.perf_counter() - started, plan.layout_key())
+        if plan.layout_key() != runtime.plan.layout_key():
+            state.pending, state.pending_groups = plan, None
+            user_info(f"ResiHPStrategy: the next step runs {plan.pipeline_degree}x{plan.data_degree} on devices "
+                      f"{sorted(plan.device_ids)} (live: {list(self.job.job_members)})")
+
+    def _admission_record(self, call: int, admitted: Admitted, lightning: dict[str, Any]) -> AdmissionRecord:
+        """The members' rank 0: what the newcomers of ``admitted`` take (the plan in force, the state of this call's start)."""
+        world, runtime = self.job.world, self.state.require()
+        bound = runtime.optimizer
+        return AdmissionRecord(
+            generation=world.generation, members=tuple(world.members), job=tuple(world.job_members), call=call,
+            considered=admitted.considered, newcomers_ready=self.job.commit.newcomers_ready,
+            plan=runtime.plan.to_dict(), micro_batches=self.state.micro_batches, layer_sizes=runtime.layer_sizes,
+            group_of=None if bound is None else dict(bound.group_of), lightning=lightning,
+        )
+
+    def await_admission(self, memory_mb: float | None) -> AdmissionRecord:
+        """A newcomer: registers and waits until the members admit it (see ``SurvivingJob.await_admission``)."""
+        record = self.job.await_admission(memory_mb)
+        self._on_regrouped()
+        return record
 
     # ---------------------------------------------------------------------- mirrored calls
     def next_call(self) -> int:

@@ -7,6 +7,10 @@ every process of the job then joins) and runs its share; a hot spare runs nothin
 the members' step returned (:class:`~resihp_lightning.failstop.spares.CallMirror`), or joins a
 reshape. Each step's result is a :class:`CommittedStep`: the members' rank 0 publishes it for the
 spares, and a recovery hands it to a spare it takes in after the members' update.
+
+A training step also admits the newcomers the last commit counted (:mod:`~resihp_lightning.failstop.admission`):
+the members admit them before anything else in the step, and once they have, plan for every live
+process and request that plan for the next step.
 """
 
 from __future__ import annotations
@@ -54,13 +58,14 @@ class SurvivingSteps:
         self._call = 0  # this step's number among the strategy's mirrored calls
         self._plan: Plan | None = None  # the requested plan, until an attempt puts it in force
         self._taken: CommittedStep | None = None  # the result an attempt took from the members
+        self._plan_newcomers = False  # newcomers were admitted in this step: plan for them before its share
 
     def run(self, split: SplitBatch, plan: Plan | None, device: torch.device) -> StepOutcome:
         membership = self.membership
         membership.begin_step()
         self._call = membership.next_call()
-        self._plan, self._taken = plan, None
-        outcome = membership.job.run_step(lambda: self._attempt(split, device), membership.recover)
+        self._plan, self._taken, self._plan_newcomers = plan, None, False
+        outcome = membership.job.run_step(lambda: self._attempt(split, device), self._recover)
         if outcome.share is not None:
             membership.step_result = CommittedStep(loss=float(outcome.loss))
         else:  # mirrored from the members (a spare), or committed before a recovery took this process in
@@ -88,6 +93,8 @@ class SurvivingSteps:
             if job.is_spare:
                 self._plan = None  # the members' rank 0 announces plan changes; a spare's own request is moot
                 got = job.mirror.wait(self._call)
+                if got.admitted is not None and membership.apply_admission(got.admitted):
+                    self._plan_newcomers = True  # if the reshape below takes it in, it plans with the members
                 if isinstance(got, Reshape):
                     if runtime.plan.layout_key() != got.old.layout_key():
                         runtime.follow(got.old)
@@ -96,6 +103,8 @@ class SurvivingSteps:
                 if got.plan is not None:
                     runtime.follow(got.plan)
                 return self._take(got.value, device)
+            if membership.admit_newcomers(self._call):  # due on every member alike (the last commit said so)
+                self._plan_newcomers = True
             plan, self._plan = self._plan, None
             if plan is not None:
                 if membership.uses_every_device(plan):
@@ -105,7 +114,16 @@ class SurvivingSteps:
                         job.mirror.announce(self._call, runtime.plan, plan)
                     membership.reshape(plan)
                     continue
+            if self._plan_newcomers:
+                self._plan_newcomers = False
+                membership.plan_with_newcomers()  # collective over the members; in force from the next step
             return StepOutcome.ran(self.share(split))
+
+    def _recover(self, failure: Exception) -> None:
+        # The survivors' plan covers every live process, newcomers included: no plan for them is due any
+        # more (and a spare taken in may not know of one).
+        self._plan_newcomers = False
+        self.membership.recover(failure)
 
     def _take(self, result: CommittedStep, device: torch.device) -> StepOutcome:
         self._taken = result

@@ -11,6 +11,11 @@ peer before its commit point is redone) and each collective after the commit poi
 Plans may leave live processes idle (:mod:`~.spares`): :meth:`SurvivingJob.reshape` changes the
 members at a step boundary (taking spares back, leaving devices out), and a recovery regroups every
 live process of the job, spares included, and then leaves out whom the survivors' plan does not use.
+
+Processes started after the job began join it (:mod:`~.admission`): built with ``join``, a
+``SurvivingJob`` claims a rank and waits to be admitted (:meth:`SurvivingJob.await_admission`); the
+members admit newcomers at a step boundary (:meth:`SurvivingJob.admit_newcomers`) and plan for every
+live process (:meth:`SurvivingJob.plan_for_job`).
 """
 
 from __future__ import annotations
@@ -28,10 +33,12 @@ from resihp_lightning.contract import DeviceConditions, MigrationRecord
 from resihp_lightning.errors import ConfigError, PlanError
 from resihp_lightning.placement import lost_layers
 from resihp_lightning.plan import Plan
-from resihp_lightning.resilience.failures import PeerFailure, ResilienceError
+from resihp_lightning.resilience.failures import PeerFailure, ResilienceError, StoreUnavailable
+from resihp_lightning.resilience.joining import announce_ready, wait_admission
 from resihp_lightning.resilience.world import ElasticWorld
 from resihp_lightning.runtime.device_memory import memory_budget_mb
 from resihp_lightning.runtime.engine import init_deepspeed_comm
+from resihp_lightning.failstop.admission import AdmissionRecord, Admissions, Admitted, newcomer_counter, newcomer_info
 from resihp_lightning.failstop.fail_stop_config import FailStopConfig
 from resihp_lightning.failstop.recovery_record import RecoveryClock, RecoveryRecord
 from resihp_lightning.failstop.step_commit import StepCommit
@@ -49,26 +56,38 @@ T = TypeVar("T")
 class SurvivingJob:
     """The job's groups and their recovery (see the module docstring).
 
-    Building one is collective: every process of the job forms generation 0 together.
+    Building one is collective: every process of the job forms generation 0 together. A process that
+    joins a running job (``join``) only claims its rank and starts beating; it takes its place with
+    :meth:`await_admission`.
 
     Args:
         config: the strategy's ``fail_stop`` options.
-        rank: this process's global rank at start (its device id for the job's lifetime).
-        world_size: the number of processes at start.
+        rank: this process's global rank at start (its device id for the job's lifetime; ignored with ``join``).
+        world_size: the number of processes at start (ignored with ``join``).
         backend: ``"gloo"`` or ``"nccl"``.
         collective_timeout_s: the strategy's collective timeout.
         node_rank: this machine's index (the store host runs on node 0 when the port is fixed).
+        join: this process joins the running job as a newcomer.
+        admit_newcomers: whether the job admits newcomers (it needs hot spares: the layer-wise engine, no
+            tensor parallelism); the commit vote then counts them.
     """
 
     def __init__(
-        self, config: FailStopConfig, rank: int, world_size: int, backend: str, collective_timeout_s: float, node_rank: int = 0
+        self, config: FailStopConfig, rank: int | None, world_size: int | None, backend: str, collective_timeout_s: float,
+        node_rank: int = 0, join: bool = False, admit_newcomers: bool = True,
     ) -> None:
         self.config = config
         self.backend = backend
         world_config = config.world_config(backend, collective_timeout_s, node_rank)
-        self.world = ElasticWorld(world_config, rank=rank, world_size=world_size).start()
-        self.commit = StepCommit(self.world)
+        if join:
+            self.world = ElasticWorld(world_config, join=True).join(config.admission_timeout_s)
+        else:
+            self.world = ElasticWorld(world_config, rank=rank, world_size=world_size).start()
+        self.commit = StepCommit(self.world, newcomer_counter(self.world) if admit_newcomers else None)
+        self.admissions = Admissions(self.world, self.commit)
         self.mirror = CallMirror(self.world)
+        #: A newcomer's ``time.monotonic()`` when it registered as ready and when it was admitted.
+        self.admission_clock: dict[str, float] = {}
         self.last_recovery: RecoveryRecord | None = None
         #: Called as ``listener(event, fields)`` before the process exits unrecoverably (event logs).
         self.listeners: list[Callable[[str, dict[str, Any]], None]] = []
@@ -86,15 +105,20 @@ class SurvivingJob:
 
     @property
     def rank(self) -> int:
-        """Rank in the current group; a spare's is after the members' (it has no group)."""
+        """Rank in the current group; a spare's is after the members' (it has no group); a newcomer not
+        admitted yet answers its claimed rank (above every rank of the job: never rank 0)."""
         world = self.world
+        if not world.admitted:
+            return world.original_rank
         if world.is_member:
             return world.rank
         return world.world_size + world.spares.index(world.original_rank)
 
     @property
     def world_size(self) -> int:
-        """Live processes of the job, members and spares."""
+        """Live processes of the job, members and spares (a newcomer not admitted yet: itself)."""
+        if not self.world.admitted:
+            return 1
         return self.world.world_size + len(self.world.spares)
 
     @property
@@ -298,11 +322,15 @@ class SurvivingJob:
 
         holders = [d for d in self.members if d in held_by]
         source = holders[0] if holders else self.members[0]
-        box: list[Any] = [{"plan": runtime.plan.to_dict(), "finished": finished} if self.device_id == source else None]
+        mine = {"plan": runtime.plan.to_dict(), "finished": finished, "admissions": self.admissions.state()}
+        box: list[Any] = [mine if self.device_id == source else None]
         dist.broadcast_object_list(box, src=self.world.rank_of(source))
         plan = Plan.from_dict(box[0]["plan"])
         if runtime.idle and plan.layout_key() != runtime.plan.layout_key():
             runtime.follow(plan)
+        # Which newcomers are admitted: a spare may have missed the record of the last admission, and a
+        # spare taken in did not vote on the last commit.
+        self.admissions.adopt(box[0]["admissions"])
         agreed = box[0]["finished"]
         self._finished = (agreed[0], agreed[1]) if agreed is not None and agreed[1] is not None else None
 
@@ -313,16 +341,73 @@ class SurvivingJob:
         result, self._finished = self._finished[1], None
         return result
 
+    # ---------------------------------------------------------------------------- newcomers
+    def await_admission(self, memory_mb: float | None) -> AdmissionRecord:
+        """A newcomer: registers as ready and waits until the members admit it (bounded by
+        ``fail_stop.admission_timeout_s``); then it is a spare of the job's current generation.
+
+        Args:
+            memory_mb: this process's memory budget (the members plan with it).
+
+        Raises:
+            AdmissionError: no member admitted it in time.
+            StoreUnavailable: the store was lost meanwhile.
+        """
+        world = self.world
+        store = world.store.control
+
+        def check() -> None:
+            if world.detector is not None and world.detector.store_lost:
+                raise StoreUnavailable("the rendezvous store was lost while this newcomer waited to be admitted")
+
+        self.admission_clock["registered"] = time.monotonic()
+        announce_ready(store, world.original_rank, newcomer_info(memory_mb))
+        record = AdmissionRecord.from_bytes(
+            wait_admission(store, world.original_rank, self.config.admission_timeout_s, check=check)
+        )
+        self.admission_clock["admitted"] = time.monotonic()
+        world.enter(record.generation, record.members, record.job)
+        self.mirror.calls = record.call - 1  # its loop's next strategy call is the admission's step
+        self.admissions.adopt((record.considered, record.newcomers_ready))
+        log.warning("rank %d admitted to the job at call %d (generation %d, members %s)", world.original_rank,
+                    record.call, record.generation, list(record.members))
+        return record
+
+    def admit_newcomers(self, call: int, record: Callable[[Admitted], AdmissionRecord]) -> Admitted | None:
+        """Every member at the start of training call ``call``: admits the newcomers the last commit counted,
+        when there are any (no store access otherwise). The members' rank 0 writes their admission records
+        (``record`` builds one) and names them in the call's records for the spares.
+
+        Returns:
+            The admission, or ``None`` when none was due.
+        """
+        if not self.admissions.due():
+            return None
+        admitted = self.admissions.admit(record if self.rank == 0 else None)
+        if self.rank == 0:
+            self.mirror.note_admission(call, admitted)
+            self.mirror.forget_published_plan()  # the newcomers' first record carries the plan
+        return admitted
+
+    def plan_for_job(self, runtime: PipelineRuntime, micro_batches: int, conditions: DeviceConditions) -> Plan:
+        """The plan for every live process of the job, spares and newcomers included (collective over the
+        members): the survivors' planner, with each newcomer as a healthy device of the memory it registered."""
+        devices = self.job_members
+        spares = tuple(d for d in devices if d not in self.members)
+        return self._agree_plan(runtime, devices, micro_batches, conditions, known_budgets=self.admissions.budgets(spares))
+
     def _agree_plan(self, runtime: PipelineRuntime, members: tuple[int, ...], micro_batches: int,
-                    conditions: DeviceConditions, groups: TensorGroups | None = None) -> Plan:
+                    conditions: DeviceConditions, groups: TensorGroups | None = None,
+                    known_budgets: dict[int, float] | None = None) -> Plan:
         """Rank 0 of the new group plans from the measured layer costs and the known device conditions;
-        every survivor gets its plan. With tensor parallelism the plan is over the survivors' ``groups``."""
+        every survivor gets its plan. With tensor parallelism the plan is over the survivors' ``groups``.
+        ``known_budgets``: memory budgets of planned devices outside the group (newcomers)."""
         import torch.distributed as dist
 
         profile = runtime.layer_profile()  # collective: each layer's costs from a survivor that held it
         budgets: list[Any] = [None] * dist.get_world_size()  # the survivors take over layers: plan within memory
         dist.all_gather_object(budgets, (self.device_id, memory_budget_mb(runtime.config.device)))
-        memory: dict[int, Any] = dict(budgets)
+        memory: dict[int, Any] = {**(known_budgets or {}), **dict(budgets)}
         devices: Any = members
         if groups is not None:
             devices = range(groups.groups)

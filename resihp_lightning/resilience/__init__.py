@@ -14,6 +14,7 @@ The pieces, one job each:
   blocked gloo collective;
 * :mod:`.failures`: the errors a lost peer or store raises (``PeerFailure`` ...);
 * :mod:`.membership`: how the survivors agree on the next generation's members;
+* :mod:`.joining`: how a process started after the job began registers and waits to be admitted;
 * :mod:`.world`: :class:`~.world.ElasticWorld`, the lifecycle of the job's groups, generation by generation;
 * :mod:`.frameworks`: forgetting DeepSpeed's cached groups after a regroup.
 
@@ -43,6 +44,7 @@ _LAZY = {
     "EvictedError": "resihp_lightning.resilience.failures",
     "RegroupError": "resihp_lightning.resilience.failures",
     "StoreUnavailable": "resihp_lightning.resilience.failures",
+    "AdmissionError": "resihp_lightning.resilience.failures",
 }
 
 __all__ = sorted(_LAZY)

@@ -51,3 +51,8 @@ class RegroupError(ResilienceError):
 
 class StoreUnavailable(ResilienceError):
     """The rendezvous store cannot be reached (its host process is gone or never came up)."""
+
+
+class AdmissionError(ResilienceError):
+    """A process that asked to join a running job (``fail_stop`` join) was not admitted: no running job
+    in the store it was pointed at, or none admitted it in time."""

@@ -67,7 +67,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -278,10 +278,11 @@ class RendezvousStore:
 
     Args:
         config: where the host runs and timeouts.
-        rank: this worker's original rank (names its registration).
+        rank: this worker's original rank (names its registration); ``None`` for a process joining a
+            running job, whose rank :meth:`open` claims from the job's keys.
     """
 
-    def __init__(self, config: StoreConfig | None = None, *, rank: int) -> None:
+    def __init__(self, config: StoreConfig | None = None, *, rank: int | None) -> None:
         self.config = config or StoreConfig()
         self.rank = rank
         self.run_dir = self.config.resolved_run_dir()
@@ -297,16 +298,23 @@ class RendezvousStore:
         self._secret: bytes | None = None
         self._etcd: Any = None
         self._client: Any = None
+        self._claim: Callable[[Any], int] | None = None
 
     # ------------------------------------------------------------------------------ opening
-    def open(self) -> RendezvousStore:
+    def open(self, claim: Callable[[Any], int] | None = None) -> RendezvousStore:
         """Connects to the job's store (etcd, or the store host, starting it if there is none) and registers.
+
+        Args:
+            claim: for a process joining a running job (``rank`` is ``None``): returns its rank, given the
+                job's store (:func:`~.joining.claim_rank`). Under torchrun such a process takes the newest
+                launch round that is complete (it did not take part in agreeing on it).
 
         Raises:
             StoreUnavailable: no host was reachable within ``connect_timeout_s``, or the etcd cluster
                 refused the credentials (:class:`~.etcd_gateway.StoreAccessDenied`) or did not answer.
         """
         cfg = self.config
+        self._claim = claim
         if cfg.etcd is not None:
             return self._open_etcd()
         if cfg.run_dir is None:  # $TMPDIR/resihp-<uid>: this user's alone
@@ -415,7 +423,7 @@ class RendezvousStore:
         except subprocess.TimeoutExpired:
             launcher.kill()
             launcher.wait()
-        log.info("rank %d started a store host (run dir %s)", self.rank, self.run_dir)
+        log.info("rank %s started a store host (run dir %s)", self.rank, self.run_dir)
         while time.monotonic() < deadline:
             info = read_address(self.run_dir)
             if info is not None and info != previous:
@@ -460,16 +468,25 @@ class RendezvousStore:
         cfg = self.config
         identity = ProcessIdentity.current()
         if cfg.agrees_round():
-            from resihp_lightning.resilience.store_round import agree_round
+            from resihp_lightning.resilience.store_round import agree_round, sealed_round
 
             rounds = dist.PrefixStore(f"resihp/{cfg.resolved_run_id()}/rounds", self._client)
             with self._lock:
-                number = agree_round(rounds, rank=self.rank, world_size=int(os.environ["WORLD_SIZE"]),
-                                     timeout_s=cfg.startup_timeout_s)
+                if self.rank is None:  # joining a running launch: its round is complete already
+                    number = sealed_round(rounds)
+                    if number is None:
+                        raise StoreUnavailable("no complete launch round of this job in the store to join")
+                else:
+                    number = agree_round(rounds, rank=self.rank, world_size=int(os.environ["WORLD_SIZE"]),
+                                         timeout_s=cfg.startup_timeout_s)
             self.namespace = f"resihp/{cfg.resolved_run_id()}/a{number}"
             self._raw.set(host_key(f"member/{self.member_id}/beat"), self._beat_key(identity))
-            log.info("rank %d: launch round %d (store namespace %s)", self.rank, number, self.namespace)
+            log.info("launch round %d (store namespace %s)", number, self.namespace)
         self.control = LockedStore(dist.PrefixStore(self.namespace, self._client), self._lock)
+        if self.rank is None:
+            if self._claim is None:
+                raise ValueError("a store opened without a rank needs a claim (a process joining a running job)")
+            self.rank = self._claim(self.control)
         self.control.set(f"member/{self.rank}", str(self.member_id))
         self.control.set(proc_key(self.rank), identity.to_json())
 

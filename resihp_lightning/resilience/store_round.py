@@ -82,3 +82,12 @@ def agree_round(store: Any, *, rank: int, world_size: int, timeout_s: float) -> 
 def _fits(store: Any, round_number: int, world_size: int) -> bool:
     key = f"{round_number}/size"
     return store.check([key]) and _text(store.get(key)) == str(world_size)
+
+
+def sealed_round(store: Any) -> int | None:
+    """The newest sealed round, or ``None``: the round a process joining the running launch takes (it took
+    no part in agreeing on it; :mod:`~resihp_lightning.resilience.joining`)."""
+    for number in range(int(store.add("started", 0)) - 1, -1, -1):
+        if store.check([f"{number}/sealed"]):
+            return number
+    return None

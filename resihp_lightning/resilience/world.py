@@ -26,6 +26,13 @@ Each process keeps its *original* rank (``RANK`` at start) as its identity for t
 (it names its device and its heartbeat); its rank in the current generation is its index in the
 sorted member list (:meth:`ElasticWorld.rank_of`, :meth:`ElasticWorld.original_of`).
 
+**Newcomers.** A process started after the job began opens its world with :meth:`ElasticWorld.join`
+instead of :meth:`ElasticWorld.start`: it claims an original rank above every rank the job has had
+(:mod:`.joining`), starts beating, and belongs to no generation until the members admit it. At a step
+boundary every process of the job records the newcomers in the job (:meth:`ElasticWorld.admit`) and
+each newcomer enters the current generation as a spare (:meth:`ElasticWorld.enter`); from then on it is
+a spare like any other, which a later reshape or regroup takes in. Admitting changes no process group.
+
 **Spares.** A generation need not contain every live process of the job: :meth:`ElasticWorld.reshape`
 forms the next generation over a chosen subset (planned, no failure), and the live processes left out
 stay in the job as *spares* (:attr:`ElasticWorld.spares`). A spare has no process group; it keeps
@@ -53,6 +60,7 @@ multi-GPU machine) and the socket shutdown does not apply to NCCL's own transpor
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import os
 import threading
@@ -72,6 +80,7 @@ from resihp_lightning.resilience.failures import (
     StoreUnavailable,
 )
 from resihp_lightning.resilience.frameworks import reset_deepspeed
+from resihp_lightning.resilience.joining import claim_rank, publish_start_size
 from resihp_lightning.resilience.membership import agree_members, read_failures
 from resihp_lightning.resilience.sockets import SocketTracker
 from resihp_lightning.resilience.stall_dump import StallDump
@@ -237,8 +246,10 @@ class ElasticWorld:
 
     Args:
         config: options.
-        rank: this process's original rank (default ``$RANK``).
-        world_size: the number of processes at start (default ``$WORLD_SIZE``).
+        rank: this process's original rank (default ``$RANK``; ignored with ``join``).
+        world_size: the number of processes at start (default ``$WORLD_SIZE``; ignored with ``join``).
+        join: this process joins a running job (:meth:`join`, not :meth:`start`); its rank is claimed
+            from the job's store.
 
     Example::
 
@@ -256,13 +267,22 @@ class ElasticWorld:
     """
 
     def __init__(
-        self, config: WorldConfig | None = None, *, rank: int | None = None, world_size: int | None = None
+        self,
+        config: WorldConfig | None = None,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+        join: bool = False,
     ) -> None:
         self.config = config or WorldConfig()
-        self.original_rank = int(os.environ.get("RANK", "0")) if rank is None else rank
-        self.initial_world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
-        if not 0 <= self.original_rank < self.initial_world_size:
-            raise invalid_option("rank", self.original_rank, f"0 .. {self.initial_world_size - 1}")
+        self.joining = join
+        if join:  # claimed from the store by join()
+            self.original_rank, self.initial_world_size = -1, 0
+        else:
+            self.original_rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+            self.initial_world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+            if not 0 <= self.original_rank < self.initial_world_size:
+                raise invalid_option("rank", self.original_rank, f"0 .. {self.initial_world_size - 1}")
         self.store: RendezvousStore | None = None
         self.detector: FailureDetector | None = None
         self._gen: Generation | None = None
@@ -339,6 +359,11 @@ class ElasticWorld:
         """Whether the current generation is aborted (a regroup is due)."""
         return self._gen is not None and self._gen.aborted_at is not None
 
+    @property
+    def admitted(self) -> bool:
+        """Whether this process belongs to the job (false only on a newcomer the members have not admitted yet)."""
+        return self.current.number >= 0
+
     # ------------------------------------------------------------------------- lifecycle
     def start(self) -> ElasticWorld:
         """Opens the store (starting its host if needed), starts detection and forms generation 0.
@@ -346,10 +371,46 @@ class ElasticWorld:
         Raises:
             StoreUnavailable: no store host could be reached or started.
         """
+        if self.joining:
+            raise ResilienceError("a world that joins a running job opens with join(), not start()")
+        self._open(RendezvousStore(self.config.store, rank=self.original_rank).open())
+        self._try(lambda: publish_start_size(self.store.control, self.initial_world_size))  # type: ignore[union-attr]
+        self._job = tuple(range(self.initial_world_size))
+        try:
+            self._form(0, self._job)
+        except PeerFailure:
+            # A member failed while the job started: the survivors regroup as after any failure.
+            self.regroup()
+        return self
+
+    def join(self, timeout_s: float) -> ElasticWorld:
+        """Opens the running job's store as a newcomer: claims an original rank above every rank the job has
+        had and starts beating; the process belongs to no generation until :meth:`enter`.
+
+        Args:
+            timeout_s: how long to wait for a running job to be found in the store.
+
+        Raises:
+            AdmissionError: no running job recorded its start in the store within ``timeout_s``.
+            StoreUnavailable: no store host is reachable (a newcomer never starts one).
+        """
+        if not self.joining:
+            raise ResilienceError("join() is for a world built with join=True")
+        config = dataclasses.replace(self.config.store, spawn=False)
+        store = RendezvousStore(config, rank=None).open(claim=lambda s: claim_rank(s, timeout_s))
+        self.original_rank = int(store.rank)  # type: ignore[arg-type]
+        self._open(store)
+        self._job = (self.original_rank,)
+        self._gen = Generation(-1, (), SocketTracker(), formed=True)  # no generation yet: not admitted
+        self.detector.watch((), -1, hold=True)  # type: ignore[union-attr]
+        log.info("rank %d: joining the running job, waiting for its members to admit it", self.original_rank)
+        return self
+
+    def _open(self, store: RendezvousStore) -> None:
+        """Starts detection (and group tracking) over the opened ``store``."""
         cfg = self.config
-        self.store = RendezvousStore(cfg.store, rank=self.original_rank).open()
+        self.store = store
         self._stall_dump = StallDump(cfg.store.resolved_run_dir(), self.original_rank)
-        store = self.store
         self.detector = FailureDetector(
             cfg.detector,
             rank=self.original_rank,
@@ -359,13 +420,35 @@ class ElasticWorld:
         ).start()
         if cfg.track_new_groups:
             _install_group_hook(self)
-        self._job = tuple(range(self.initial_world_size))
-        try:
-            self._form(0, self._job)
-        except PeerFailure:
-            # A member failed while the job started: the survivors regroup as after any failure.
-            self.regroup()
-        return self
+
+    def admit(self, newcomers: Sequence[int]) -> None:
+        """Records ``newcomers`` (original ranks) as processes of the job: spares until a plan takes them in.
+
+        Every process of the job calls it at the same step boundary (members and spares); no process
+        group changes. Newcomers already recorded are skipped.
+        """
+        new = sorted(set(newcomers) - set(self._job))
+        if not new:
+            return
+        with self._lock:
+            self._job = tuple(sorted(set(self._job) | set(new)))
+        assert self.detector is not None
+        watched = tuple(sorted(set(self.current.members) | set(self.job_members)))
+        self.detector.watch(watched, self.generation, hold=self.aborted)
+        self.history.append({"event": "admitted", "generation": self.generation, "ranks": new, "at": time.monotonic()})
+        log.info("rank %d: admitted newcomers %s to the job (generation %d)", self.original_rank, new, self.generation)
+
+    def enter(self, generation: int, members: Sequence[int], job: Sequence[int]) -> None:
+        """A newcomer: takes its place in the job as its members admitted it, a spare of ``generation``.
+
+        Args:
+            generation: the generation in force at the admission.
+            members: its members (original ranks).
+            job: every process of the job then, members and spares (this one included).
+        """
+        with self._lock:
+            self._job = tuple(sorted(set(job) | {self.original_rank}))
+        self._follow(generation, tuple(sorted(members)))
 
     def close(self, done: bool = True) -> None:
         """Stops detection, destroys the groups and leaves the store (the host ends after the last)."""

@@ -124,6 +124,9 @@ class PipelineRuntime:
             ``config.tensor``: group id -> the rank of this process's slice there.
         reuse: layer modules this process already holds, by global layer index (kept as they are).
         profiler: a profiler to keep measuring with (its per-layer history carries over); default: a new one.
+        layer_sizes: for a device that ``plan`` leaves idle from the start (a process that joined the running
+            job): every layer's parameter count, as the others measured it. The runtime then holds nothing
+            and builds nothing; :meth:`start_idle` binds the optimizer, and a later plan takes it in.
     """
 
     def __init__(
@@ -134,6 +137,7 @@ class PipelineRuntime:
         ranks: Mapping[int, int] | None = None,
         reuse: Mapping[int, nn.Module] | None = None,
         profiler: StageProfiler | None = None,
+        layer_sizes: Sequence[int] | None = None,
     ) -> None:
         self.config = config
         self.device = device
@@ -141,19 +145,21 @@ class PipelineRuntime:
         self._id_ranks: dict[int, int] | None = None  # job-wide process id -> rank, after a TP regroup
         self._plan = plan
         self._position = _position_or_none(plan, device)
-        if self._position is None:
+        if self._position is None and layer_sizes is None:
             raise ValueError(f"device {device} is not in the plan a runtime starts with")
+        if self._position is not None and layer_sizes is not None:
+            raise ValueError(f"device {device} is in the plan: layer_sizes is for a runtime that starts idle")
         self._loss_scale = 1.0
         # Layers built on the meta device (per-stage loading): a layer this process gives away in a
         # re-plan goes back to meta, so that a process holds the storage of its own layers only.
         self._release_given_away = any(isinstance(layer, nn.Module) and meta.has_meta(layer) for layer in config.layers)
-        self._pipe: BoundedPipelineModule | None = self._build_pipe(plan, reuse)
+        self._pipe: BoundedPipelineModule | None = self._build_pipe(plan, reuse) if layer_sizes is None else None
         self._held: dict[int, nn.Module] = {}  # this process's layers while it has no pipe (mid-move, idle)
         self._engine: Any = None
         self._reducer: LayerwiseReducer | None = None
         self._carrier: StateCarrier = carrier_for(None, config.deepspeed_config)
         self._profiler = profiler if profiler is not None else StageProfiler(config.device)
-        self._layer_numel: list[int] = []
+        self._layer_numel: list[int] = list(layer_sizes or [])
 
     # ------------------------------------------------------------------------------ views
     @property
@@ -248,6 +254,14 @@ class PipelineRuntime:
         self._build_engine(broadcast)
         if previous is not None:
             self._carrier.carry_over(previous._carrier)
+
+    def start_idle(self, optimizer: BoundOptimizer | None) -> None:
+        """Binds the optimizer of a runtime that starts idle (no collective): ``optimizer`` carries the
+        parameter-group map the others gathered; it trains nothing until a plan brings layers here."""
+        if not self.idle:
+            raise RuntimeError(f"start_idle() is for a runtime that starts idle; device {self.device} holds layers")
+        self._carrier = carrier_for(optimizer, self.config.deepspeed_config)
+        self._carrier.bind({}, {})
 
     def switch(self, plan: Plan) -> MigrationRecord:
         """Puts ``plan`` in force (collective when the layout changes); returns what it cost.

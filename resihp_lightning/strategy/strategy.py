@@ -43,7 +43,7 @@ from resihp_lightning import _registration
 from resihp_lightning._logging import quiet_agreed_errors, user_info, user_warn
 from resihp_lightning.contract import DeviceConditions, MigrationRecord
 from resihp_lightning.errors import ConfigError, PlanError
-from resihp_lightning.failstop.fail_stop_config import FailStopConfig
+from resihp_lightning.failstop.fail_stop_config import JOIN_VARIABLE, FailStopConfig, joins_from_env
 from resihp_lightning.failstop.recovery_record import RecoveryRecord
 from resihp_lightning.failstop.surviving_membership import SurvivingMembership
 from resihp_lightning.failstop.surviving_steps import SurvivingSteps
@@ -58,6 +58,7 @@ from resihp_lightning.runtime.engine import init_deepspeed_comm
 from resihp_lightning.runtime.pipeline_runtime import PipelineRuntime, RuntimeConfig
 from resihp_lightning.runtime.runtime_state import RuntimeState
 from resihp_lightning.runtime.training_steps import PlainSteps, ReplicaShare, StepRunner
+from resihp_lightning.state.bound_optimizer import BoundOptimizer
 from resihp_lightning.state.module_weights import LayerKeys
 from resihp_lightning.state.wrapped_state import wraps_optimizer
 from resihp_lightning.strategy.evaluation_steps import EvaluationSteps
@@ -65,6 +66,7 @@ from resihp_lightning.strategy.job_membership import Membership, PlainMembership
 from resihp_lightning.strategy.launcher import supervised
 from resihp_lightning.strategy.loss_logging import LossLogRecorder
 from resihp_lightning.strategy.model_state import ModelState
+from resihp_lightning.strategy import newcomer_state
 from resihp_lightning.strategy.module import check_contract, layer_specs, resolve_gather_weights, tied_parameters
 from resihp_lightning.strategy.options import StrategyOptions
 from resihp_lightning.strategy.plan_rules import check_plan, initial_plan, settle_micro_batches
@@ -125,8 +127,12 @@ class ResiHPStrategyMixin:
                 tensor_degree=tensor_degree,
             )
         self.options = options
-        # One launcher per process (RESIHP_RANKS_AT): the job's ranks before Lightning reads them.
-        ensure_process_ranks()
+        #: This process joins a running job (``fail_stop.join`` or ``RESIHP_JOIN=1``).
+        self._joins = options.fail_stop.joins if options.fail_stop is not None else _join_without_fail_stop()
+        # One launcher per process (RESIHP_RANKS_AT): the job's ranks before Lightning reads them (a newcomer
+        # claims its rank from the running job instead).
+        if not self._joins:
+            ensure_process_ranks()
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -156,6 +162,7 @@ class ResiHPStrategyMixin:
         self._compose()
         #: The slow devices and links a fail-stop recovery plans the survivors with (the controller sets it).
         self.device_conditions = DeviceConditions()
+        self._skip_batches = 0  # a newcomer's training loader leaves out this many batches (once)
 
     @classmethod
     @override
@@ -472,19 +479,25 @@ class ResiHPStrategyMixin:
                 "ResiHPStrategy(fail_stop=...) on several machines needs fail_stop.store_port (a fixed port for the "
                 "rendezvous store host, which runs on node 0 at MASTER_ADDR)"
             )
+        if self._joins and self.options.tensor_degree > 1:
+            raise ConfigError("fail_stop.join (RESIHP_JOIN=1) with tensor_degree > 1 is not supported (idle processes under "
+                              "tensor parallelism are not); allowed: tensor_degree=1")
         self.set_world_ranks()
         self._process_group_backend = self._get_process_group_backend()
         # As Lightning's own connection does: the cluster environment names the main node (under srun
         # from SLURM_NODELIST), where the store host runs on several machines.
         os.environ["MASTER_ADDR"] = self.cluster_environment.main_address
         os.environ["MASTER_PORT"] = str(self.cluster_environment.main_port)
+        # A newcomer (fail_stop.join) claims its rank from the running job's store; it forms no group here.
         job = SurvivingJob(
-            self.options.fail_stop, self.global_rank, self.world_size, self._process_group_backend,
-            self.options.timeout.total_seconds(), node_rank=self.node_rank,
+            self.options.fail_stop, None if self._joins else self.global_rank, None if self._joins else self.world_size,
+            self._process_group_backend, self.options.timeout.total_seconds(), node_rank=self.node_rank,
+            join=self._joins, admit_newcomers=self.options.tensor_degree == 1,
         )
         membership = SurvivingMembership(
             job, self._state, global_step=lambda: self.lightning_module.trainer.global_step,
             conditions=lambda: self.device_conditions, on_regrouped=self._note_ranks,
+            lightning_state=lambda: newcomer_state.capture(self.lightning_module.trainer),
         )
         self._membership = membership
         self._steps = SurvivingSteps(membership, self._state, self._run_replica_share)
@@ -541,13 +554,28 @@ class ResiHPStrategyMixin:
         if previous is not None and previous.idle:  # set up again on a spare: nothing to build
             self.setup_precision_plugin()
             return
+        if previous is None and self._joins:  # a newcomer: no layers until a plan takes it in
+            self._join_running_job(trainer)
+            return
         if previous is None:
             plan, reuse, profiler = self._initial_plan(), None, None
         else:
             # Set up again (e.g. trainer.validate after fit): keep the plan in force, the layers this
             # rank holds (its copies of other layers are stale) and the measured layer costs.
             plan, reuse, profiler = previous.plan, previous.local_layers(), previous.profiler
-        config = RuntimeConfig(
+        config = self._runtime_config(module)
+        ranks = self._tensor.runtime_ranks(self._membership.rank_map())
+        runtime = PipelineRuntime(config, plan, self.device_id, ranks=ranks, reuse=reuse, profiler=profiler)
+        self._state.runtime = runtime
+        if trainer.state.fn == TrainerFn.FITTING:
+            optimizer = self._setup_user_optimizer(trainer)
+        else:  # the fitted optimizer, if any, so that layer_profile() still counts its state
+            optimizer = previous.optimizer.optimizer if previous is not None and previous.optimizer is not None else None
+        runtime.start(optimizer, previous=previous)
+        self.setup_precision_plugin()
+
+    def _runtime_config(self, module: Any) -> RuntimeConfig:
+        return RuntimeConfig(
             layers=self._specs,
             loss_fn=self._pipeline_loss,
             micro_batch_size=self.micro_batch_size,
@@ -559,15 +587,46 @@ class ResiHPStrategyMixin:
             tensor=self._tensor.parallelism,
             precision=layerwise_precision(self.options.deepspeed_config, self.precision_plugin.precision),
         )
-        ranks = self._tensor.runtime_ranks(self._membership.rank_map())
-        runtime = PipelineRuntime(config, plan, self.device_id, ranks=ranks, reuse=reuse, profiler=profiler)
+
+    def _join_running_job(self, trainer: Any) -> None:
+        """A newcomer's setup: its optimizer, then its admission (it waits at most
+        ``fail_stop.admission_timeout_s``), then an idle runtime under the plan in force and the members'
+        Lightning state (loop counters, data position, LR schedulers, callbacks)."""
+        if trainer.state.fn != TrainerFn.FITTING:
+            raise self.misconfiguration_error("a process joins a running job in trainer.fit (fail_stop.join / RESIHP_JOIN=1)")
+        if not self.supports_idle_devices:
+            raise self.misconfiguration_error(
+                "fail_stop.join (RESIHP_JOIN=1) needs hot spares, i.e. the layer-wise engine: the plain fp32 optimizer, "
+                "no DeepSpeed ZeRO / bf16 / fp16 optimizer wrapper in deepspeed_config or the Trainer's precision"
+            )
+        assert isinstance(self._membership, SurvivingMembership)
+        optimizer = self._setup_user_optimizer(trainer, show_pipe=False)
+        record = self._membership.await_admission(self.device_memory_mb())
+        runtime = PipelineRuntime(self._runtime_config(self.lightning_module), Plan.from_dict(record.plan),
+                                  self.device_id, layer_sizes=record.layer_sizes)
+        bound = None if record.group_of is None else BoundOptimizer(optimizer, list(optimizer.param_groups),
+                                                                      dict(record.group_of))
+        runtime.start_idle(bound)
         self._state.runtime = runtime
-        if trainer.state.fn == TrainerFn.FITTING:
-            optimizer = self._setup_user_optimizer(trainer)
-        else:  # the fitted optimizer, if any, so that layer_profile() still counts its state
-            optimizer = previous.optimizer.optimizer if previous is not None and previous.optimizer is not None else None
-        runtime.start(optimizer, previous=previous)
+        self._state.micro_batches = record.micro_batches
+        self._micro_batches_settled = True
+        newcomer_state.apply(trainer, record.lightning)
+        self._skip_batches = int(record.lightning["data"]["batches"])
         self.setup_precision_plugin()
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        # A newcomer's training loader starts at the members' batch of the current epoch (once).
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if self._skip_batches and trainer is not None and trainer.training:
+            dataloader, self._skip_batches = newcomer_state.SkipFirstBatches(dataloader, self._skip_batches), 0
+        return super().process_dataloader(dataloader)
+
+    def newcomers_waiting(self) -> int:
+        """Processes registered to join this running job and not admitted yet (``fail_stop`` only: one store read;
+        0 otherwise). The members admit them at the next training step's boundary."""
+        membership = self._membership
+        return membership.newcomers_waiting() if isinstance(membership, SurvivingMembership) else 0
 
     # Lightning's own collectives (ModelCheckpoint, early stopping, ...) between steps: with fail-stop
     # recovery a lost peer regroups the survivors, and the call answers as a single process would.
@@ -773,20 +832,30 @@ class ResiHPStrategyMixin:
             self._state.micro_batches = sum(r.micro_batches for r in plan.replicas)
             self._state.require().switch(plan)
 
-    def _setup_user_optimizer(self, trainer: Any) -> Optimizer:
+    def _setup_user_optimizer(self, trainer: Any, show_pipe: bool = True) -> Optimizer:
         module = self.lightning_module
         # Lazily built layers (LayerSpec) are not attributes of the user's module: show them to
-        # configure_optimizers through a temporary child.
-        module.add_module("_resihp_pipe", self._state.require().pipe)
+        # configure_optimizers through a temporary child (a newcomer has none yet).
+        if show_pipe:
+            module.add_module("_resihp_pipe", self._state.require().pipe)
         try:
             self.setup_optimizers(trainer)
         finally:
-            del module._modules["_resihp_pipe"]
+            if show_pipe:
+                del module._modules["_resihp_pipe"]
         if len(self.optimizers) != 1:
             raise self.misconfiguration_error(
                 f"configure_optimizers returned {len(self.optimizers)} optimizers; ResiHPStrategy needs exactly one"
             )
         return self.optimizers[0]
+
+
+def _join_without_fail_stop() -> bool:
+    """``False``; refuses ``RESIHP_JOIN=1`` on a strategy without ``fail_stop`` (only such a job admits newcomers)."""
+    if joins_from_env():
+        raise ConfigError(f"{JOIN_VARIABLE}=1 (join a running job) needs ResiHPStrategy(fail_stop=...); allowed without "
+                          f"it: {JOIN_VARIABLE} unset or 0")
+    return False
 
 
 class ResiHPStrategy(ResiHPStrategyMixin, DDPStrategy):

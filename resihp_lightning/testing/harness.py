@@ -9,6 +9,10 @@ SIGKILLs whatever is left (a SIGSTOPped rank included) and reports each rank as 
 
 The store host a job started is found through the job's run directory; :func:`run_job` can wait for
 it to end by itself (``store_host_grace_s``) and kills it otherwise, so no test leaks one.
+
+``joiners`` adds processes outside the job's world (a replacement that joins the running job, e.g.
+with ``RESIHP_JOIN=1``): each has the job's torchrun environment and its own variables on top, and is
+reported under the index after the world's ranks.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import signal
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -123,6 +127,7 @@ def run_job(
     run_dir: str | None = None,
     env: dict[str, str] | None = None,
     store_host_grace_s: float = 0.0,
+    joiners: Sequence[Mapping[str, str]] = (),
     **kwargs: Any,
 ) -> JobOutcome:
     """Runs ``fn(rank, world_size, run_dir, **kwargs)`` on ``world_size`` spawned processes.
@@ -137,6 +142,9 @@ def run_job(
         env: extra environment variables for every rank.
         store_host_grace_s: how long to let the store host end by itself after the ranks are gone
             before killing it.
+        joiners: one environment per extra process outside the world (it runs ``fn`` too, as index
+            ``world_size + i``, with ``WORLD_SIZE`` the world's and these variables over ``env``; give it
+            its ``LOCAL_RANK``).
         **kwargs: picklable keyword arguments for ``fn``.
     """
     ctx = rank_context()
@@ -144,10 +152,12 @@ def run_job(
     parent_env = dict(os.environ)
     own_dir = run_dir is None
     run_dir = run_dir or tempfile.mkdtemp(prefix="resihp-job-")
-    expected = set(range(world_size) if wait_for is None else wait_for)
+    total = world_size + len(joiners)
+    expected = set(range(total) if wait_for is None else wait_for)
+    envs = [dict(env or {}) for _ in range(world_size)] + [{**(env or {}), **extra} for extra in joiners]
     procs = [
-        ctx.Process(target=_rank_main, args=(fn, r, world_size, port, run_dir, dict(env or {}), parent_env, kwargs), daemon=True)
-        for r in range(world_size)
+        ctx.Process(target=_rank_main, args=(fn, r, world_size, port, run_dir, envs[r], parent_env, kwargs), daemon=True)
+        for r in range(total)
     ]
     started = time.monotonic()
     for proc in procs:
@@ -156,7 +166,7 @@ def run_job(
     deadline = started + timeout
     while time.monotonic() < deadline:
         host = host or _store_host(run_dir)
-        done = {r for r in range(world_size) if (Path(run_dir) / f"result-{r}.pkl").exists()}
+        done = {r for r in range(total) if (Path(run_dir) / f"result-{r}.pkl").exists()}
         errored = any(_status(run_dir, r) == "error" for r in done)
         if expected <= done or errored or not any(p.is_alive() for p in procs):
             break
@@ -168,7 +178,7 @@ def run_job(
             killed.add(rank)
     for proc in procs:
         proc.join(5)
-    outcomes = [_outcome(run_dir, r, procs[r], r in killed) for r in range(world_size)]
+    outcomes = [_outcome(run_dir, r, procs[r], r in killed) for r in range(total)]
     host = host or _store_host(run_dir)
     ended = None
     if host is not None:

@@ -115,7 +115,10 @@ class FailStopConfig:
             hung (``None``: only silent ranks; set it above the longest step, evaluation and
             checkpoint).
         join_timeout_s: how long the survivors wait for a member that neither joined the regroup nor
-            was reported dead.
+            was reported dead (set it above the longest compute between two collectives). Also: a
+            process that lost the store (a machine cut off, a minority of etcd members) and has waited
+            this long in one collective ends with ``exit_code`` instead of waiting for the collective's
+            timeout.
         regroup_timeout_s: bound of one regroup.
         solver: planner backend for the survivors' plan (``exact`` is instant at small scale).
         min_data_degree: the fewest replicas the survivors' plan should keep (>= 1; default 2), so that
@@ -176,6 +179,13 @@ class FailStopConfig:
         if self.store_port is not None and (store.backend == "etcd" or store.port not in (None, self.store_port)):
             raise invalid_option("fail_stop.store_port", self.store_port, f"null with fail_stop.store {store.backend}:{store.port}")
 
+    @property
+    def spans_machines(self) -> bool:
+        """Whether processes on several machines can reach the store: a fixed store host port, or etcd."""
+        store = self.store
+        assert isinstance(store, StoreOptions)
+        return store.backend == "etcd" or (self.store_port or store.port) is not None
+
     @classmethod
     def from_value(cls, value: Any) -> FailStopConfig | None:
         """``None``/``False``: off; ``True``: defaults; a dict or a config: as given."""
@@ -216,6 +226,7 @@ class FailStopConfig:
             regroup_timeout_s=self.regroup_timeout_s,
             kill_evicted=self.kill_evicted,
             detector=FailureDetectorConfig(
-                interval_s=self.interval_s, timeout_s=self.detect_timeout_s, progress_timeout_s=self.progress_timeout_s
+                interval_s=self.interval_s, timeout_s=self.detect_timeout_s, progress_timeout_s=self.progress_timeout_s,
+                stall_timeout_s=self.join_timeout_s,
             ),
         )

@@ -467,10 +467,10 @@ class ResiHPStrategyMixin:
         if self._membership.survives_failures:  # set up again (trainer.validate after fit): the groups exist
             return
         # As DDPStrategy.setup_distributed, but the default group comes from a world that can regroup.
-        if self.num_nodes > 1 and self.options.fail_stop.store_port is None:
+        if self.num_nodes > 1 and not self.options.fail_stop.spans_machines:
             raise self.misconfiguration_error(
                 "ResiHPStrategy(fail_stop=...) on several machines needs fail_stop.store_port (a fixed port for the "
-                "rendezvous store host, which runs on node 0 at MASTER_ADDR)"
+                "rendezvous store host, which runs on node 0 at MASTER_ADDR) or fail_stop.store with backend 'etcd'"
             )
         self.set_world_ranks()
         self._process_group_backend = self._get_process_group_backend()

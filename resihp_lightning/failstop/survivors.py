@@ -348,7 +348,8 @@ class SurvivingJob:
         print(f"ResiHPStrategy: the fail-stop at step {step} cannot be recovered in-process: {reason}", file=sys.stderr, flush=True)
         for listener in self.listeners:
             try:
-                listener("fail_stop_unrecoverable", {"step": step, "reason": reason, "exit_code": self.config.exit_code})
+                listener("fail_stop_unrecoverable", {"step": step, "reason": reason, "exit_code": self.config.exit_code,
+                                                     "rank": self.world.original_rank})
             except Exception as err:  # noqa: BLE001 - exiting anyway
                 log.warning("a fail-stop listener failed: %s", err)
         os._exit(self.config.exit_code)

@@ -28,7 +28,7 @@ from resihp_lightning.contract import DeviceConditions, MigrationRecord
 from resihp_lightning.errors import ConfigError, PlanError
 from resihp_lightning.placement import lost_layers
 from resihp_lightning.plan import Plan
-from resihp_lightning.resilience.failures import PeerFailure, ResilienceError
+from resihp_lightning.resilience.failures import PeerFailure, ResilienceError, StoreUnavailable
 from resihp_lightning.resilience.world import ElasticWorld
 from resihp_lightning.runtime.device_memory import memory_budget_mb
 from resihp_lightning.runtime.engine import init_deepspeed_comm
@@ -123,7 +123,12 @@ class SurvivingJob:
 
     # ---------------------------------------------------------------------------- running
     def run_step(self, attempt: Callable[[], T], recover: Callable[[PeerFailure], None]) -> T:
-        """Runs ``attempt`` (one training step); on a lost peer, ``recover`` and run it again."""
+        """Runs ``attempt`` (one training step); on a lost peer, ``recover`` and run it again.
+
+        A store lost inside the step (the commit vote goes through it: an etcd cluster without its quorum,
+        or this process cut off from it) ends the process with ``config.exit_code``, as a lost store does
+        in a recovery: no step can be committed on every survivor without it.
+        """
         while True:
             started = time.monotonic()
             try:
@@ -133,6 +138,9 @@ class SurvivingJob:
                 recover(failure)
                 self._redo_pending = True
                 continue
+            except StoreUnavailable as err:
+                step = self.world.detector.step if self.world.detector is not None else -1
+                self.unrecoverable(step, f"the store is lost: {err}")
             if self._redo_pending and self.last_recovery is not None:
                 self.last_recovery = replace(self.last_recovery, redo_s=time.monotonic() - started)
             self._redo_pending = False

@@ -85,12 +85,12 @@ def _assert_exact(results: dict[str, dict], steps: int = STEPS) -> None:
             assert torch.allclose(torch.tensor(result["state"][key]), want, atol=1e-6, rtol=0), (tag, key)
 
 
-def _recovered_from(recovery: dict, lost: list[int], fault_at: float) -> None:
-    """A recovery that names exactly ``lost`` as failed, found within the heartbeat timeout and a step."""
+def _recovered_from(recovery: dict, lost: list[int], fault_at: float, slack_s: float = 3.0) -> None:
+    """A recovery that names exactly ``lost`` as failed, found within the heartbeat timeout and ``slack_s``."""
     assert sorted(map(int, recovery["failed"])) == lost, recovery
     # Across machines only the heartbeat tells (no pid to watch): silent, or left out once another was.
     assert all(how.startswith(("silent", "left out")) for how in recovery["failed"].values()), recovery
-    assert 0 < recovery["detected_at"] - fault_at < DETECT_S + 3.0, "found within the heartbeat timeout and a step"
+    assert 0 < recovery["detected_at"] - fault_at < DETECT_S + slack_s, "found within the heartbeat timeout and a step"
 
 
 def _agents_wait_in_the_exit_barrier(job: TorchrunJob, indices: list[int]) -> None:
@@ -139,6 +139,9 @@ def test_a_killed_machine_then_a_frozen_one_each_cost_one_step_and_the_agents_wa
 M0_STEPS = 4
 #: A collective blocked this long, once the store is lost, ends a process that was cut off (fail_stop.join_timeout_s).
 M0_JOIN_S = 10.0
+#: When machine 0's member was etcd's leader, the others first elect a new one (election timeout 1 s, randomized
+#: up to 2 s): their monitors' polls wait for it, and a late poll restarts the silence clock (2.6 s more, measured).
+M0_SLACK_S = 6.0
 WORKER_EXIT = re.compile(r"exitcode\s*:\s*(-?\d+)")
 
 
@@ -165,9 +168,9 @@ def test_machine_0_cut_off_with_the_store_on_etcd_costs_the_majority_one_step_an
             for result in results.values():
                 recovery = result["recovery"]
                 assert recovery["step"] == 2 and sorted(recovery["members"]) == [2, 3, 4, 5] and result["world"] == 4
-                _recovered_from(recovery, [0, 1], cut_at)
+                _recovered_from(recovery, [0, 1], cut_at, M0_SLACK_S)
             redone = min(r["monotonic"] for rows in job.steps().values() for r in rows if r["world"] == 4)
-            assert redone - cut_at < DETECT_S + 6.0, "the first step after the recovery"
+            assert redone - cut_at < DETECT_S + M0_SLACK_S + 4.0, "the first step after the recovery"
             events = job.events()  # written by the survivors' rank 0 (original rank 2)
             assert [e["members"] for e in events if e["event"] == "recovery_started"] == [[2, 3, 4, 5]], events
             # Machine 0's processes end by themselves, the link still down: the store lost, their collective stalled.

@@ -150,3 +150,23 @@ def test_a_run_where_nothing_was_detected_says_so(tmp_path: Path) -> None:
     timeline = build_timeline(load_run(run_dir))
     assert [(p.span, p.world, p.condition) for p in timeline.phases] == [("0-7", 4, "healthy")]
     assert "nothing detected" in format_timeline(timeline) and timeline.world_label == "4 processes"
+
+
+def test_the_exit_of_a_rank_the_survivors_left_out_is_its_own_not_the_jobs(tmp_path: Path) -> None:
+    """Machine 0 cut off inside step 3: ranks 2-5 recover without ranks 0 and 1 and finish; ranks 0 and 1, which
+    lost the store, end later with the restart status and log ``fail_stop_unrecoverable`` into the same shared
+    log. The report shows their exits, not "the job could not recover"."""
+    run_dir = tmp_path / "cut"
+    _write_steps(run_dir, {s: 0.5 for s in range(6)}, {0: (2, 3, [2, 2, 2]), 3: (1, 4, [2, 2, 1, 1])})
+    log = EventLog(run_dir)
+    _recovery(log, 3, 1, {0: "silent", 1: "silent"}, [2, 3, 4, 5], [], _plan(([2], 2), ([3], 2), ([4], 1), ([5], 1)), 1.5)
+    reason = "the survivors could not regroup: the rendezvous store is lost; the job cannot regroup"
+    for rank in (0, 1):
+        log.log("fail_stop_unrecoverable", 3, force=True, reason=reason, exit_code=75, rank=rank)
+    timeline = build_timeline(load_run(run_dir))
+    assert [i.kind for i in timeline.incidents] == ["fail_stop"]
+    assert [(p.span, p.world) for p in timeline.phases] == [("0-2", 6), ("3-5", 4)]
+    text = format_timeline(timeline)
+    assert "could not recover" not in text
+    assert f"rank 0, left out by the survivors, ended with exit 75 ({reason})" in text
+    assert f"rank 1, left out by the survivors, ended with exit 75 ({reason})" in text

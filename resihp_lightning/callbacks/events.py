@@ -20,7 +20,7 @@ machine_lost               machine, ranks, reporter (a whole machine's heartbeat
                            fail_stop_detected)
 recovery_started           generation, members (the survivors), failed
 recovery_finished          generation, members, spares (idle), abort_s, regroup_s, plan_s, restore_s, redo_s, total_s, bytes_moved
-fail_stop_unrecoverable    reason, exit_code
+fail_stop_unrecoverable    reason, exit_code, rank (the original rank of the process that exits with it)
 healthy_reference          plan (the planner's best for the devices all healthy), predicted_ms, current_plan, current_ms
 plan_computed              plan (Plan JSON), predicted_ms, solve_seconds, status, speeds, link_speeds, p2p_ms, allreduce_ms
 plan_applied               plan, migration_seconds, bytes_moved (after a recovery also world, spares)

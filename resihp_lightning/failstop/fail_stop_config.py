@@ -119,7 +119,10 @@ class FailStopConfig:
             hung (``None``: only silent ranks; set it above the longest step, evaluation and
             checkpoint).
         join_timeout_s: how long the survivors wait for a member that neither joined the regroup nor
-            was reported dead.
+            was reported dead (set it above the longest compute between two collectives). Also: a
+            process that lost the store (a machine cut off, a minority of etcd members) and has waited
+            this long in one collective ends with ``exit_code`` instead of waiting for the collective's
+            timeout.
         regroup_timeout_s: bound of one regroup.
         solver: planner backend for the survivors' plan (``exact`` is instant at small scale).
         min_data_degree: the fewest replicas the survivors' plan should keep (>= 1; default 2), so that
@@ -198,6 +201,13 @@ class FailStopConfig:
         """Whether this process joins a running job (``join``, else ``$RESIHP_JOIN``)."""
         return self.join if self.join is not None else joins_from_env()
 
+    @property
+    def spans_machines(self) -> bool:
+        """Whether processes on several machines can reach the store: a fixed store host port, or etcd."""
+        store = self.store
+        assert isinstance(store, StoreOptions)
+        return store.backend == "etcd" or (self.store_port or store.port) is not None
+
     @classmethod
     def from_value(cls, value: Any) -> FailStopConfig | None:
         """``None``/``False``: off; ``True``: defaults; a dict or a config: as given."""
@@ -238,7 +248,8 @@ class FailStopConfig:
             regroup_timeout_s=self.regroup_timeout_s,
             kill_evicted=self.kill_evicted,
             detector=FailureDetectorConfig(
-                interval_s=self.interval_s, timeout_s=self.detect_timeout_s, progress_timeout_s=self.progress_timeout_s
+                interval_s=self.interval_s, timeout_s=self.detect_timeout_s, progress_timeout_s=self.progress_timeout_s,
+                stall_timeout_s=self.join_timeout_s,
             ),
         )
 

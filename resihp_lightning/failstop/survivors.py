@@ -147,7 +147,12 @@ class SurvivingJob:
 
     # ---------------------------------------------------------------------------- running
     def run_step(self, attempt: Callable[[], T], recover: Callable[[PeerFailure], None]) -> T:
-        """Runs ``attempt`` (one training step); on a lost peer, ``recover`` and run it again."""
+        """Runs ``attempt`` (one training step); on a lost peer, ``recover`` and run it again.
+
+        A store lost inside the step (the commit vote goes through it: an etcd cluster without its quorum,
+        or this process cut off from it) ends the process with ``config.exit_code``, as a lost store does
+        in a recovery: no step can be committed on every survivor without it.
+        """
         while True:
             started = time.monotonic()
             try:
@@ -157,6 +162,9 @@ class SurvivingJob:
                 recover(failure)
                 self._redo_pending = True
                 continue
+            except StoreUnavailable as err:
+                step = self.world.detector.step if self.world.detector is not None else -1
+                self.unrecoverable(step, f"the store is lost: {err}")
             if self._redo_pending and self.last_recovery is not None:
                 self.last_recovery = replace(self.last_recovery, redo_s=time.monotonic() - started)
             self._redo_pending = False
@@ -433,7 +441,8 @@ class SurvivingJob:
         print(f"ResiHPStrategy: the fail-stop at step {step} cannot be recovered in-process: {reason}", file=sys.stderr, flush=True)
         for listener in self.listeners:
             try:
-                listener("fail_stop_unrecoverable", {"step": step, "reason": reason, "exit_code": self.config.exit_code})
+                listener("fail_stop_unrecoverable", {"step": step, "reason": reason, "exit_code": self.config.exit_code,
+                                                     "rank": self.world.original_rank})
             except Exception as err:  # noqa: BLE001 - exiting anyway
                 log.warning("a fail-stop listener failed: %s", err)
         os._exit(self.config.exit_code)

@@ -10,7 +10,9 @@ incident            from
 ``fail_stop``       a recovery: ``fail_stop_detected`` (one per rank: ``exited`` = lost; ``silent``, ``hung``,
                     ``left out`` = evicted) with its ``recovery_started`` / ``plan_applied`` /
                     ``recovery_finished`` (the survivors, the spares, the time it took); or
-                    ``fail_stop_unrecoverable`` (the job stopped with its restart status)
+                    ``fail_stop_unrecoverable`` (the job stopped with its restart status; written by a rank
+                    the survivors had left out, e.g. one cut off with its machine, it is that rank's exit:
+                    an annotation)
 ``fail_slow``       ``fail_slow_detected`` / ``fail_slow_member_detected`` (a slow device / tensor-parallel member)
 ``slow_link``       ``slow_link_detected``
 ``healed``          ``fail_slow_recovered`` / ``fail_slow_member_recovered`` / ``slow_link_recovered``
@@ -105,7 +107,7 @@ class TimelinePhase:
 
 @dataclass
 class Annotation:
-    """An injected fault (``fault_injected``): shown, but it splits nothing."""
+    """An injected fault (``fault_injected``), or the exit of a rank the survivors left out: shown, but it splits nothing."""
 
     step: int
     text: str
@@ -120,7 +122,7 @@ class Timeline:
         steps: how many steps the run recorded.
         phases: in step order.
         incidents: in step order.
-        annotations: the injected faults.
+        annotations: the injected faults, and the exits of ranks the survivors had left out.
         transition_steps: steps left out of every phase's throughput (migrations, redone steps) and their wall seconds.
         typical_step_s: the median wall time of the steps in phases (what a transition step is compared with).
         skip: the start-up steps (0..skip-1) left out of the first phase's throughput.
@@ -317,7 +319,7 @@ def _fail_stop_incidents(run: Run) -> list[Incident]:
         incidents.append(Incident(event["step"], "fail_stop", _lost_text(int(event["rank"]), how, struck, [event])
                                   + "; no recovery recorded", (int(event["rank"]),), time=float(event.get("time") or 0.0)))
     for event in run.of("fail_stop_unrecoverable"):
-        if event.get("step") is not None:
+        if event.get("step") is not None and event.get("rank") not in _left_behind(run):
             incidents.append(Incident(event["step"], "unrecoverable", f"the job could not recover in-process "
                                       f"({event.get('reason')}): exit {event.get('exit_code')} for a restart",
                                       time=float(event.get("time") or 0.0)))
@@ -334,8 +336,18 @@ def _lost_text(rank: int, how: str, struck: dict[Any, dict[str, Any]], detection
     return text
 
 
+def _left_behind(run: Run) -> set[int]:
+    """Ranks the survivors named lost or evicted in a recovery (a later exit of theirs is not the job's)."""
+    return {int(r) for e in run.of("recovery_started") for r in (e.get("failed") or {})}
+
+
 def _annotations(run: Run) -> list[Annotation]:
     notes = []
+    left_behind = _left_behind(run)
+    for event in run.of("fail_stop_unrecoverable"):
+        if event.get("step") is not None and event.get("rank") in left_behind:
+            notes.append(Annotation(int(event["step"]), f"rank {event['rank']}, left out by the survivors, ended with "
+                                    f"exit {event.get('exit_code')} ({event.get('reason')})", float(event.get("time") or 0.0)))
     for event in run.of("fault_injected"):
         kind = event.get("kind", "slow")
         start = event.get("start_step", event.get("step"))

@@ -13,6 +13,11 @@ how a cluster that lost one member keeps serving (the others have quorum) and ho
 lost its quorum is reported instead of waited for: a member without quorum cannot answer a
 linearizable read or a write, so every member times out or refuses until the deadline.
 
+Which member first: the first endpoint served on this machine (its host resolves to an address of
+this machine), else the first one, or the member another connection last reached (``start``): with
+one member per machine each process talks to its own machine's member, so a lost machine costs the
+others no failover (and the members share the clients' load).
+
 Authentication: with ``user`` set, the client trades the user's password for a token
 (``/v3/auth/authenticate``) and sends it with every request; a token the server no longer knows
 (expired, or a member restarted) is renewed once per request. A refusal (wrong password, no token
@@ -23,6 +28,7 @@ other member would answer differently.
 from __future__ import annotations
 
 import base64
+import functools
 import http.client
 import json
 import socket
@@ -66,6 +72,25 @@ def unb64(text: str | None) -> bytes:
     return base64.b64decode(text) if text else b""
 
 
+@functools.lru_cache(maxsize=64)
+def local_member(endpoints: tuple[Endpoint, ...]) -> int:
+    """Index of the first endpoint whose host is an address of this machine (one this process can
+    bind), else 0."""
+    for index, endpoint in enumerate(endpoints):
+        try:
+            infos = socket.getaddrinfo(endpoint.host, None, type=socket.SOCK_STREAM)
+        except OSError:
+            continue
+        for family, _, _, _, address in infos:
+            try:
+                with socket.socket(family, socket.SOCK_STREAM) as probe:
+                    probe.bind((address[0], 0))
+            except OSError:
+                continue
+            return index
+    return 0
+
+
 @dataclass(frozen=True)
 class Endpoint:
     """One member's client URL, parsed."""
@@ -98,6 +123,7 @@ class EtcdGateway:
         ca_file: CA certificate that signed the members' certificates (``https`` endpoints).
         cert_file: client certificate (members started with ``--client-cert-auth``).
         key_file: the client certificate's key.
+        start: index of the member to try first (default: this machine's own, :func:`local_member`).
     """
 
     def __init__(
@@ -110,6 +136,7 @@ class EtcdGateway:
         ca_file: str | None = None,
         cert_file: str | None = None,
         key_file: str | None = None,
+        start: int | None = None,
     ) -> None:
         self.endpoints = [Endpoint.parse(e) for e in endpoints]
         if not self.endpoints:
@@ -121,7 +148,7 @@ class EtcdGateway:
             self._tls = ssl.create_default_context(cafile=ca_file)
             if cert_file:
                 self._tls.load_cert_chain(cert_file, key_file)
-        self._index = 0
+        self._index = local_member(tuple(self.endpoints)) if start is None else start % len(self.endpoints)
         self._conn: http.client.HTTPConnection | None = None
         self._token: str | None = None
 

@@ -78,10 +78,12 @@ class EtcdStore(_Store):  # type: ignore[misc,valid-type]
         root: prefix of every key (the world's keys carry their own ``resihp/<run id>/`` prefix: ``""``).
         timeout: how long ``get``/``wait`` wait for a key (the store's timeout, ``set_timeout``).
         password: the password (default: read from ``config.password_file``).
+        start: index of the member to try first (default: this machine's own).
     """
 
     def __init__(
-        self, config: EtcdConfig, *, root: str, timeout: datetime.timedelta, password: str | None = None
+        self, config: EtcdConfig, *, root: str, timeout: datetime.timedelta, password: str | None = None,
+        start: int | None = None,
     ) -> None:
         super().__init__()
         self.config = config
@@ -95,11 +97,14 @@ class EtcdStore(_Store):  # type: ignore[misc,valid-type]
             ca_file=config.ca_file,
             cert_file=config.cert_file,
             key_file=config.key_file,
+            start=start,
         )
 
     def clone(self) -> EtcdStore:
-        """Another connection to the same keys."""
-        return EtcdStore(self.config, root=self.root.decode(), timeout=self.timeout, password=self.gateway._password)
+        """Another connection to the same keys, first to the member this one reaches now (after a
+        failover, not the lost member again)."""
+        return EtcdStore(self.config, root=self.root.decode(), timeout=self.timeout, password=self.gateway._password,
+                         start=self.gateway._index)
 
     def connect_now(self) -> EtcdStore:
         """Opens the connection (and authenticates) now rather than at the first operation."""

@@ -49,7 +49,10 @@ If the store cannot be reached for ``store_grace_s``, :attr:`FailureDetector.sto
 logged (or handed to ``on_store_lost``); training may go on (gloo needs no store after its groups
 exist) but no regroup is possible, and from then on the thread only watches for local exits (which
 still abort the generation, so that nobody hangs; the regroup that follows raises
-:class:`~resihp_lightning.resilience.failures.StoreUnavailable`).
+:class:`~resihp_lightning.resilience.failures.StoreUnavailable`) and, with ``stall_timeout_s``, for a
+communication call of the main thread blocked that long (``on_stalled``): without the store no peer's
+loss can be learnt, and a process cut off from the others (a machine whose link is down, a minority
+of etcd members) would otherwise wait in its collective until the collective's own timeout.
 
 A process that ends on purpose can say goodbye (``stop(goodbye=True)``: its beat, on the board and in
 the store, becomes :data:`~resihp_lightning.resilience.machine_board.GOODBYE`); its peers then stop judging it (:attr:`FailureDetector.left`). One
@@ -68,6 +71,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 from resihp_lightning._logging import get_logger
@@ -118,6 +122,8 @@ class FailureDetectorConfig:
             never found silent) and other machines through one beat each; off: every peer through its
             own beat in the store.
         store_grace_s: store errors for this long set :attr:`FailureDetector.store_lost`.
+        stall_timeout_s: once the store is lost, a communication call of the main thread (one call:
+            the same frame) blocked this long is handed to ``on_stalled``; None: never.
         comm_frames: path fragments of modules whose frames mean "waiting in communication".
         comm_frame_depth: how many innermost frames of the main thread are looked at (few: the
             outer frames of any program eventually include its launcher's).
@@ -128,6 +134,7 @@ class FailureDetectorConfig:
     progress_timeout_s: float | None = None
     probe_local_pids: bool = True
     store_grace_s: float = 5.0
+    stall_timeout_s: float | None = None
     comm_frames: tuple[str, ...] = DEFAULT_COMM_FRAMES
     comm_frame_depth: int = 3
 
@@ -146,6 +153,11 @@ class FailureDetectorConfig:
             raise invalid_option(
                 "resilience.detector.progress_timeout_s", self.progress_timeout_s, "null or seconds >= 2 x interval_s"
             )
+        if self.stall_timeout_s is not None and (
+            not isinstance(self.stall_timeout_s, (int, float)) or isinstance(self.stall_timeout_s, bool)
+            or not self.stall_timeout_s > 0
+        ):
+            raise invalid_option("resilience.detector.stall_timeout_s", self.stall_timeout_s, "null or seconds > 0")
         if not isinstance(self.comm_frame_depth, int) or self.comm_frame_depth < 1:
             raise invalid_option("resilience.detector.comm_frame_depth", self.comm_frame_depth, "an integer >= 1")
 
@@ -196,17 +208,22 @@ class _Watch:
     machines: dict[str, _Machine] = field(default_factory=dict)
 
 
-def main_thread_waiting(thread_id: int, fragments: Iterable[str], depth: int) -> bool:
-    """Whether the thread's innermost ``depth`` Python frames include a communication module."""
+def main_thread_comm_frame(thread_id: int, fragments: Iterable[str], depth: int) -> FrameType | None:
+    """The innermost of the thread's ``depth`` innermost Python frames that runs a communication module."""
     frame = sys._current_frames().get(thread_id)
     for _ in range(depth):
         if frame is None:
-            return False
+            return None
         name = frame.f_code.co_filename
         if any(f in name for f in fragments) and not any(f in name for f in _NOT_COMM_FRAMES):
-            return True
+            return frame
         frame = frame.f_back
-    return False
+    return None
+
+
+def main_thread_waiting(thread_id: int, fragments: Iterable[str], depth: int) -> bool:
+    """Whether the thread's innermost ``depth`` Python frames include a communication module."""
+    return main_thread_comm_frame(thread_id, fragments, depth) is not None
 
 
 class FailureDetector:
@@ -222,6 +239,8 @@ class FailureDetector:
             generation, with the generation and the marker's payload.
         on_store_lost: called from the thread once, when :attr:`store_lost` is set (instead of
             logging an error).
+        on_stalled: called from the thread once per :meth:`watch`, with the seconds waited, when the store
+            is lost and one communication call of the main thread has been blocked for ``stall_timeout_s``.
         identity: this process as its peers know it (default: :meth:`~.procs.ProcessIdentity.current`);
             benchmarks simulate many processes in one.
     """
@@ -235,6 +254,7 @@ class FailureDetector:
         on_failures: Callable[[list[Failure]], None] | None = None,
         on_abort_marker: Callable[[int, dict[str, Any]], None] | None = None,
         on_store_lost: Callable[[], None] | None = None,
+        on_stalled: Callable[[float], None] | None = None,
         identity: ProcessIdentity | None = None,
     ) -> None:
         self.config = config or FailureDetectorConfig()
@@ -246,6 +266,7 @@ class FailureDetector:
         self.on_failures = on_failures
         self.on_abort_marker = on_abort_marker
         self.on_store_lost = on_store_lost
+        self.on_stalled = on_stalled
         self.store: Any = None
         #: Whether the store has been unreachable for ``store_grace_s`` (set once, by the thread).
         self.store_lost = False
@@ -265,6 +286,11 @@ class FailureDetector:
         self._errors_since: float | None = None
         self._machine_counter = 0
         self._monitor = False  # whether this process was its machine's monitor at the last poll
+        # The main thread's communication call as last seen (the frame object itself: the same call,
+        # not another call of the same function) and since when; whether its stall was reported.
+        self._comm_frame: FrameType | None = None
+        self._comm_since = 0.0
+        self._stall_reported = False
 
     # --------------------------------------------------------------------------- public
     @property
@@ -345,6 +371,7 @@ class FailureDetector:
                     peer.beat, peer.step = old.beat, old.step
             self._watch = _Watch(tuple(members), generation, peers, judge_unseen=judge_unseen)
             self._hold = hold
+            self._stall_reported = False
 
     def hold(self) -> None:
         """Suspends hang verdicts (while the generation is aborted and being replaced)."""
@@ -409,6 +436,8 @@ class FailureDetector:
     def _run(self) -> None:
         cfg = self.config
         while not self._stop.wait(cfg.interval_s):
+            self._watch_stall()
+            started = time.monotonic()
             try:
                 self._tick()
                 self._errors_since = None
@@ -416,7 +445,9 @@ class FailureDetector:
                 if self._stop.is_set():
                     return
                 now = time.monotonic()
-                self._errors_since = self._errors_since or now
+                # Unreachable since the failed poll began: an operation that gave up after its own timeout
+                # (etcd without a quorum: op_timeout_s) has been failing that long already.
+                self._errors_since = self._errors_since or started
                 log.debug("detector on rank %d: store error: %s", self.rank, err)
                 if not self.store_lost and now - self._errors_since > cfg.store_grace_s:
                     self.store_lost = True
@@ -427,6 +458,26 @@ class FailureDetector:
                             self.on_store_lost()
                         except Exception:  # noqa: BLE001 - local exits are still watched
                             log.exception("on_store_lost hook failed")
+
+    def _watch_stall(self) -> None:
+        """Follows the main thread's communication call; hands a stall to ``on_stalled`` once the store is lost."""
+        cfg = self.config
+        frame = main_thread_comm_frame(self._main_id, cfg.comm_frames, cfg.comm_frame_depth)
+        now = time.monotonic()
+        if frame is None or frame is not self._comm_frame:
+            self._comm_frame, self._comm_since = frame, now
+            return
+        waited = now - self._comm_since
+        if (not self.store_lost or cfg.stall_timeout_s is None or waited < cfg.stall_timeout_s
+                or self._stall_reported or self.on_stalled is None):
+            return
+        self._stall_reported = True
+        log.error("rank %d lost the store and has waited %.0f s in one collective: its peers are gone or "
+                  "unreachable", self.rank, waited)
+        try:
+            self.on_stalled(waited)
+        except Exception:  # noqa: BLE001 - local exits are still watched
+            log.exception("on_stalled hook failed")
 
     def _beat_value(self) -> str:
         waiting = main_thread_waiting(self._main_id, self.config.comm_frames, self.config.comm_frame_depth)

@@ -417,6 +417,7 @@ class ElasticWorld:
             connect=lambda: store.scoped(store.connect()),
             on_failures=self._on_failures,
             on_abort_marker=self._on_abort_marker,
+            on_stalled=self._on_stalled,
         ).start()
         if cfg.track_new_groups:
             _install_group_hook(self)
@@ -603,6 +604,12 @@ class ElasticWorld:
         gen = self._gen
         if gen is not None and gen.number == number and by != self.original_rank:
             self.abort(f"aborted by rank {by}: {payload.get('reason', '?')}", publish=False, generation=gen)
+
+    def _on_stalled(self, waited_s: float) -> None:
+        """The store is lost and a collective has waited ``waited_s``: end the generation (the regroup that
+        follows raises ``StoreUnavailable``) rather than wait for the collective's own timeout."""
+        self.abort(f"the store is lost and a collective of rank {self.original_rank} has waited {waited_s:.0f} s",
+                   publish=False)
 
     def _failed_now(self, ranks: tuple[int, ...]) -> dict[int, str]:
         if self.detector is not None:

@@ -474,10 +474,10 @@ class ResiHPStrategyMixin:
         if self._membership.survives_failures:  # set up again (trainer.validate after fit): the groups exist
             return
         # As DDPStrategy.setup_distributed, but the default group comes from a world that can regroup.
-        if self.num_nodes > 1 and self.options.fail_stop.store_port is None:
+        if self.num_nodes > 1 and not self.options.fail_stop.spans_machines:
             raise self.misconfiguration_error(
                 "ResiHPStrategy(fail_stop=...) on several machines needs fail_stop.store_port (a fixed port for the "
-                "rendezvous store host, which runs on node 0 at MASTER_ADDR)"
+                "rendezvous store host, which runs on node 0 at MASTER_ADDR) or fail_stop.store with backend 'etcd'"
             )
         if self._joins and self.options.tensor_degree > 1:
             raise ConfigError("fail_stop.join (RESIHP_JOIN=1) with tensor_degree > 1 is not supported (idle processes under "

@@ -16,6 +16,8 @@ What it writes under ``--run-dir`` (``<tag>`` = ``r<restart>-<rank at start>-<pi
 
     torchrun --nnodes 3 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint node0:29400 \\
         resihp_lightning/testing/machines_job.py --run-dir RUN --store-port 29600
+
+or, with the store on the machines' etcd members (``--store '{"backend": "etcd", "endpoints": [...]}'``).
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ def _record(path: Path, payload: dict) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run-dir", required=True)
-    parser.add_argument("--store-port", type=int, required=True, help="fail_stop.store_port")
+    parser.add_argument("--store-port", type=int, default=None, help="fail_stop.store_port (the TCP store host on node 0)")
+    parser.add_argument("--store", default=None, help="fail_stop.store as JSON (e.g. the etcd members), instead of --store-port")
+    parser.add_argument("--join-timeout-s", type=float, default=30.0, help="fail_stop.join_timeout_s")
     parser.add_argument("--steps", type=int, default=6, help="at most one epoch (toy_jobs.EPOCH_STEPS)")
     parser.add_argument("--step-s", type=float, default=0.0, help="sleep this long inside each step, in all")
     parser.add_argument("--detect-timeout-s", type=float, default=1.0)
@@ -97,7 +101,8 @@ def main(argv: list[str] | None = None) -> None:
 
     recorder = Recorder()
     num_nodes, devices = launcher_shape(devices=1, num_nodes=1)
-    fail_stop = FailStopConfig(store_port=args.store_port, detect_timeout_s=args.detect_timeout_s)
+    fail_stop = FailStopConfig(store_port=args.store_port, store=json.loads(args.store) if args.store else None,
+                               detect_timeout_s=args.detect_timeout_s, join_timeout_s=args.join_timeout_s)
     strategy = ResiHPStrategy(pipeline_degree=args.pipeline_degree, micro_batch_size=MBS, fail_stop=fail_stop,
                               timeout=args.timeout_s)
     trainer = pl.Trainer(

@@ -18,7 +18,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,11 +39,14 @@ class TorchrunJobConfig:
         max_restarts: ``--max-restarts``.
         rdzv_port: the c10d rendezvous port on machine 0 (``--rdzv-endpoint node0:PORT``).
         store_port: ``fail_stop.store_port`` (the job's own store host, on node rank 0).
+        store: ``fail_stop.store`` instead of ``store_port`` (e.g. :meth:`.machines_etcd.MachinesEtcd.store_options`:
+            the etcd members of the machines).
         steps: training steps (at most one epoch of the toy job: 6).
         step_s: sleep inside each step (in all), so that an outside fault lands inside one.
         rdzv_conf: ``--rdzv-conf``.
         detect_timeout_s: ``fail_stop.detect_timeout_s`` (the library's default 1 s evicts healthy ranks
             now and then on an overloaded machine: issue 25's "no false evictions").
+        join_timeout_s: ``fail_stop.join_timeout_s``.
         job_args: more arguments of the worker script.
         per_process: torchft's pattern instead: ``nproc_per_node`` agents per machine, each
             ``torchrun --standalone --nproc-per-node 1`` (its own rendezvous, nobody else's workers),
@@ -63,10 +66,12 @@ class TorchrunJobConfig:
     max_restarts: int = 2
     rdzv_port: int = 29400
     store_port: int = 29600
+    store: Mapping[str, Any] | None = None
     steps: int = 6
     step_s: float = 2.0
     rdzv_conf: str = "join_timeout=120,last_call_timeout=1"
     detect_timeout_s: float = 1.0
+    join_timeout_s: float = 30.0
     job_args: Sequence[str] = field(default_factory=tuple)
     per_process: bool = False
     rank_port: int = 29500
@@ -114,8 +119,9 @@ class TorchrunJob:
         """The command of one agent (``local_index``: its index on its machine, with ``per_process`` or ``srun``)."""
         cfg = self.config
         torchrun = Path(sys.executable).with_name("torchrun")
-        job = [str(JOB), "--run-dir", str(self.run_dir), "--store-port", str(cfg.store_port), "--steps", str(cfg.steps),
-               "--step-s", str(cfg.step_s), "--detect-timeout-s", str(cfg.detect_timeout_s), *cfg.job_args]
+        store = ["--store", json.dumps(dict(cfg.store))] if cfg.store is not None else ["--store-port", str(cfg.store_port)]
+        job = [str(JOB), "--run-dir", str(self.run_dir), *store, "--steps", str(cfg.steps), "--step-s", str(cfg.step_s),
+               "--detect-timeout-s", str(cfg.detect_timeout_s), "--join-timeout-s", str(cfg.join_timeout_s), *cfg.job_args]
         if cfg.srun:
             return ["env", *(f"{k}={v}" for k, v in self.slurm_task_env(machine_index, local_index).items()),
                     sys.executable, *job]

@@ -1,4 +1,5 @@
-"""Fail-stop recovery with the store on etcd: a rank and etcd's member 0 die together, the job goes on.
+"""Fail-stop recovery with the store on etcd: a rank and etcd's member 0 die together, the job goes on;
+a cluster that loses its quorum ends every rank with the restart status.
 
 A 3-member etcd cluster on 127.0.0.41-43 (auth on, the job's user and password), four real gloo
 processes of the toy pipeline job (2 stages x 2 replicas) with ``fail_stop.store = {"backend":
@@ -93,3 +94,59 @@ def test_a_rank_and_etcd_member_zero_killed_inside_a_step_cost_one_step(tmp_path
     # A local death is seen through /proc; the detector thread may first wait out the etcd leader
     # election (member 0 died too; 0.5 s election timeout here) in its own store calls.
     assert recovered_s < 3.0, f"the death was detected {recovered_s:.2f} s after it"
+
+
+def _loses_the_quorum(rank: int, world: int, run_dir: str, store: dict, at_step: int, etcd_pids: list[int]) -> dict:
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from resihp_lightning.failstop.fail_stop_config import FailStopConfig
+    from resihp_lightning.strategy.strategy import ResiHPStrategy
+    from resihp_lightning.testing.harness import last_words
+
+    lost: dict = {}
+
+    class KillTheQuorum(pl.Callback):
+        def setup(self, trainer, pl_module, stage):  # the listeners exist once the strategy's job does
+            trainer.strategy.fail_stop_listeners.append(  # called just before the process exits with the restart status
+                lambda event, fields: last_words(run_dir, rank, event=event, lost_at=lost.get("at"),
+                                                 exit_at=time.monotonic(), fields=fields))
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == at_step:
+                if rank == 0:
+                    for pid in etcd_pids:
+                        os.kill(pid, signal.SIGKILL)
+                lost["at"] = time.monotonic()
+
+    strategy = ResiHPStrategy(micro_batch_size=MBS, pipeline_degree=2, fail_stop=FailStopConfig(store=store))
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        callbacks=[KillTheQuorum()], default_root_dir=run_dir,
+    )
+    x, y = make_data()
+    trainer.fit(build_class()(), DataLoader(TensorDataset(x, y), batch_size=M * MBS))
+    return {"finished": True}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_store_that_loses_its_quorum_inside_a_step_ends_every_rank_with_the_restart_status(tmp_path: Path):
+    """Two of three etcd members killed inside step 2 of a 2-stage job: the step's commit vote cannot reach a
+    quorum and raises ``StoreUnavailable`` after ``op_timeout_s``. Every rank ends with ``fail_stop.exit_code``
+    (75, for a restart), as after any store loss; before, the error escaped ``fit`` (exit 1 or the script's own
+    error status), which a launcher's restart policy does not read as "restart me"."""
+    from resihp_lightning.testing.harness import run_job
+
+    with LocalEtcdCluster(tmp_path / "etcd", first=44) as cluster:
+        store = {"backend": "etcd", "endpoints": cluster.endpoints, "request_timeout_s": 0.5, "op_timeout_s": 2.0}
+        outcome = run_job(_loses_the_quorum, 2, timeout=90, store=store, at_step=2,
+                          etcd_pids=[cluster.procs[1].pid, cluster.procs[2].pid])
+    assert [(r.status, r.exitcode) for r in outcome.ranks] == [("died", 75), ("died", 75)], outcome.describe()
+    for r in outcome.ranks:
+        words = r.last_words or {}
+        fields = words.get("fields") or {}
+        assert words.get("event") == "fail_stop_unrecoverable" and fields["step"] == 2 and fields["rank"] == r.rank, words
+        assert fields["reason"].startswith("the store is lost: no etcd member"), words
+        assert words["exit_at"] - words["lost_at"] < 2.0 + 3.0, words  # op_timeout_s, and a poll or two

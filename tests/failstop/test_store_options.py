@@ -46,3 +46,13 @@ def test_bad_store_options_are_named(store, pattern):
 def test_store_port_and_an_etcd_store_exclude_each_other():
     with pytest.raises(ConfigError, match="`fail_stop.store_port`"):
         FailStopConfig(store_port=29600, store={"backend": "etcd", "endpoints": ["http://a:2379"]})
+
+
+def test_several_machines_need_a_fixed_store_port_or_etcd_and_a_detector_that_ends_a_cut_off_process():
+    """What ResiHPStrategy checks on several machines (it refused the etcd store before: only store_port counted),
+    and the stall bound of a process that lost the store: the join timeout."""
+    etcd = {"backend": "etcd", "endpoints": ["http://node0:2379", "http://node1:2379", "http://node2:2379"]}
+    assert [FailStopConfig(**options).spans_machines for options in (
+        {}, {"store_port": 29600}, {"store": {"port": 29600}}, {"store": etcd})] == [False, True, True, True]
+    config = FailStopConfig(store=etcd, join_timeout_s=12.0)
+    assert config.world_config("gloo", 30.0).detector.stall_timeout_s == 12.0

@@ -296,3 +296,41 @@ def test_the_main_thread_counts_as_waiting_inside_communication_modules():
     thread.start()
     thread.join()
     assert answers == [True, False]
+
+
+def test_once_the_store_is_lost_one_collective_blocked_for_stall_timeout_s_is_handed_on(server):
+    """A process cut off from the store and from its peers (its machine's link down) would wait in its collective
+    until the collective's own timeout (30 min by default): once the store is lost, the detector hands a stall of
+    one communication call (the same frame) to ``on_stalled``. Calls that come and go (training going on without
+    a store) are no stall, and a blocked call while the store answers is the peers' detectors' business."""
+    code = compile("import time\ndef wait(s):\n    time.sleep(s)\n", "/x/torch/distributed/fake_c10d.py", "exec")
+    namespace: dict = {}
+    exec(code, namespace)  # noqa: S102 - a function whose frame looks like torch.distributed's
+    connections: list[_OutageStore] = []
+    stalls: list[tuple[float, float]] = []
+
+    def with_outages(store):
+        connections.append(_OutageStore(store))
+        return connections[-1]
+
+    config = FailureDetectorConfig(interval_s=INTERVAL, timeout_s=TIMEOUT, probe_local_pids=False, store_grace_s=0.2,
+                                   stall_timeout_s=0.5)
+    detector = FailureDetector(config, rank=0, connect=lambda: _scoped(server, with_outages),
+                               on_stalled=lambda waited: stalls.append((time.monotonic(), waited))).start()
+    detector.watch([0], 0)
+    try:
+        namespace["wait"](1.0)  # the store answers: no stall is handed on
+        assert stalls == [] and not detector.store_lost
+        connections[0].fail(60.0)
+        for _ in range(12):  # calls that come and go, the store lost meanwhile
+            namespace["wait"](0.1)
+        assert detector.store_lost and stalls == []
+        started = time.monotonic()
+        namespace["wait"](1.2)  # one call blocked
+        assert len(stalls) == 1, stalls
+        at, waited = stalls[0]
+        assert 0.5 <= waited and 0.5 <= at - started < 0.5 + 4 * INTERVAL, (at - started, waited)
+        namespace["wait"](0.8)  # once per watch
+        assert len(stalls) == 1
+    finally:
+        detector.stop()

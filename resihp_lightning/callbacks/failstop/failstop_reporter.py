@@ -6,7 +6,9 @@ After the step that was redone on the survivors it writes, on the rank that is 0
 ``plan_applied`` (the survivors' plan, with the slow devices' ``speeds`` and ``link_speeds`` it was
 made with) and ``recovery_finished`` (the time breakdown). When the job
 cannot recover, ``fail_stop_unrecoverable`` is written (by every survivor, rank 0 may be the lost
-one) just before the process exits with the strategy's restart status.
+one, with the writer's original ``rank``) just before the process exits with the strategy's restart
+status; a process the survivors left out (evicted, or cut off with a lost machine) writes it too when
+it ends, and the report shows that as its exit, not as the job's.
 """
 
 from __future__ import annotations
@@ -68,4 +70,5 @@ class FailStopReporter(Callback):
 
     def _unrecoverable(self, event: str, fields: dict[str, Any]) -> None:
         if self.events is not None:
-            self.events.log(event, fields.get("step"), force=True, reason=fields.get("reason"), exit_code=fields.get("exit_code"))
+            self.events.log(event, fields.get("step"), force=True, reason=fields.get("reason"), exit_code=fields.get("exit_code"),
+                            rank=fields.get("rank"))

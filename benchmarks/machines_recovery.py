@@ -1,0 +1,137 @@
+"""Fault -> first step after the in-process recovery, under one ``torchrun --standalone`` agent per process.
+
+On :class:`~resihp_lightning.testing.machines.Machines` (3 namespace machines x 2 processes, 2 stages x 3
+replicas, the exactness job ``resihp_lightning/testing/machines_job.py``, each step ~1.6 s), launched as
+``examples/torchrun_per_process.sh`` launches it (:class:`~resihp_lightning.testing.torchrun_machines.TorchrunJob`
+with ``per_process``), one fault ``--delay-s`` into step 3:
+
+* ``process``: one worker of machine 1 SIGKILLed (its agent and the machine's other worker live);
+* ``machine``: every process of machine 1 SIGKILLed;
+* ``machine0``: machine 0's link cut, the store on an etcd cluster of one member per machine
+  (:class:`~resihp_lightning.testing.machines_etcd.MachinesEtcd`, the recipe's ``ETCD_MEMBERS``). With the
+  TCP store host on machine 0 this fault is a split brain (``docs/machines.md``), so it always runs on etcd.
+
+``--store etcd`` puts ``process`` and ``machine`` on the etcd members too (default: the TCP store host on
+machine 0, ``store_port``). Times are seconds after the fault on the host's one monotonic clock:
+``detected`` (the survivors' first verdict), ``first step`` (the first step finished after the fault: the
+step the survivors redid), ``done`` (the last step), ``all ended`` (every agent's exit; for ``machine0``
+also ``cut off ended``, when machine 0's agents exited, the link still down). Each fault runs ``--runs``
+times; the table gives median, min and max. Needs root (namespaces).
+
+Run: ``python benchmarks/machines_recovery.py [--runs 3] [--scenarios process machine machine0] [--store tcp]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from resihp_lightning.testing.machines import Machines, unavailable_reason  # noqa: E402
+from resihp_lightning.testing.machines_etcd import MachinesEtcd  # noqa: E402
+from resihp_lightning.testing.torchrun_machines import TorchrunJob, TorchrunJobConfig  # noqa: E402
+
+SCENARIOS = ("process", "machine", "machine0")
+MEASURES = ("detected_s", "first_step_s", "done_s", "cut_off_ended_s", "all_ended_s")
+
+
+def _kill_one_worker(machines: Machines, job: TorchrunJob) -> None:
+    start = next(s for s in job.starts() if s["host"] == machines[1].hostname and s["local_rank"] == 0)
+    os.kill(machines[1].host_pid(start["pid"]), signal.SIGKILL)
+
+
+def run(scenario: str, run_dir: Path, args: argparse.Namespace) -> dict:
+    """One job with one fault; the measured times (seconds after the fault)."""
+    etcd = scenario == "machine0" or args.store == "etcd"
+    with ExitStack() as stack:
+        machines = stack.enter_context(Machines(3))
+        store = stack.enter_context(MachinesEtcd(machines, run_dir)).store_options() if etcd else None
+        config = TorchrunJobConfig(per_process=True, max_restarts=0, detect_timeout_s=args.detect_timeout_s,
+                                   join_timeout_s=args.join_timeout_s, store=store)
+        job = stack.enter_context(TorchrunJob(machines, run_dir, config))
+        job.wait_for(lambda: job.max_step() >= 2, 300, "step 2")
+        time.sleep(args.delay_s)
+        fault_at = time.monotonic()
+        if scenario == "process":
+            _kill_one_worker(machines, job)
+        elif scenario == "machine":
+            machines[1].kill()
+        else:
+            machines[0].cut_link()
+        ended: dict[int, float] = {}
+        deadline = fault_at + args.watch_s
+        while time.monotonic() < deadline and len(ended) < len(job.agents):
+            for i, agent in enumerate(job.agents):
+                if i not in ended and agent.poll() is not None:
+                    ended[i] = time.monotonic() - fault_at
+            time.sleep(0.1)
+        steps = [r for rows in job.steps().values() for r in rows]
+        after = [r["monotonic"] - fault_at for r in steps if r["monotonic"] > fault_at]
+        detected = [e["at"] - fault_at for e in job.events() if e["event"] == "fail_stop_detected" and "at" in e]
+        cut_off = [ended.get(i) for i in (0, 1)] if scenario == "machine0" else []
+        return {
+            "scenario": scenario, "store": "etcd" if etcd else "tcp",
+            "detected_s": min(detected, default=None),
+            "first_step_s": min(after, default=None),
+            "done_s": max(after, default=None),
+            "cut_off_ended_s": max(cut_off) if cut_off and None not in cut_off else None,
+            "all_ended_s": max(ended.values()) if len(ended) == len(job.agents) else None,
+            "results": len(job.results()),
+            "worlds_after": sorted({r["world"] for r in steps if r["monotonic"] > fault_at}),
+        }
+
+
+def _summary(values: list[float | None]) -> str:
+    got = [v for v in values if v is not None]
+    if not got:
+        return "-"
+    missing = f" ({len(values) - len(got)} none)" if len(got) < len(values) else ""
+    return f"{statistics.median(got):.2f} ({min(got):.2f}-{max(got):.2f}){missing}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
+    parser.add_argument("--runs", type=int, default=3, help="repetitions of each fault")
+    parser.add_argument("--store", choices=("tcp", "etcd"), default="tcp", help="the store of `process` and `machine`")
+    parser.add_argument("--detect-timeout-s", type=float, default=3.0,
+                        help="fail_stop.detect_timeout_s (the tests' 3 s: the default 1 s evicts healthy ranks at "
+                             "start-up on this shared 2-core host now and then)")
+    parser.add_argument("--join-timeout-s", type=float, default=30.0, help="fail_stop.join_timeout_s (the default)")
+    parser.add_argument("--delay-s", type=float, default=0.7, help="into step 3 when the fault strikes")
+    parser.add_argument("--watch-s", type=float, default=150.0, help="how long to wait for every agent to end")
+    parser.add_argument("--keep", default=None, help="keep each run's directory under this directory")
+    args = parser.parse_args()
+    reason = unavailable_reason()
+    if reason:
+        sys.exit(f"machines unavailable: {reason}")
+    rows = []
+    for scenario in args.scenarios:
+        for _ in range(args.runs):
+            if args.keep:
+                row = run(scenario, Path(tempfile.mkdtemp(prefix=f"{scenario}-", dir=Path(args.keep).resolve())), args)
+            else:
+                with tempfile.TemporaryDirectory(prefix=f"recovery-{scenario}-") as tmp:
+                    row = run(scenario, Path(tmp), args)
+            print(row, flush=True)
+            rows.append(row)
+    print("\nseconds after the fault, median (min-max) of", args.runs, "runs")
+    print("| fault | store | detected | first step after | training done | cut-off machine's agents ended | every agent ended |")
+    print("|---|---|---|---|---|---|---|")
+    for scenario in args.scenarios:
+        mine = [r for r in rows if r["scenario"] == scenario]
+        cells = [_summary([r[m] for r in mine]) for m in MEASURES]
+        print(f"| {scenario} | {mine[0]['store']} | {cells[0]} | {cells[1]} | {cells[2]} | {cells[3]} | {cells[4]} |")
+
+
+if __name__ == "__main__":
+    main()

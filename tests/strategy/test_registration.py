@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from resihp_lightning.testing.multiproc import free_port
 
 COMMON = """
 import os, sys
@@ -55,7 +54,8 @@ class Interpreters:
         while self.pending and sum(p.poll() is None for p, _ in self.running.values()) < self.PARALLEL:
             name, code = self.pending.pop(0)
             out = self.folder / f"{len(self.running)}.out"
-            env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+            # Port 0: the one process binds a free port itself (a port picked beforehand can be taken meanwhile).
+            env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
             for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
                 env.pop(key, None)
             with open(out, "w") as stdout, open(out.with_suffix(".err"), "w") as stderr:

@@ -13,6 +13,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from resihp_lightning.testing.multiproc import free_port, run_distributed, start_rank_server  # noqa: E402
 
+#: CPU seconds per test with RESIHP_CPU_PROFILE=<file> (tests/cpu_profile.py); off otherwise.
+pytest_plugins = ("tests.cpu_profile",)
+
 #: Test files whose assertions rest on measured time or speed, which ``make test`` runs apart from the
 #: rest (the list, and how each runs: tests/timing_files.txt, ``<speed|timeout> <path>``). They carry
 #: the ``timing`` marker.

@@ -44,6 +44,21 @@ def packed_batches(steps: int, rows: int = 4, seq_len: int = 20) -> list[dict]:
     return out
 
 
+def document_batches(steps: int, rows: int = 4, seq_len: int = 24) -> list[dict]:
+    """``steps`` global batches of ``rows`` packed rows (``seq_len`` tokens each) of random lowercase
+    documents of mixed lengths, enough of them for any ``rows x seq_len`` (fixed seeds)."""
+    from resihp_lightning.data import ByteTokenizer, PackedDataset, collate_packed, tokenize_documents
+
+    out = []
+    for step in range(steps):
+        rng = torch.Generator().manual_seed(100 + step)
+        lengths = (5, 17, 3, 30, 9, 44, 2, 12, 21, 6) * max(1, rows * seq_len // 100)
+        texts = ["".join(chr(97 + int(c)) for c in torch.randint(0, 26, (n,), generator=rng)) for n in lengths]
+        ds = PackedDataset(tokenize_documents(texts, ByteTokenizer()), seq_len=seq_len, pad_token_id=256)
+        out.append(collate_packed([ds[i] for i in range(rows)]))
+    return out
+
+
 def unsplit_reference(
     steps: int, clip: float | None = None, autocast: torch.dtype | None = None, rows: int = 4, seq_len: int = 20
 ) -> tuple[list[float], dict[str, torch.Tensor]]:

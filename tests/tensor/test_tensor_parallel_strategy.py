@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from resihp_lightning.config import ScratchModelConfig
-from resihp_lightning.data import ByteTokenizer, PackedDataset, collate_packed, tokenize_documents
+from resihp_lightning.testing.tensor_jobs import document_batches
 
 STEPS = 3
 LR = 1e-2
@@ -63,17 +63,6 @@ def _module(run: Run, load: str = "per_stage"):
     return CausalLMPipelineModule(scratch=shape, seed=7, learning_rate=LR, weight_decay=0.1)
 
 
-def _batches(steps: int = STEPS, rows: int = 4, seq_len: int = 24) -> list[dict]:
-    out = []
-    for step in range(steps):
-        rng = torch.Generator().manual_seed(100 + step)
-        lengths = (5, 17, 3, 30, 9, 44, 2, 12, 21, 6) * max(1, rows * seq_len // 100)
-        texts = ["".join(chr(97 + int(c)) for c in torch.randint(0, 26, (n,), generator=rng)) for n in lengths]
-        ds = PackedDataset(tokenize_documents(texts, ByteTokenizer()), seq_len=seq_len, pad_token_id=256)
-        out.append(collate_packed([ds[i] for i in range(rows)]))
-    return out
-
-
 def _reference(run: Run, steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process, the unsplit model, the module's own optimizer: what the split job must reproduce."""
     module = _module(run, load="whole")
@@ -82,7 +71,7 @@ def _reference(run: Run, steps: int = STEPS) -> tuple[list[float], dict[str, tor
         layers[-1].lm_head.weight = layers[0].embed_tokens.weight
     optimizer = module.configure_optimizers()
     losses = []
-    for batch in _batches(steps):
+    for batch in document_batches(steps):
         rows = batch["input_ids"].shape[0]
         loss = torch.zeros(())
         for row in range(rows):  # a micro-batch per row, as the job runs them: the mean of their losses
@@ -144,16 +133,16 @@ def _job(rank: int, world: int, runs: list[Run], ckpt_dir: str) -> dict:
 
     results = {}
     for run in runs:
-        module, losses, strategy, trainer = fit(run, _batches(), STEPS)
+        module, losses, strategy, trainer = fit(run, document_batches(STEPS), STEPS)
         name = run.name
         path = f"{ckpt_dir}/{name}.ckpt"
         trainer.save_checkpoint(path)
         module.save_hf_checkpoint(f"{ckpt_dir}/hf-{name}")  # every rank; a stage's member 0 writes its layers
-        probe = _batches(STEPS + 2)[-1]
+        probe = document_batches(STEPS + 2)[-1]
         predicted = trainer.predict(module, DataLoader([probe], batch_size=None))[0]
         validated = trainer.validate(module, DataLoader([probe], batch_size=None), verbose=False)[0]["val_loss"]
         # Resumed from the checkpoint (weights and Adam state split again), one more step on the next batch.
-        resumed, more, _, _ = fit(run, _batches(STEPS + 1)[STEPS:], STEPS + 1, ckpt_path=path)
+        resumed, more, _, _ = fit(run, document_batches(STEPS + 1)[STEPS:], STEPS + 1, ckpt_path=path)
         local = {i: sorted(n for n, _ in layer.named_parameters()) for i, layer in strategy.local_layers().items()}
         results[name] = {
             "losses": losses.values,
@@ -217,7 +206,7 @@ def test_a_tensor_parallel_job_trains_exactly_like_one_process(distributed, tmp_
         # trainer.predict returns the whole logits (the members' vocabulary shards joined), validate the loss.
         reference = _module(run, load="whole")
         reference.load_state_dict(ref_state)
-        probe = _batches(STEPS + 2)[-1]
+        probe = document_batches(STEPS + 2)[-1]
         with torch.no_grad():
             outputs = reference.pipeline_batch(probe)[0]
             for layer in reference.pipeline_layers():
@@ -294,68 +283,3 @@ def test_a_job_tensor_parallelism_cannot_run_yet_is_refused_by_name():
 
     with pytest.raises(ConfigError, match=r"a divisor of the 2 tensor-parallel groups \(world size / tensor_degree 2\)"):
         initial_plan(StrategyOptions(tensor_degree=2, pipeline_degree=3), 2, 4)
-
-
-# ---------------------------------------------------------------------------------------- fail-slow
-SLOW_RANK, FACTOR, FAULT_STEP, SLOW_STEPS, M = 1, 4.0, 8, 20, 8
-
-
-def _slow_job(rank: int, world: int, log_dir: str) -> dict:
-    """2 groups as 1 x 2 (each group holds every layer); rank 1, member 1 of group 0, turns slow."""
-    import warnings
-
-    import lightning.pytorch as pl
-    from torch.utils.data import DataLoader
-
-    from resihp_lightning.callbacks import FaultInjector, ReplanController, StragglerDetector
-    from resihp_lightning.callbacks.replan.replan_policy import ControllerConfig
-    from resihp_lightning.config import PlannerConfig
-    from resihp_lightning.models import CausalLMPipelineModule
-    from resihp_lightning.strategy.strategy import ResiHPStrategy
-
-    warnings.filterwarnings("ignore")
-    shape = ScratchModelConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                               intermediate_size=512)
-    module = CausalLMPipelineModule(scratch=shape, seed=7, learning_rate=1e-3)
-    detector = StragglerDetector(warmup_steps=2, fit_steps=4, window=3, patience=3, significance=1.5,
-                                 gpu_individual_perf_threshold=0.75, gpu_relative_perf_threshold=0.6)
-    callbacks = [
-        FaultInjector([{"kind": "slow", "rank": SLOW_RANK, "factor": FACTOR, "start_step": FAULT_STEP}]),
-        detector,
-        # Groups stay as they are (tests/tensor/test_tensor_regroup.py drops the member instead).
-        ReplanController(ControllerConfig(migration_overhead_s=0.1, tensor_regroup=False),
-                         planner=PlannerConfig(solver="exact", pipeline_degrees=(1,))),
-    ]
-    strategy = ResiHPStrategy(tensor_degree=2, pipeline_degree=1, micro_batch_size=2, micro_batches=M)
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=SLOW_STEPS, logger=False,
-                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                         use_distributed_sampler=False, callbacks=callbacks, default_root_dir=log_dir)
-    trainer.fit(module, DataLoader(_batches(SLOW_STEPS, rows=2 * M, seq_len=64), batch_size=None))
-    return {"plan": strategy.current_plan.to_dict(), "reports": strategy.reports_device}
-
-
-@pytest.mark.multiprocess
-@pytest.mark.timeout(300)
-def test_a_slow_member_slows_its_group_which_is_detected_and_planned_around(distributed, tmp_path):
-    """The detector sees one device per group (its first member reports; the slow member 1 makes member 0
-    wait inside every layer) and names the slow member, and the controller, told to keep the groups
-    (``tensor_regroup=False``), gives that group fewer micro-batches."""
-    from resihp_lightning.callbacks import read_events
-
-    results = distributed(_slow_job, 4, timeout=280, log_dir=str(tmp_path))
-    assert [r["reports"] for r in results] == [True, False, True, False]
-    events = read_events(tmp_path)
-    of = {name: [e for e in events if e["event"] == name] for name in {e["event"] for e in events}}
-    assert [(e["rank"], e["step"]) for e in of.get("fault_injected", [])] == [(SLOW_RANK, FAULT_STEP)]
-    detected = of.get("fail_slow_detected", [])
-    assert detected and {e["rank"] for e in detected} == {0}, events  # group 0, the slow member's
-    assert detected[0]["step"] >= FAULT_STEP
-    # Each member's own compute (its busy time minus its wait in the group's all-reduces) names the member.
-    named = of.get("fail_slow_member_detected", [])
-    assert named and {(e["rank"], e["group"]) for e in named} == {(SLOW_RANK, 0)}, events
-    assert named[0]["step"] >= FAULT_STEP and named[0]["speed"] < 0.6
-    applied = of.get("plan_applied", [])
-    assert applied, events
-    for event in applied:
-        counts = {r["devices"][0]: r["micro_batches"] for r in event["plan"]["replicas"]}
-        assert sum(counts.values()) == M and counts[0] < counts[1], counts

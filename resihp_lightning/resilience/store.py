@@ -73,7 +73,7 @@ from pathlib import Path
 from typing import Any
 
 from resihp_lightning._logging import get_logger
-from resihp_lightning.errors import invalid_option
+from resihp_lightning.errors import ConfigError, invalid_option
 from resihp_lightning.resilience.etcd_config import EtcdConfig
 from resihp_lightning.resilience.failures import StoreUnavailable
 from resihp_lightning.resilience.machine_board import machine_beat_key
@@ -85,6 +85,9 @@ HOST_PREFIX = "resihp/host/"
 ADDRESS_FILE = "store.json"
 LOCK_FILE = "store.lock"
 LOG_FILE = "store_host.log"
+#: How a process starts the store host (:attr:`StoreConfig.start_method`), and its environment default.
+START_METHODS = ("exec", "fork")
+START_METHOD_ENV = "RESIHP_STORE_START_METHOD"
 SECRET_FILE = "store.secret"
 
 
@@ -128,6 +131,11 @@ class StoreConfig:
             on one machine.
         etcd: the job's etcd cluster (:mod:`.etcd_store`): no store host then, and no single
             machine whose loss ends the job. None: the store host.
+        start_method: how this process starts the host: ``"exec"``, a new interpreter (about 1.5 s
+            of CPU importing torch before it listens); ``"fork"``, forked from this process (listens
+            at once, but keeps the pages this process holds at that point for its lifetime: for
+            processes that hold little when the strategy sets up; :mod:`.host_fork`). None:
+            ``$RESIHP_STORE_START_METHOD``, else ``"exec"``.
     """
 
     run_dir: str | None = None
@@ -144,8 +152,12 @@ class StoreConfig:
     authenticate: bool = True
     secret_file: str | None = None
     etcd: EtcdConfig | None = None
+    start_method: str | None = None
 
     def __post_init__(self) -> None:
+        if self.start_method is not None and self.start_method not in START_METHODS:
+            raise invalid_option("resilience.store.start_method", self.start_method, "null, 'exec' or 'fork'")
+        self.resolved_start_method()  # a bad $RESIHP_STORE_START_METHOD is refused now
         for name in ("timeout_s", "connect_timeout_s", "linger_s", "startup_timeout_s", "remote_idle_s"):
             _positive(f"resilience.store.{name}", getattr(self, name))
         if self.port is not None and (not isinstance(self.port, int) or not 0 < self.port < 65536):
@@ -188,6 +200,19 @@ class StoreConfig:
         if self.run_dir is not None:
             return Path(self.run_dir)
         return Path(tempfile.gettempdir()) / f"resihp-{os.getuid()}" / self.resolved_run_id()
+
+    def resolved_start_method(self) -> str:
+        """``start_method``, else ``$RESIHP_STORE_START_METHOD``, else ``"exec"``.
+
+        Raises:
+            ConfigError: the environment variable is neither ``exec`` nor ``fork``.
+        """
+        if self.start_method is not None:
+            return self.start_method
+        method = os.environ.get(START_METHOD_ENV, "").strip() or "exec"
+        if method not in START_METHODS:
+            raise ConfigError(f"{START_METHOD_ENV}={method!r}: expected 'exec' or 'fork'")
+        return method
 
     def resolved_host(self) -> str:
         if self.host is not None:
@@ -395,8 +420,7 @@ class RendezvousStore:
         cfg = self.config
         self.run_dir.mkdir(parents=True, exist_ok=True)
         previous = read_address(self.run_dir)
-        command = [
-            sys.executable, "-m", "resihp_lightning.resilience.store_host",
+        args = [
             "--run-dir", str(self.run_dir),
             "--host", cfg.resolved_host(),
             "--port", str(cfg.port or 0),
@@ -405,24 +429,16 @@ class RendezvousStore:
             "--startup-timeout", str(cfg.startup_timeout_s),
             "--remote-idle", str(cfg.remote_idle_s),
             "--spawner", ProcessIdentity.current().to_json(),
-            "--detach",
         ]
         secret_file = cfg.resolved_secret_file()
         if secret_file is not None:
-            command += ["--secret-file", str(secret_file)]
-        env = dict(os.environ)
-        package_root = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-        with open(self.run_dir / LOG_FILE, "ab") as log_file:
-            launcher = subprocess.Popen(  # noqa: S603 - our own module, with our interpreter
-                command, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
-                start_new_session=True, close_fds=True, env=env,
-            )
-        try:
-            launcher.wait(timeout=10)  # the intermediate process exits right after its fork
-        except subprocess.TimeoutExpired:
-            launcher.kill()
-            launcher.wait()
+            args += ["--secret-file", str(secret_file)]
+        if cfg.resolved_start_method() == "fork":
+            from resihp_lightning.resilience.host_fork import fork_store_host
+
+            fork_store_host(args, self.run_dir / LOG_FILE)
+        else:
+            self._exec_host(args)
         log.info("rank %s started a store host (run dir %s)", self.rank, self.run_dir)
         while time.monotonic() < deadline:
             info = read_address(self.run_dir)
@@ -436,6 +452,23 @@ class RendezvousStore:
                 return client
             time.sleep(0.02)
         raise StoreUnavailable(f"the store host did not come up; see {self.run_dir / LOG_FILE}")
+
+    def _exec_host(self, args: list[str]) -> None:
+        """Starts the host in a new interpreter (``--detach``: it forks once more; its first process exits)."""
+        command = [sys.executable, "-m", "resihp_lightning.resilience.store_host", *args, "--detach"]
+        env = dict(os.environ)
+        package_root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+        with open(self.run_dir / LOG_FILE, "ab") as log_file:
+            launcher = subprocess.Popen(  # noqa: S603 - our own module, with our interpreter
+                command, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
+                start_new_session=True, close_fds=True, env=env,
+            )
+        try:
+            launcher.wait(timeout=10)  # the intermediate process exits right after its fork
+        except subprocess.TimeoutExpired:
+            launcher.kill()
+            launcher.wait()
 
     def _register(self, client: Any) -> None:
         """Registers with the host (under the run directory's lock); :meth:`_join_namespace` follows."""

@@ -186,6 +186,11 @@ class SurvivingMembership:
             except PeerFailure as failure:
                 self.recover(failure)
 
+    def end_call(self, clean: bool) -> None:
+        """A trainer call ended: a clean end (no exception) lets the process say goodbye at its exit; any
+        later call starts again (see :attr:`SurvivingJob.finished <resihp_lightning.failstop.survivors.SurvivingJob.finished>`)."""
+        self.job.finished = clean
+
     def recover(self, failure: Any, finished: Any = None) -> None:
         """Regroups the survivors and rebuilds this process's runtime for their plan (see ``survivors``).
 

@@ -41,6 +41,7 @@ _LAZY = {
     "reset_deepspeed": "resihp_lightning.resilience.frameworks",
     "ResilienceError": "resihp_lightning.resilience.failures",
     "PeerFailure": "resihp_lightning.resilience.failures",
+    "PeerFinished": "resihp_lightning.resilience.failures",
     "EvictedError": "resihp_lightning.resilience.failures",
     "RegroupError": "resihp_lightning.resilience.failures",
     "StoreUnavailable": "resihp_lightning.resilience.failures",

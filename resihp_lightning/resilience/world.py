@@ -75,6 +75,7 @@ from resihp_lightning.resilience.failure_detector import FailureDetectorConfig, 
 from resihp_lightning.resilience.failures import (
     EvictedError,
     PeerFailure,
+    PeerFinished,
     RegroupError,
     ResilienceError,
     StoreUnavailable,
@@ -320,9 +321,9 @@ class ElasticWorld:
 
     @property
     def job_members(self) -> tuple[int, ...]:
-        """Original ranks of the job's live processes, members and spares, sorted."""
-        failed = self.failed
-        return tuple(r for r in self._job if r == self.original_rank or r not in failed)
+        """Original ranks of the job's live processes, members and spares, sorted (the finished ones left out)."""
+        gone = set(self.failed) | self.finished
+        return tuple(r for r in self._job if r == self.original_rank or r not in gone)
 
     @property
     def job_processes(self) -> tuple[int, ...]:
@@ -353,6 +354,13 @@ class ElasticWorld:
         if self.detector is None:
             return {}
         return {rank: f.reason for rank, f in self.detector.failed.items()}
+
+    @property
+    def finished(self) -> frozenset[int]:
+        """Original ranks of the processes that said goodbye (ended on purpose, see :meth:`close`): no failures."""
+        if self.detector is None:
+            return frozenset()
+        return self.detector.left
 
     @property
     def aborted(self) -> bool:
@@ -451,10 +459,18 @@ class ElasticWorld:
             self._job = tuple(sorted(set(job) | {self.original_rank}))
         self._follow(generation, tuple(sorted(members)))
 
-    def close(self, done: bool = True) -> None:
-        """Stops detection, destroys the groups and leaves the store (the host ends after the last)."""
+    def close(self, done: bool = True, goodbye: bool = False) -> None:
+        """Stops detection, destroys the groups and leaves the store (the host ends after the last).
+
+        Args:
+            done: tell the store host that this process is done (it ends after the last one).
+            goodbye: this process ends on purpose (it finished its work): it says goodbye first, before its
+                groups close its connections, so that peers neither call its exit a failure nor abort the
+                collectives they are still in without it (see :class:`~.failures.PeerFinished`). Without a
+                goodbye its exit is a failure like any death.
+        """
         if self.detector is not None:
-            self.detector.stop()
+            self.detector.stop(goodbye=goodbye)
         if self._stall_dump is not None:
             self._stall_dump.disarm()
         _uninstall_group_hook(self)
@@ -498,9 +514,28 @@ class ElasticWorld:
         except Exception as err:
             if gen.aborted_at is None and not is_transport_error(err):
                 raise
+            if gen.aborted_at is None:
+                self._raise_if_finished(gen, err)
             first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             self.abort(f"collective failed on rank {self.original_rank}: {first_line[:200]}", generation=gen)
             raise self._peer_failure(gen) from err
+
+    def _raise_if_finished(self, gen: Generation, err: Exception) -> None:
+        """A broken collective whose only missing members finished (said goodbye): :class:`~.failures.PeerFinished`,
+        without an abort (the other members' collectives that do not need them go on)."""
+        if self.detector is None or self.store is None:
+            return
+        others = [r for r in gen.members if r != self.original_rank]
+        finished = self.detector.probe_goodbyes(others, self.store.control)
+        if not finished:
+            return
+        failed = set(self._failed_now(tuple(r for r in others if r not in finished)))
+        if failed & set(gen.members):
+            return  # a real failure among them: it regroups as usual
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        log.warning("rank %d: a collective of generation %d needed finished rank(s) %s", self.original_rank,
+                    gen.number, sorted(finished))
+        raise PeerFinished(gen.number, finished, first_line[:200]) from err
 
     @contextlib.contextmanager
     def track(self) -> Iterator[None]:
@@ -655,7 +690,8 @@ class ElasticWorld:
             if self.detector is not None and self.detector.store_lost:
                 raise StoreUnavailable("the rendezvous store is lost; the job cannot regroup")
             try:
-                candidates = tuple(sorted(set(old.members) | set(self._job)))
+                # Finished processes (goodbye) are no candidates: nobody waits join_timeout_s for them.
+                candidates = tuple(sorted((set(old.members) | set(self._job)) - self.finished))
                 members = agree_members(
                     self.store.control,  # type: ignore[union-attr]
                     generation=number,

@@ -80,6 +80,7 @@ from resihp_lightning.resilience.failures import (
     ResilienceError,
     StoreUnavailable,
 )
+from resihp_lightning.resilience.abortable_waits import AbortableWaits, AbortedWait
 from resihp_lightning.resilience.frameworks import reset_deepspeed
 from resihp_lightning.resilience.joining import claim_rank, publish_start_size
 from resihp_lightning.resilience.membership import agree_members, read_failures
@@ -111,7 +112,7 @@ def is_transport_error(err: BaseException) -> bool:
     """Whether ``err`` looks like a broken connection or a timed-out collective (not a program bug)."""
     import torch.distributed as dist
 
-    if isinstance(err, getattr(dist, "DistNetworkError", ())) or isinstance(err, getattr(dist, "DistStoreError", ())):
+    if isinstance(err, (AbortedWait, getattr(dist, "DistNetworkError", ()), getattr(dist, "DistStoreError", ()))):
         return True
     text = str(err)
     return any(marker in text for marker in _TRANSPORT_MARKERS)
@@ -291,6 +292,7 @@ class ElasticWorld:
         self._lock = threading.RLock()
         self.history: list[dict[str, Any]] = []  # one record per abort and per generation formed
         self._stall_dump: StallDump | None = None  # set at start (it needs the run directory)
+        self._waits: AbortableWaits | None = None  # gloo: waits an abort ends (see abortable_waits)
 
     # ------------------------------------------------------------------------ properties
     @property
@@ -429,6 +431,11 @@ class ElasticWorld:
         ).start()
         if cfg.track_new_groups:
             _install_group_hook(self)
+        if cfg.backend == "gloo":
+            self._waits = AbortableWaits(
+                current=lambda: self._gen if self._gen is not None and self._gen.number >= 0 else None,
+                aborted=lambda gen: gen.aborted_at is not None,
+            ).install()
 
     def admit(self, newcomers: Sequence[int]) -> None:
         """Records ``newcomers`` (original ranks) as processes of the job: spares until a plan takes them in.
@@ -474,6 +481,8 @@ class ElasticWorld:
         if self._stall_dump is not None:
             self._stall_dump.disarm()
         _uninstall_group_hook(self)
+        if self._waits is not None:
+            self._waits.uninstall()
         if self._gen is not None:
             self._teardown(self._gen)
         if self.store is not None:
@@ -580,9 +589,12 @@ class ElasticWorld:
         if self.detector is not None:
             self.detector.hold()
         cut = gen.sockets.shutdown()
+        # After the cut: a wait gloo does not end (a send queued for writing) ends here; gloo raises in the others.
+        released = self._waits.release(gen) if self._waits is not None else 0
         self._abort_backends(gen)
         log.warning(
-            "rank %d aborts generation %d (%d connections cut): %s", self.original_rank, gen.number, cut, reason
+            "rank %d aborts generation %d (%d connections cut, %d waits released): %s", self.original_rank,
+            gen.number, cut, released, reason,
         )
         self.history.append({"event": "abort", "generation": gen.number, "at": gen.aborted_at, "reason": reason})
         if publish:

@@ -95,6 +95,7 @@ DEFAULT_COMM_FRAMES = (
     f"deepspeed{_SEP}comm{_SEP}",
     f"deepspeed{_SEP}runtime{_SEP}pipe{_SEP}p2p.py",
     f"resihp_lightning{_SEP}resilience{_SEP}world.py",
+    f"resihp_lightning{_SEP}resilience{_SEP}abortable_waits.py",  # a torch.distributed wait, abortable
     f"resihp_lightning{_SEP}resilience{_SEP}membership.py",
     f"resihp_lightning{_SEP}strategy{_SEP}spares.py",  # a spare waiting for the members' step
 )

@@ -10,7 +10,8 @@ time (the model is torchft's Manager + reconfigurable ProcessGroup, reduced to o
   thread as a broken collective inside :meth:`ElasticWorld.guard`;
 * **abort** (:meth:`ElasticWorld.abort`, any thread, idempotent) shuts down the generation's TCP
   connections (:mod:`.sockets`), so that a collective the main thread is blocked in raises at once,
-  and publishes ``gen<g>/abort`` so that the other processes abort within one detector poll even
+  releases the waits that gloo does not end when a connection fails (:mod:`.abortable_waits`: a send
+  queued for writing), and publishes ``gen<g>/abort`` so that the other processes abort within one detector poll even
   before they have named the dead peer themselves. :meth:`ElasticWorld.guard` turns what the
   blocked call raises into :class:`~.failures.PeerFailure`;
 * **regroup** (:meth:`ElasticWorld.regroup`, main thread): the survivors agree on the members of
@@ -21,6 +22,10 @@ time (the model is torchft's Manager + reconfigurable ProcessGroup, reduced to o
   If a member fails while the new generation forms, that generation is aborted like any other and
   the survivors go on to the next one, all inside one ``regroup()`` call, bounded by
   ``regroup_timeout_s``.
+
+**The end.** :meth:`ElasticWorld.close` with ``goodbye`` (a process that finished its work) says goodbye
+before it destroys its groups: its peers count it :attr:`ElasticWorld.finished`, not failed; nobody aborts or
+waits for it in a regroup, and a guarded collective that needed it raises :class:`~.failures.PeerFinished`.
 
 Each process keeps its *original* rank (``RANK`` at start) as its identity for the job's lifetime
 (it names its device and its heartbeat); its rank in the current generation is its index in the
@@ -241,6 +246,24 @@ def _uninstall_group_hook(world: ElasticWorld) -> None:
 
         c10d._new_process_group_helper = _original_helper
         _original_helper = None
+
+
+def _keep_forever(gen: Generation) -> None:
+    """Never destroys the process groups of aborted generation ``gen``.
+
+    A gloo group's destructor joins its worker threads, and one of them may be blocked until the group's
+    timeout in a send gloo does not release (see :mod:`.abortable_waits`): destroying the group would
+    block the regroup (measured) or the interpreter's exit for that long. The groups (closed connections,
+    a few objects) are kept for the rest of the process instead; an extra reference count makes sure no
+    collection or interpreter shutdown ever frees them.
+    """
+    import ctypes
+
+    from torch.distributed import distributed_c10d as c10d
+
+    for group in list(c10d._world.pg_map):
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+    log.debug("generation %d: %d aborted groups kept", gen.number, len(c10d._world.pg_map))
 
 
 class ElasticWorld:
@@ -876,6 +899,8 @@ class ElasticWorld:
         import torch.distributed as dist
 
         if dist.is_initialized():
+            if gen.aborted_at is not None and self.config.backend == "gloo":
+                _keep_forever(gen)
             try:
                 dist.destroy_process_group()
             except Exception as err:  # noqa: BLE001 - a broken group may not destroy cleanly

@@ -128,3 +128,37 @@ def test_a_finished_process_exits_without_a_verdict_and_a_death_after_fit_still_
     logged = read_events(outcome.run_dir) if (Path(outcome.run_dir) / EVENTS_FILE).exists() else []
     deaths = [e for e in logged if e["event"] == "fail_stop_detected"]
     assert deaths == [], deaths
+
+
+def _exits(rank: int, world: int, run_dir: str) -> dict:
+    """Rank 1 ends a clean fit but leaves by an unhandled exception, rank 2 ends cleanly; rank 0 watches."""
+    import sys
+
+    from resihp_lightning.failstop.fail_stop_config import FailStopConfig
+    from resihp_lightning.failstop.survivors import SurvivingJob
+
+    job = SurvivingJob(FailStopConfig(), rank, world, "gloo", 60.0)
+    if rank > 0:
+        job.finished = True  # what the strategy's teardown records after a fit without an exception
+        if rank == 1:
+            sys.last_value = RuntimeError("code after fit raised")  # set by the interpreter before its exit handlers
+        job.close()
+        return {}
+    detector = job.world.detector
+    for peer in (1, 2):
+        _wait(lambda: peer in detector.identities and not detector.identities[peer].alive(), 30, f"rank {peer} lives")
+    _wait(lambda: 1 in job.world.failed, 5, "rank 1's exit by an exception gave no verdict")
+    time.sleep(3 * detector.config.interval_s)
+    return {"failed": job.world.failed, "finished": sorted(job.world.finished)}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+def test_an_exit_by_an_exception_after_a_clean_fit_is_a_failure_a_clean_exit_is_not():
+    from resihp_lightning.testing.harness import run_job
+
+    outcome = run_job(_exits, 3, timeout=60, wait_for=[0])
+    values = outcome.values()
+    assert 0 in values, outcome.describe()
+    assert values[0]["finished"] == [2], values[0]
+    assert list(values[0]["failed"]) == [1] and values[0]["failed"][1].startswith("exited"), values[0]

@@ -187,9 +187,10 @@ class SurvivingMembership:
                 self.recover(failure)
 
     def end_call(self, clean: bool) -> None:
-        """A trainer call ended: a clean end (no exception) lets the process say goodbye at its exit; any
-        later call starts again (see :attr:`SurvivingJob.finished <resihp_lightning.failstop.survivors.SurvivingJob.finished>`)."""
-        self.job.finished = clean
+        """A trainer call ended (its teardown): when no exception ended it, the process says goodbye at its exit
+        unless a later call ends otherwise (see :attr:`SurvivingJob.ended_cleanly
+        <resihp_lightning.failstop.survivors.SurvivingJob.ended_cleanly>`)."""
+        self.job.ended_cleanly = clean
 
     def recover(self, failure: Any, finished: Any = None) -> None:
         """Regroups the survivors and rebuilds this process's runtime for their plan (see ``survivors``).

@@ -115,7 +115,7 @@ class SurvivingJob:
         self._finished: tuple[int, Any] | None = None  # (call, result) committed before the last recovery
         self._closed = False
         #: Whether the last trainer call ended cleanly (no exception): then the process says goodbye at its exit.
-        self.finished = False
+        self.ended_cleanly = False
         _open_jobs.append(self)
         atexit.register(self.close)
 
@@ -198,7 +198,7 @@ class SurvivingJob:
     def close(self) -> None:
         """Leaves the job's groups and tells the store host this process is done (once; at exit by default).
 
-        A process whose last trainer call ended cleanly (:attr:`finished`) and that is not leaving by an
+        A process whose last trainer call ended cleanly (:attr:`ended_cleanly`) and that is not leaving by an
         unhandled exception says goodbye first: its peers do not call its exit a failure (see
         ``docs/fail_stop.md``, the end of training). Any other exit is a failure to its peers.
         """
@@ -206,7 +206,7 @@ class SurvivingJob:
             self._closed = True
             if self in _open_jobs:
                 _open_jobs.remove(self)
-            self.world.close(goodbye=self.finished and not _leaving_by_exception())
+            self.world.close(goodbye=self.ended_cleanly and not _leaving_by_exception())
 
     # ---------------------------------------------------------------------------- recovery
     def recover(

@@ -44,6 +44,8 @@ _LAZY = {
     "ResilienceError": "resihp_lightning.resilience.failures",
     "PeerFailure": "resihp_lightning.resilience.failures",
     "PeerFinished": "resihp_lightning.resilience.failures",
+    "AbortedWait": "resihp_lightning.resilience.abortable_waits",
+    "AbortableWaits": "resihp_lightning.resilience.abortable_waits",
     "EvictedError": "resihp_lightning.resilience.failures",
     "RegroupError": "resihp_lightning.resilience.failures",
     "StoreUnavailable": "resihp_lightning.resilience.failures",

@@ -11,8 +11,8 @@ time (the model is torchft's Manager + reconfigurable ProcessGroup, reduced to o
 * **abort** (:meth:`ElasticWorld.abort`, any thread, idempotent) shuts down the generation's TCP
   connections (:mod:`.sockets`), so that a collective the main thread is blocked in raises at once,
   releases the waits that gloo does not end when a connection fails (:mod:`.abortable_waits`: a send
-  queued for writing), and publishes ``gen<g>/abort`` so that the other processes abort within one detector poll even
-  before they have named the dead peer themselves. :meth:`ElasticWorld.guard` turns what the
+  queued for writing), and publishes ``gen<g>/abort`` so that the other processes abort within one
+  detector poll even before they have named the dead peer themselves. :meth:`ElasticWorld.guard` turns what the
   blocked call raises into :class:`~.failures.PeerFailure`;
 * **regroup** (:meth:`ElasticWorld.regroup`, main thread): the survivors agree on the members of
   generation g+1 (:mod:`.membership`), destroy the old groups, reset DeepSpeed's cached groups
@@ -76,6 +76,7 @@ from typing import Any
 
 from resihp_lightning._logging import get_logger
 from resihp_lightning.errors import invalid_option
+from resihp_lightning.resilience.abortable_waits import AbortableWaits, AbortedWait
 from resihp_lightning.resilience.failure_detector import FailureDetectorConfig, Failure, FailureDetector, abort_key
 from resihp_lightning.resilience.failures import (
     EvictedError,
@@ -85,7 +86,6 @@ from resihp_lightning.resilience.failures import (
     ResilienceError,
     StoreUnavailable,
 )
-from resihp_lightning.resilience.abortable_waits import AbortableWaits, AbortedWait
 from resihp_lightning.resilience.frameworks import reset_deepspeed
 from resihp_lightning.resilience.joining import claim_rank, publish_start_size
 from resihp_lightning.resilience.membership import agree_members, read_failures

@@ -139,7 +139,7 @@ def _exits(rank: int, world: int, run_dir: str) -> dict:
 
     job = SurvivingJob(FailStopConfig(), rank, world, "gloo", 60.0)
     if rank > 0:
-        job.finished = True  # what the strategy's teardown records after a fit without an exception
+        job.ended_cleanly = True  # what the strategy's teardown records after a fit without an exception
         if rank == 1:
             sys.last_value = RuntimeError("code after fit raised")  # set by the interpreter before its exit handlers
         job.close()

@@ -186,6 +186,12 @@ class SurvivingMembership:
             except PeerFailure as failure:
                 self.recover(failure)
 
+    def end_call(self, clean: bool) -> None:
+        """A trainer call ended (its teardown): when no exception ended it, the process says goodbye at its exit
+        unless a later call ends otherwise (see :attr:`SurvivingJob.ended_cleanly
+        <resihp_lightning.failstop.survivors.SurvivingJob.ended_cleanly>`)."""
+        self.job.ended_cleanly = clean
+
     def recover(self, failure: Any, finished: Any = None) -> None:
         """Regroups the survivors and rebuilds this process's runtime for their plan (see ``survivors``).
 

@@ -52,6 +52,24 @@ log = get_logger(__name__)
 
 T = TypeVar("T")
 
+_open_jobs: list[SurvivingJob] = []
+
+
+def _leaving_by_exception() -> bool:
+    """Whether the interpreter is ending because of an unhandled exception (it sets ``sys.last_value``
+    before the exit handlers run)."""
+    return getattr(sys, "last_value", None) is not None or getattr(sys, "last_exc", None) is not None
+
+
+def close_open_jobs() -> None:
+    """Closes every open :class:`SurvivingJob` of this process, as the interpreter's exit does.
+
+    For a harness whose processes end with ``os._exit`` (no exit handlers): it calls this where a real
+    process would exit normally, so that the job's end is what it is outside tests.
+    """
+    for job in list(_open_jobs):
+        job.close()
+
 
 class SurvivingJob:
     """The job's groups and their recovery (see the module docstring).
@@ -96,6 +114,9 @@ class SurvivingJob:
         self._redo_pending = False
         self._finished: tuple[int, Any] | None = None  # (call, result) committed before the last recovery
         self._closed = False
+        #: Whether the last trainer call ended cleanly (no exception): then the process says goodbye at its exit.
+        self.ended_cleanly = False
+        _open_jobs.append(self)
         atexit.register(self.close)
 
     # ------------------------------------------------------------------------------- views
@@ -175,10 +196,17 @@ class SurvivingJob:
         self.world.progress(step)
 
     def close(self) -> None:
-        """Leaves the job's groups and tells the store host this process is done (once; at exit by default)."""
+        """Leaves the job's groups and tells the store host this process is done (once; at exit by default).
+
+        A process whose last trainer call ended cleanly (:attr:`ended_cleanly`) and that is not leaving by an
+        unhandled exception says goodbye first: its peers do not call its exit a failure (see
+        ``docs/fail_stop.md``, the end of training). Any other exit is a failure to its peers.
+        """
         if not self._closed:
             self._closed = True
-            self.world.close()
+            if self in _open_jobs:
+                _open_jobs.remove(self)
+            self.world.close(goodbye=self.ended_cleanly and not _leaving_by_exception())
 
     # ---------------------------------------------------------------------------- recovery
     def recover(

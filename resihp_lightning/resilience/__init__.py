@@ -12,7 +12,9 @@ The pieces, one job each:
   that store; progress (hangs) from the beats;
 * :mod:`.sockets`: which TCP connections belong to a generation's groups; cutting them releases a
   blocked gloo collective;
-* :mod:`.failures`: the errors a lost peer or store raises (``PeerFailure`` ...);
+* :mod:`.abortable_waits`: waits on ``torch.distributed`` work that the abort ends where cutting the
+  connections does not (a gloo send queued for writing);
+* :mod:`.failures`: the errors a lost peer or store raises (``PeerFailure``, ``PeerFinished`` ...);
 * :mod:`.membership`: how the survivors agree on the next generation's members;
 * :mod:`.joining`: how a process started after the job began registers and waits to be admitted;
 * :mod:`.world`: :class:`~.world.ElasticWorld`, the lifecycle of the job's groups, generation by generation;
@@ -41,6 +43,9 @@ _LAZY = {
     "reset_deepspeed": "resihp_lightning.resilience.frameworks",
     "ResilienceError": "resihp_lightning.resilience.failures",
     "PeerFailure": "resihp_lightning.resilience.failures",
+    "PeerFinished": "resihp_lightning.resilience.failures",
+    "AbortedWait": "resihp_lightning.resilience.abortable_waits",
+    "AbortableWaits": "resihp_lightning.resilience.abortable_waits",
     "EvictedError": "resihp_lightning.resilience.failures",
     "RegroupError": "resihp_lightning.resilience.failures",
     "StoreUnavailable": "resihp_lightning.resilience.failures",

@@ -95,6 +95,7 @@ DEFAULT_COMM_FRAMES = (
     f"deepspeed{_SEP}comm{_SEP}",
     f"deepspeed{_SEP}runtime{_SEP}pipe{_SEP}p2p.py",
     f"resihp_lightning{_SEP}resilience{_SEP}world.py",
+    f"resihp_lightning{_SEP}resilience{_SEP}abortable_waits.py",  # a torch.distributed wait, abortable
     f"resihp_lightning{_SEP}resilience{_SEP}membership.py",
     f"resihp_lightning{_SEP}strategy{_SEP}spares.py",  # a spare waiting for the members' step
 )
@@ -398,6 +399,34 @@ class FailureDetector:
         new = self._record(self._exits(ranks))
         self._tell_listeners(new)
         return new
+
+    def probe_goodbyes(self, ranks: Iterable[int], store: Any) -> frozenset[int]:
+        """Checks now, from any thread, which peers among ``ranks`` have said goodbye; returns them.
+
+        Reads the machine's board and ``store`` (the caller's own connection: the thread's is never
+        shared), so that a caller need not wait for the thread's next poll: a collective that broke
+        because a finished peer closed its connections learns why at once (the goodbye is written
+        before the peer closes them).
+        """
+        with self._lock:
+            left = set(self._left)
+        found = set()
+        for rank in ranks:
+            if rank == self.rank:
+                continue
+            if rank in left:
+                found.add(rank)
+                continue
+            try:
+                on_board = self.board is not None and self.board.read_beat(rank) == GOODBYE
+                key = beat_key(rank)
+                if on_board or (store.check([key]) and store.get(key) == GOODBYE):
+                    found.add(rank)
+            except Exception as err:  # noqa: BLE001 - a store that fails now tells nothing either way
+                log.debug("rank %d could not read rank %d's goodbye: %s", self.rank, rank, err)
+        with self._lock:
+            self._left.update(found)
+        return frozenset(found)
 
     def know(self, identities: Mapping[int, ProcessIdentity]) -> None:
         """Records peers' process identities (read once by whoever has them; the thread reads

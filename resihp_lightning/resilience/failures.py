@@ -35,6 +35,28 @@ class PeerFailure(ResilienceError):
         super().__init__(f"generation {generation} aborted: {reason}; failed ranks: {named}")
 
 
+class PeerFinished(ResilienceError):
+    """A collective needed a peer that has finished: it ended on purpose (fit returned, it said goodbye and exited).
+
+    Not a failure: nobody regroups, and the peers' collectives that do not need it go on. Raised by
+    :meth:`ElasticWorld.guard <.world.ElasticWorld.guard>` when a collective broke and the only members
+    gone are finished ones: the program asked a process that had ended for its part.
+
+    Attributes:
+        generation: the generation the collective ran in.
+        finished: the original ranks of its members that have finished.
+    """
+
+    def __init__(self, generation: int, finished: frozenset[int] | set[int], detail: str) -> None:
+        self.generation = generation
+        self.finished = frozenset(finished)
+        super().__init__(
+            f"a collective of generation {generation} needs rank(s) {sorted(self.finished)}, which finished "
+            f"(returned from the trainer and exited): a collective after fit must run only among the processes "
+            f"still running it ({detail})"
+        )
+
+
 class EvictedError(ResilienceError):
     """This process is not a member of the new generation (its peers declared it failed)."""
 

@@ -10,8 +10,9 @@ time (the model is torchft's Manager + reconfigurable ProcessGroup, reduced to o
   thread as a broken collective inside :meth:`ElasticWorld.guard`;
 * **abort** (:meth:`ElasticWorld.abort`, any thread, idempotent) shuts down the generation's TCP
   connections (:mod:`.sockets`), so that a collective the main thread is blocked in raises at once,
-  and publishes ``gen<g>/abort`` so that the other processes abort within one detector poll even
-  before they have named the dead peer themselves. :meth:`ElasticWorld.guard` turns what the
+  releases the waits that gloo does not end when a connection fails (:mod:`.abortable_waits`: a send
+  queued for writing), and publishes ``gen<g>/abort`` so that the other processes abort within one
+  detector poll even before they have named the dead peer themselves. :meth:`ElasticWorld.guard` turns what the
   blocked call raises into :class:`~.failures.PeerFailure`;
 * **regroup** (:meth:`ElasticWorld.regroup`, main thread): the survivors agree on the members of
   generation g+1 (:mod:`.membership`), destroy the old groups, reset DeepSpeed's cached groups
@@ -21,6 +22,10 @@ time (the model is torchft's Manager + reconfigurable ProcessGroup, reduced to o
   If a member fails while the new generation forms, that generation is aborted like any other and
   the survivors go on to the next one, all inside one ``regroup()`` call, bounded by
   ``regroup_timeout_s``.
+
+**The end.** :meth:`ElasticWorld.close` with ``goodbye`` (a process that finished its work) says goodbye
+before it destroys its groups: its peers count it :attr:`ElasticWorld.finished`, not failed; nobody aborts or
+waits for it in a regroup, and a guarded collective that needed it raises :class:`~.failures.PeerFinished`.
 
 Each process keeps its *original* rank (``RANK`` at start) as its identity for the job's lifetime
 (it names its device and its heartbeat); its rank in the current generation is its index in the
@@ -71,10 +76,12 @@ from typing import Any
 
 from resihp_lightning._logging import get_logger
 from resihp_lightning.errors import invalid_option
+from resihp_lightning.resilience.abortable_waits import AbortableWaits, AbortedWait
 from resihp_lightning.resilience.failure_detector import FailureDetectorConfig, Failure, FailureDetector, abort_key
 from resihp_lightning.resilience.failures import (
     EvictedError,
     PeerFailure,
+    PeerFinished,
     RegroupError,
     ResilienceError,
     StoreUnavailable,
@@ -110,7 +117,7 @@ def is_transport_error(err: BaseException) -> bool:
     """Whether ``err`` looks like a broken connection or a timed-out collective (not a program bug)."""
     import torch.distributed as dist
 
-    if isinstance(err, getattr(dist, "DistNetworkError", ())) or isinstance(err, getattr(dist, "DistStoreError", ())):
+    if isinstance(err, (AbortedWait, getattr(dist, "DistNetworkError", ()), getattr(dist, "DistStoreError", ()))):
         return True
     text = str(err)
     return any(marker in text for marker in _TRANSPORT_MARKERS)
@@ -241,6 +248,24 @@ def _uninstall_group_hook(world: ElasticWorld) -> None:
         _original_helper = None
 
 
+def _keep_forever(gen: Generation) -> None:
+    """Never destroys the process groups of aborted generation ``gen``.
+
+    A gloo group's destructor joins its worker threads, and one of them may be blocked until the group's
+    timeout in a send gloo does not release (see :mod:`.abortable_waits`): destroying the group would
+    block the regroup (measured) or the interpreter's exit for that long. The groups (closed connections,
+    a few objects) are kept for the rest of the process instead; an extra reference count makes sure no
+    collection or interpreter shutdown ever frees them.
+    """
+    import ctypes
+
+    from torch.distributed import distributed_c10d as c10d
+
+    for group in list(c10d._world.pg_map):
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+    log.debug("generation %d: %d aborted groups kept", gen.number, len(c10d._world.pg_map))
+
+
 class ElasticWorld:
     """The job's process groups, regrouped over the survivors when members fail.
 
@@ -290,6 +315,7 @@ class ElasticWorld:
         self._lock = threading.RLock()
         self.history: list[dict[str, Any]] = []  # one record per abort and per generation formed
         self._stall_dump: StallDump | None = None  # set at start (it needs the run directory)
+        self._waits: AbortableWaits | None = None  # gloo: waits an abort ends (see abortable_waits)
 
     # ------------------------------------------------------------------------ properties
     @property
@@ -320,9 +346,9 @@ class ElasticWorld:
 
     @property
     def job_members(self) -> tuple[int, ...]:
-        """Original ranks of the job's live processes, members and spares, sorted."""
-        failed = self.failed
-        return tuple(r for r in self._job if r == self.original_rank or r not in failed)
+        """Original ranks of the job's live processes, members and spares, sorted (the finished ones left out)."""
+        gone = set(self.failed) | self.finished
+        return tuple(r for r in self._job if r == self.original_rank or r not in gone)
 
     @property
     def job_processes(self) -> tuple[int, ...]:
@@ -353,6 +379,13 @@ class ElasticWorld:
         if self.detector is None:
             return {}
         return {rank: f.reason for rank, f in self.detector.failed.items()}
+
+    @property
+    def finished(self) -> frozenset[int]:
+        """Original ranks of the processes that said goodbye (ended on purpose, see :meth:`close`): no failures."""
+        if self.detector is None:
+            return frozenset()
+        return self.detector.left
 
     @property
     def aborted(self) -> bool:
@@ -421,6 +454,11 @@ class ElasticWorld:
         ).start()
         if cfg.track_new_groups:
             _install_group_hook(self)
+        if cfg.backend == "gloo":
+            self._waits = AbortableWaits(
+                current=lambda: self._gen if self._gen is not None and self._gen.number >= 0 else None,
+                aborted=lambda gen: gen.aborted_at is not None,
+            ).install()
 
     def admit(self, newcomers: Sequence[int]) -> None:
         """Records ``newcomers`` (original ranks) as processes of the job: spares until a plan takes them in.
@@ -451,13 +489,23 @@ class ElasticWorld:
             self._job = tuple(sorted(set(job) | {self.original_rank}))
         self._follow(generation, tuple(sorted(members)))
 
-    def close(self, done: bool = True) -> None:
-        """Stops detection, destroys the groups and leaves the store (the host ends after the last)."""
+    def close(self, done: bool = True, goodbye: bool = False) -> None:
+        """Stops detection, destroys the groups and leaves the store (the host ends after the last).
+
+        Args:
+            done: tell the store host that this process is done (it ends after the last one).
+            goodbye: this process ends on purpose (it finished its work): it says goodbye first, before its
+                groups close its connections, so that peers neither call its exit a failure nor abort the
+                collectives they are still in without it (see :class:`~.failures.PeerFinished`). Without a
+                goodbye its exit is a failure like any death.
+        """
         if self.detector is not None:
-            self.detector.stop()
+            self.detector.stop(goodbye=goodbye)
         if self._stall_dump is not None:
             self._stall_dump.disarm()
         _uninstall_group_hook(self)
+        if self._waits is not None:
+            self._waits.uninstall()
         if self._gen is not None:
             self._teardown(self._gen)
         if self.store is not None:
@@ -498,9 +546,28 @@ class ElasticWorld:
         except Exception as err:
             if gen.aborted_at is None and not is_transport_error(err):
                 raise
+            if gen.aborted_at is None:
+                self._raise_if_finished(gen, err)
             first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             self.abort(f"collective failed on rank {self.original_rank}: {first_line[:200]}", generation=gen)
             raise self._peer_failure(gen) from err
+
+    def _raise_if_finished(self, gen: Generation, err: Exception) -> None:
+        """A broken collective whose only missing members finished (said goodbye): :class:`~.failures.PeerFinished`,
+        without an abort (the other members' collectives that do not need them go on)."""
+        if self.detector is None or self.store is None:
+            return
+        others = [r for r in gen.members if r != self.original_rank]
+        finished = self.detector.probe_goodbyes(others, self.store.control)
+        if not finished:
+            return
+        failed = set(self._failed_now(tuple(r for r in others if r not in finished)))
+        if failed & set(gen.members):
+            return  # a real failure among them: it regroups as usual
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        log.warning("rank %d: a collective of generation %d needed finished rank(s) %s", self.original_rank,
+                    gen.number, sorted(finished))
+        raise PeerFinished(gen.number, finished, first_line[:200]) from err
 
     @contextlib.contextmanager
     def track(self) -> Iterator[None]:
@@ -545,9 +612,12 @@ class ElasticWorld:
         if self.detector is not None:
             self.detector.hold()
         cut = gen.sockets.shutdown()
+        # After the cut: a wait gloo does not end (a send queued for writing) ends here; gloo raises in the others.
+        released = self._waits.release(gen) if self._waits is not None else 0
         self._abort_backends(gen)
         log.warning(
-            "rank %d aborts generation %d (%d connections cut): %s", self.original_rank, gen.number, cut, reason
+            "rank %d aborts generation %d (%d connections cut, %d waits released): %s", self.original_rank,
+            gen.number, cut, released, reason,
         )
         self.history.append({"event": "abort", "generation": gen.number, "at": gen.aborted_at, "reason": reason})
         if publish:
@@ -655,7 +725,8 @@ class ElasticWorld:
             if self.detector is not None and self.detector.store_lost:
                 raise StoreUnavailable("the rendezvous store is lost; the job cannot regroup")
             try:
-                candidates = tuple(sorted(set(old.members) | set(self._job)))
+                # Finished processes (goodbye) are no candidates: nobody waits join_timeout_s for them.
+                candidates = tuple(sorted((set(old.members) | set(self._job)) - self.finished))
                 members = agree_members(
                     self.store.control,  # type: ignore[union-attr]
                     generation=number,
@@ -828,6 +899,8 @@ class ElasticWorld:
         import torch.distributed as dist
 
         if dist.is_initialized():
+            if gen.aborted_at is not None and self.config.backend == "gloo":
+                _keep_forever(gen)
             try:
                 dist.destroy_process_group()
             except Exception as err:  # noqa: BLE001 - a broken group may not destroy cleanly

@@ -124,6 +124,11 @@ class Membership(Protocol):
         """End of fit: runs ``sync(rank)`` on a group that the spares join; whether it did."""
         ...
 
+    def end_call(self, clean: bool) -> None:
+        """A trainer call ended (its teardown): ``clean`` when no exception left it (then, under fail-stop, the
+        process says goodbye at its exit)."""
+        ...
+
 
 class PlainMembership:
     """A job whose processes all stay: Lightning's ranks, with ``tensor_degree`` ranks per device.
@@ -212,3 +217,6 @@ class PlainMembership:
 
     def sync_with_spares(self, everyone: bool, sync: Callable[[int], None]) -> bool:
         return False
+
+    def end_call(self, clean: bool) -> None:
+        return None

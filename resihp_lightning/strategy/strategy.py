@@ -163,6 +163,7 @@ class ResiHPStrategyMixin:
         #: The slow devices and links a fail-stop recovery plans the survivors with (the controller sets it).
         self.device_conditions = DeviceConditions()
         self._skip_batches = 0  # a newcomer's training loader leaves out this many batches (once)
+        self._exception_seen = False  # the current trainer call raised (Lightning's on_exception)
 
     @classmethod
     @override
@@ -523,6 +524,7 @@ class ResiHPStrategyMixin:
     @override
     def setup(self, trainer: Any) -> None:
         assert self.accelerator is not None
+        self._exception_seen = False
         self.accelerator.setup(trainer)
         module = self.lightning_module
         check_contract(module, self.misconfiguration_error)
@@ -715,12 +717,20 @@ class ResiHPStrategyMixin:
         self._membership.run_recovering(self._model_state.gather_trained_weights)
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        self._exception_seen = True
+
+    @override
     def teardown(self) -> None:
         if self._state.runtime is not None:
             self._state.runtime.teardown()
         super().teardown()
         # Like DDP, the job's groups outlive teardown (trainer.validate after fit reuses them);
-        # SurvivingJob closes its world when the process exits.
+        # SurvivingJob closes its world when the process exits, with a goodbye after a clean end
+        # (Lightning calls on_exception before teardown when the call raised).
+        self._membership.end_call(clean=not self._exception_seen)
+        self._exception_seen = False
 
     # ----------------------------------------------------------------------------- internals
     def _compose(self) -> None:

@@ -4,7 +4,9 @@ Like ``multiproc.py`` beside it (fresh processes from the same fork server, torc
 environment, one thread each, a hard timeout), except that a rank that dies or stops is an *outcome* to report, not a failure of the
 harness: :func:`run_job` waits for the ranks named in ``wait_for`` (default: all) to return, then
 SIGKILLs whatever is left (a SIGSTOPped rank included) and reports each rank as ``ok``, ``error``,
-``died`` or ``killed``. A rank that is about to kill itself can leave :func:`last_words` (e.g. the
+``died`` or ``killed``. A rank whose function returned ends as a real process exiting normally ends its
+fail-stop job (:func:`~resihp_lightning.failstop.survivors.close_open_jobs`: a goodbye after a clean fit);
+one whose function raised ends without it, as a crash. A rank that is about to kill itself can leave :func:`last_words` (e.g. the
 ``time.monotonic()`` of its death; that clock is shared by the processes of one machine).
 
 The store host a job started is found through the job's run directory; :func:`run_job` can wait for
@@ -114,6 +116,12 @@ def _rank_main(
     tmp = out.with_suffix(".tmp")
     tmp.write_bytes(payload)
     os.replace(tmp, out)
+    if result[0] == "ok":
+        # What the interpreter's exit would do for the job: a fail-stop job that ended cleanly says goodbye
+        # (its peers may still be in collectives that do not need it) and leaves its groups and the store.
+        from resihp_lightning.failstop.survivors import close_open_jobs
+
+        close_open_jobs()
     # No interpreter teardown: threads or groups of a broken job must not keep the process alive.
     os._exit(0)
 

@@ -112,15 +112,11 @@ def _job(rank: int, world: int, run_dir: str, config: dict) -> dict:
                          default_root_dir=run_dir)
     trainer.fit(module, DataLoader(packed_batches(STEPS), batch_size=None))
     runtime = strategy._state.require()
-    final = _whole(runtime)
-    # Nobody exits before every survivor's gather is done: a process that ends is judged "exited" by peers
-    # still in collectives, which aborts their generation (a known end-of-training limitation).
-    import torch.distributed as dist
-
-    dist.barrier()
+    # A survivor may finish this gather (over its own groups) and exit while others are still in theirs: it says
+    # goodbye first, so its exit aborts nobody's gather (docs/fail_stop.md, the end of training).
     return {
         "losses": killer.losses,
-        "final": final,
+        "final": _whole(runtime),
         "state": {k: v.detach().clone() for k, v in module.state_dict().items()},
         "before": watch.before,
         "restored": watch.restored,

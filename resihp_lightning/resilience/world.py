@@ -604,6 +604,8 @@ class ElasticWorld:
                 return False
             gen.aborted_at = time.monotonic()
             gen.abort_reason = reason
+            # On the record before anything is released: a caller freed by the abort may read it at once.
+            self.history.append({"event": "abort", "generation": gen.number, "at": gen.aborted_at, "reason": reason})
             if self._stall_dump is not None:
                 # Late for the regroup: where this process was stuck goes to a file, before the others
                 # leave it out (after join_timeout_s) and kill it. Armed under the lock, with the abort
@@ -619,7 +621,6 @@ class ElasticWorld:
             "rank %d aborts generation %d (%d connections cut, %d waits released): %s", self.original_rank,
             gen.number, cut, released, reason,
         )
-        self.history.append({"event": "abort", "generation": gen.number, "at": gen.aborted_at, "reason": reason})
         if publish:
             self._publish_abort(gen, reason, failed or [])
         return True

@@ -19,8 +19,10 @@ The heartbeat timeout is 3 s (``DETECT_S``). Asserted:
   the survivors' keys. (With the TCP store host on machine 0 the cut is a split brain: machine 0's two
   workers finish alone and the majority stalls; measured, documented in ``docs/machines.md``.)
 * torchft's launch pattern (one ``torchrun --standalone`` agent per process, ranks from the job's rank
-  store, as ``examples/torchrun_per_process.sh`` starts them): one worker killed, then a machine frozen
-  and resumed after the others recovered; the three survivors finish exactly, in-process, the resumed
+  store, as ``examples/torchrun_per_process.sh`` starts them): one worker killed, then the rest of its
+  machine, then a machine frozen and resumed after the others recovered; meanwhile a replacement machine
+  joins (``JOIN=1``, ``RESIHP_JOIN=1``): its newcomers are admitted at a step boundary and the next plan
+  uses them. Machine 0's two processes and the two newcomers finish exactly, in-process, the resumed
   workers learn they were evicted and exit without touching the job, and every command ends.
 
 What one dead worker does under one agent per machine (its agent restarts its worker group, and every
@@ -236,10 +238,11 @@ def _assert_exact_from(results: dict[str, dict], first_steps: dict[str, int], st
 def test_with_one_standalone_agent_per_process_deaths_cost_one_step_a_frozen_machine_back_changes_nothing_and_a_replacement_joins(
         tmp_path):
     """torchft's pattern (TorchrunJobConfig.per_process, the agents examples/torchrun_per_process.sh
-    starts): one worker of machine 1 killed inside step 2, then every process of machine 1 killed inside
-    step 3 (the machine stays up: the replacement), then machine 2 SIGSTOPped inside step 4 and SIGCONTed
-    once the others have recovered. No agent watches another's worker, so the survivors recover in-process
-    three times; machine 2's workers, back in a generation the others left, learn that they were evicted
+    starts): one worker of machine 1 killed inside step 2; once the survivors have recovered, every process
+    of machine 1 killed inside the next step (the machine stays up: the replacement); once they have
+    recovered again, machine 2 SIGSTOPped inside the next step (or while the members wait for the
+    newcomers, below) and SIGCONTed once the others have recovered. No agent watches another's worker, so
+    the survivors recover in-process three times; machine 2's workers, back in a generation the others left, learn that they were evicted
     and exit (status 75, no result, the survivors unaffected). Meanwhile the replacement runs what
     ``JOIN=1 examples/torchrun_per_process.sh`` runs (two agents, ``RESIHP_JOIN=1``): its two newcomers find
     the running job (run id and store host from the recipe's variables, no rank store), take ranks 6 and 7,

@@ -145,7 +145,7 @@ class TorchrunJob:
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC", "GROUP_", "RESIHP_RANKS",
                                     "RESIHP_WORLD_SIZE", "RESIHP_LOCAL_INDEX", "RESIHP_NPROC_PER_NODE", "RESIHP_JOB_ID",
-                                    "RESIHP_NODE_NAME", "SLURM_"))}
+                                    "RESIHP_NODE_NAME", "RESIHP_JOIN", "RESIHP_MASTER_ADDR", "SLURM_"))}
         env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", LOGLEVEL="INFO",
                    PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
         return env

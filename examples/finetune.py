@@ -241,8 +241,9 @@ def _first_process() -> bool:
 
 def _fail(message: str) -> None:
     """Exits with status 2; the message is printed once, by the first process (a configuration error,
-    e.g. a ``pipeline_degree`` that does not divide the world, is raised on every rank alike)."""
-    if _first_process():
+    e.g. a ``pipeline_degree`` that does not divide the world, is raised on every rank alike), and by a
+    process that joins the running job (``RESIHP_JOIN=1``: its errors are its own)."""
+    if _first_process() or os.environ.get("RESIHP_JOIN") == "1":
         print(f"{PROG}: error: {message}", file=sys.stderr)
     sys.exit(2)
 

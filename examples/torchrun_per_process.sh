@@ -25,6 +25,19 @@
 # name). The command ends when this machine's processes have: status 0 if one of them finished the
 # job (a process that died and was recovered around does not fail the job), else the first failure.
 # A dead process is not restarted: the job goes on without it (docs/machines.md).
+#
+# A replacement machine joins the running job with the same command and JOIN=1 (the same variables
+# and arguments as the job's machines, RUN_DIR and JOB_ID included):
+#
+#   JOIN=1 RANKS_HOST=node0 NNODES=3 NPROC=8 RUN_DIR=/shared/runs/llama examples/torchrun_per_process.sh --config ...
+#
+# Its NPROC processes start with RESIHP_JOIN=1: they register in no rank store (it ended at start-up),
+# find the job's fail_stop store (the TCP store host on RANKS_HOST, or STORE_HOST if the first machine in
+# name order is another one; or the etcd members), take ranks above every rank the job has had, and the
+# job admits them as hot spares at a step boundary; its next plan uses them (docs/machines.md). With
+# ETCD_MEMBERS a joining machine starts no etcd member and makes no user, even when its name is in the
+# list (a replacement for a lost member's machine): it is a client of the members that run on, which
+# keep their quorum while at most one of three (two of five) is lost.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${RANKS_HOST:?set RANKS_HOST to the machine that hosts the rank store}"
@@ -34,10 +47,25 @@ NPROC=${NPROC:-1}
 PYTHON=${PYTHON:-python}
 export RESIHP_RANKS_AT="$RANKS_HOST:${RANKS_PORT:-29500}" RESIHP_WORLD_SIZE=$((NNODES * NPROC))
 export RESIHP_NPROC_PER_NODE="$NPROC" RESIHP_JOB_ID="${JOB_ID:-resihp}"
+JOIN=${JOIN:-0}
+case "$JOIN" in
+    0) ;;
+    1) export RESIHP_JOIN=1 RESIHP_MASTER_ADDR="${STORE_HOST:-$RANKS_HOST}" ;;
+    *) echo "JOIN=$JOIN: allowed are 1 (this machine joins the running job) or 0 (default)" >&2; exit 2 ;;
+esac
 mkdir -p "$RUN_DIR"
 store=(--strategy.fail_stop.store_port "${STORE_PORT:-29600}")
 etcd_pid=""
-if [ -n "${ETCD_MEMBERS:-}" ]; then
+if [ -n "${ETCD_MEMBERS:-}" ] && [ "$JOIN" = 1 ]; then
+    # A newcomer is a client of the running members (their user and password file exist already).
+    if [ ! -r "$RUN_DIR/etcd-job.pw" ]; then
+        echo "JOIN=1 with ETCD_MEMBERS: $RUN_DIR/etcd-job.pw is missing (is the job running, with this RUN_DIR?)" >&2
+        exit 2
+    fi
+    endpoints=$("$PYTHON" -m resihp_lightning.resilience.etcd_member --members "$ETCD_MEMBERS" --endpoints) || exit 2
+    store=(--strategy.fail_stop.store.backend etcd --strategy.fail_stop.store.endpoints "[$endpoints]"
+           --strategy.fail_stop.store.user job --strategy.fail_stop.store.password_file "$RUN_DIR/etcd-job.pw")
+elif [ -n "${ETCD_MEMBERS:-}" ]; then
     node=${RESIHP_NODE_NAME:-$(hostname)}
     etcd_dir=${ETCD_DATA_DIR:-${TMPDIR:-/tmp}/resihp-etcd-$RESIHP_JOB_ID-$node}
     member=("$PYTHON" -m resihp_lightning.resilience.etcd_member --members "$ETCD_MEMBERS" --name "$node"

@@ -27,6 +27,22 @@ Variables (all but the last three required once ``RESIHP_RANKS_AT`` is set):
 * ``RESIHP_NODE_NAME``: this machine's name in the order (default: its hostname);
 * ``RESIHP_RANKS_TIMEOUT_S``: how long to wait for every process to register (default 300).
 
+**A newcomer** (``RESIHP_JOIN=1``: a replacement machine's processes, started with the recipe's ``JOIN=1``
+after the job began) does not register: the rank store ended once every process of the job had read its
+rank. It sets what lets the strategy find the running job instead: ``TORCHELASTIC_RUN_ID`` =
+``RESIHP_JOB_ID`` (the fail-stop store keys the job by it), ``MASTER_ADDR`` = ``RESIHP_MASTER_ADDR``, by
+default the rank store's host (where the TCP fail-stop store host runs when that host is the first
+machine in name order, as in the recipe; the etcd store needs no address), the job's shape
+(``WORLD_SIZE`` = ``RESIHP_WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, which Lightning checks against
+``Trainer(num_nodes, devices)``), ``LOCAL_RANK`` = ``RESIHP_LOCAL_INDEX`` (its device), and a placeholder
+``RANK`` = ``RESIHP_WORLD_SIZE`` and ``GROUP_RANK`` = the job's machine count (never rank or node 0: the
+job's rank of a newcomer comes from the fail-stop store's join counter, above every rank the job has had,
+:mod:`resihp_lightning.resilience.joining`).
+
+* ``RESIHP_JOIN``: ``1`` joins the running job (``0`` or unset: registers as one of its processes);
+* ``RESIHP_MASTER_ADDR``: with ``RESIHP_JOIN=1``, the TCP fail-stop store's host (default: the host of
+  ``RESIHP_RANKS_AT``).
+
 ``examples/torchrun_per_process.sh`` is the recipe. No torch at import time.
 """
 
@@ -37,12 +53,16 @@ import os
 import socket
 import time
 from collections.abc import Mapping, MutableMapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from resihp_lightning.errors import ConfigError
 
-#: Set in a process once its ranks are assigned (a second call does nothing).
+#: Set in a process once its ranks are assigned (a second call does nothing): ``1``, or ``join`` for a newcomer.
 ASSIGNED = "RESIHP_RANKS_ASSIGNED"
+#: The switch of a process that joins the running job (the same variable as ``fail_stop.join``'s).
+JOIN = "RESIHP_JOIN"
+#: A newcomer's TCP fail-stop store host.
+MASTER_ADDR = "RESIHP_MASTER_ADDR"
 
 
 @dataclass(frozen=True)
@@ -57,6 +77,9 @@ class RankRequest:
         job_id: the job's one run id.
         node_name: this machine's name in the rank order.
         timeout_s: how long to wait for every process to register.
+        join: this process joins the running job (``RESIHP_JOIN=1``): it does not register.
+        master_addr: with ``join``, the TCP fail-stop store's host (``RESIHP_MASTER_ADDR``, default the
+            rank store's host).
     """
 
     endpoint: tuple[str, int]
@@ -66,6 +89,8 @@ class RankRequest:
     job_id: str = "resihp"
     node_name: str = ""
     timeout_s: float = 300.0
+    join: bool = False
+    master_addr: str = ""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> RankRequest | None:
@@ -93,9 +118,27 @@ class RankRequest:
             timeout_s = -1.0
         if not timeout_s > 0:
             raise ConfigError(f"RESIHP_RANKS_TIMEOUT_S={timeout!r}: expected a number of seconds > 0")
+        join = joins(env)
+        master_addr = env.get(MASTER_ADDR, "").strip()
+        if master_addr and not join:
+            raise ConfigError(f"{MASTER_ADDR}={master_addr!r} is for a process that joins the running job ({JOIN}=1); "
+                              "the job's own processes take MASTER_ADDR from the rank store: unset it")
         return cls(endpoint=(host.strip("[]"), int(port)), world_size=world, local_index=index, nproc_per_node=per_node,
                    job_id=env.get("RESIHP_JOB_ID", "resihp") or "resihp",
-                   node_name=env.get("RESIHP_NODE_NAME", "") or socket.gethostname(), timeout_s=timeout_s)
+                   node_name=env.get("RESIHP_NODE_NAME", "") or socket.gethostname(), timeout_s=timeout_s,
+                   join=join, master_addr=master_addr or host.strip("[]"))
+
+
+def joins(environ: Mapping[str, str] | None = None) -> bool:
+    """``RESIHP_JOIN``: ``1`` joins the running job, ``0`` or unset does not.
+
+    Raises:
+        ConfigError: any other value.
+    """
+    value = (os.environ if environ is None else environ).get(JOIN, "").strip()
+    if value not in ("", "0", "1"):
+        raise ConfigError(f"{JOIN}={value!r}: allowed are 1 (join the running job), 0 or unset")
+    return value == "1"
 
 
 def _positive_int(env: Mapping[str, str], name: str, minimum: int = 1) -> int:
@@ -156,21 +199,40 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def ensure_process_ranks(environ: MutableMapping[str, str] | None = None) -> Assignment | None:
+def ensure_process_ranks(environ: MutableMapping[str, str] | None = None, join: bool | None = None) -> Assignment | None:
     """Takes this process's ranks from the rank store if ``RESIHP_RANKS_AT`` asks for it (once per process).
 
     Collective over the job's processes: returns once every one has registered. Returns ``None``
-    (and changes nothing) when ``RESIHP_RANKS_AT`` is unset or the ranks were already assigned.
+    (and changes nothing) when ``RESIHP_RANKS_AT`` is unset or the ranks were already assigned. A
+    newcomer (``RESIHP_JOIN=1``) registers nowhere: it gets the variables that lead it to the running
+    job (module docstring) and returns ``None`` (its rank comes from the fail-stop store).
+
+    Args:
+        environ: the environment to read and update (default ``os.environ``).
+        join: whether this process joins the running job (``fail_stop.join``); ``None``: ``RESIHP_JOIN`` says.
 
     Raises:
-        ConfigError: a bad ``RESIHP_*`` variable, or two processes in one place.
+        ConfigError: a bad ``RESIHP_*`` variable, two processes in one place, or ``join`` that contradicts
+            how this process already took its ranks.
         TimeoutError: fewer than ``RESIHP_WORLD_SIZE`` processes registered within the timeout.
     """
     env = os.environ if environ is None else environ
-    if env.get(ASSIGNED) == "1":
+    done = env.get(ASSIGNED)
+    if done in ("1", "join"):
+        if join is not None and join != (done == "join"):
+            raise ConfigError(
+                f"fail_stop.join={join} but this process already took its ranks "
+                + ("as a newcomer (RESIHP_JOIN=1)" if done == "join" else "as one of the job's processes from the rank store")
+                + f": under one launcher per process (RESIHP_RANKS_AT) set {JOIN}=1 for a newcomer and leave fail_stop.join unset"
+            )
         return None
     request = RankRequest.from_env(env)
     if request is None:
+        return None
+    if join is not None and join != request.join:
+        request = replace(request, join=join)
+    if request.join:
+        _point_at_running_job(env, request)
         return None
     import torch.distributed as dist
 
@@ -205,3 +267,12 @@ def ensure_process_ranks(environ: MutableMapping[str, str] | None = None) -> Ass
     if serves:  # the host keeps serving until every process has read its rank
         store.wait([f"{prefix}done/{name}:{index}" for name, index in sorted(members)], timeout)
     return place
+
+
+def _point_at_running_job(env: MutableMapping[str, str], request: RankRequest) -> None:
+    """A newcomer's variables: the job's run id, store host and shape, its device, no rank of the job's."""
+    nodes = -(-request.world_size // request.nproc_per_node)
+    env.update(RANK=str(request.world_size), WORLD_SIZE=str(request.world_size), LOCAL_RANK=str(request.local_index),
+               LOCAL_WORLD_SIZE=str(request.nproc_per_node), GROUP_RANK=str(nodes), MASTER_ADDR=request.master_addr,
+               TORCHELASTIC_RUN_ID=request.job_id, TORCHELASTIC_USE_AGENT_STORE="False")
+    env[ASSIGNED] = "join"

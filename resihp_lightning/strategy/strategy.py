@@ -130,9 +130,8 @@ class ResiHPStrategyMixin:
         #: This process joins a running job (``fail_stop.join`` or ``RESIHP_JOIN=1``).
         self._joins = options.fail_stop.joins if options.fail_stop is not None else _join_without_fail_stop()
         # One launcher per process (RESIHP_RANKS_AT): the job's ranks before Lightning reads them (a newcomer
-        # claims its rank from the running job instead).
-        if not self._joins:
-            ensure_process_ranks()
+        # only learns where the running job is: it claims its rank from the job's store).
+        ensure_process_ranks(join=self._joins)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

@@ -10,9 +10,16 @@ forward of the rank's first layer), so that a fault injected from outside lands 
 What it writes under ``--run-dir`` (``<tag>`` = ``r<restart>-<rank at start>-<pid>``):
 
 * ``start-<tag>.json``: hostname, node rank (``GROUP_RANK``, under srun ``SLURM_NODEID``), local rank, pid,
-  ``MASTER_ADDR``, when;
-* ``steps-<tag>.jsonl``: one line per finished step (step, loss, world size, time);
+  ``MASTER_ADDR``, when, whether it joined the running job;
+* ``steps-<tag>.jsonl``: one line per finished step (step, loss, world size, whether this process was a
+  spare, the devices of the plan in force, time);
 * ``result-<tag>.json``: at the end of ``fit``, the losses, the final weights and the last recovery.
+
+A newcomer (``RESIHP_JOIN=1``: a replacement that joins the running job) learns its rank from the job's
+store once its strategy has set up: its tag (with that rank) and start record are written then.
+``--newcomers-at STEP --newcomers N`` makes the job's own processes wait at the start of ``STEP`` until
+``N`` newcomers have registered (bounded), so that the step that admits them is fixed (the members admit
+newcomers at the step after the commit that counted them; the plan after that uses them).
 
     torchrun --nnodes 3 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint node0:29400 \\
         resihp_lightning/testing/machines_job.py --run-dir RUN --store-port 29600
@@ -43,11 +50,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--store-port", type=int, default=None, help="fail_stop.store_port (the TCP store host on node 0)")
     parser.add_argument("--store", default=None, help="fail_stop.store as JSON (e.g. the etcd members), instead of --store-port")
     parser.add_argument("--join-timeout-s", type=float, default=30.0, help="fail_stop.join_timeout_s")
-    parser.add_argument("--steps", type=int, default=6, help="at most one epoch (toy_jobs.EPOCH_STEPS)")
+    parser.add_argument("--steps", type=int, default=6, help="one epoch is toy_jobs.EPOCH_STEPS")
     parser.add_argument("--step-s", type=float, default=0.0, help="sleep this long inside each step, in all")
     parser.add_argument("--detect-timeout-s", type=float, default=1.0)
     parser.add_argument("--pipeline-degree", type=int, default=2)
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="collective timeout (ResiHPStrategy(timeout=...))")
+    parser.add_argument("--newcomers-at", type=int, default=-1, help="the job's processes wait at the start of this step")
+    parser.add_argument("--newcomers", type=int, default=0, help="... until this many newcomers have registered")
+    parser.add_argument("--newcomers-wait-s", type=float, default=180.0, help="... at most this long")
     args = parser.parse_args(argv)
 
     import lightning.pytorch as pl
@@ -57,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     from resihp_lightning.callbacks.failstop.failstop_reporter import FailStopReporter
     from resihp_lightning.failstop.fail_stop_config import FailStopConfig
     from resihp_lightning.launcher_env import launcher_shape, restart_count
-    from resihp_lightning.process_ranks import ensure_process_ranks
+    from resihp_lightning.process_ranks import ensure_process_ranks, joins
     from resihp_lightning.strategy.strategy import ResiHPStrategy
     from resihp_lightning.testing.toy_jobs import M, MBS, build_class, make_data
 
@@ -68,13 +78,20 @@ def main(argv: list[str] | None = None) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     # The pid too: after a membership change torchrun restarts the other agents' workers with the same count.
     env = os.environ
-    rank = env.get("RANK", env.get("SLURM_PROCID", "0"))  # torchrun's, or srun's task id
-    tag = f"r{restart_count()}-{rank}-{os.getpid()}"
-    _record(run_dir / f"start-{tag}.json", {
-        "host": socket.gethostname(), "node_rank": int(env.get("GROUP_RANK", env.get("SLURM_NODEID", "0"))),
-        "local_rank": int(env.get("LOCAL_RANK", env.get("SLURM_LOCALID", "0"))), "pid": os.getpid(),
-        "master_addr": os.environ.get("MASTER_ADDR"), "time": time.time(), "monotonic": time.monotonic(),
-    })
+    newcomer = joins()
+
+    def start_record(rank: object) -> str:
+        tag = f"r{restart_count()}-{rank}-{os.getpid()}"
+        _record(run_dir / f"start-{tag}.json", {
+            "host": socket.gethostname(), "node_rank": int(env.get("GROUP_RANK", env.get("SLURM_NODEID", "0"))),
+            "local_rank": int(env.get("LOCAL_RANK", env.get("SLURM_LOCALID", "0"))), "pid": os.getpid(),
+            "master_addr": os.environ.get("MASTER_ADDR"), "time": time.time(), "monotonic": time.monotonic(),
+            "joined": newcomer,
+        })
+        return tag
+
+    # torchrun's rank, or srun's task id; a newcomer's comes from the job's store (Recorder.setup).
+    tag = None if newcomer else start_record(env.get("RANK", env.get("SLURM_PROCID", "0")))
 
     class Recorder(pl.Callback):
         """Logs each finished step and keeps a per-micro-batch sleep hook on the rank's first layer."""
@@ -83,8 +100,18 @@ def main(argv: list[str] | None = None) -> None:
             self.losses: list[float] = []
             self._hooked: tuple[int, object] | None = None
 
+        def setup(self, trainer, pl_module, stage):
+            nonlocal tag
+            if tag is None:  # a newcomer: its rank was claimed in the strategy's setup_distributed
+                tag = start_record(trainer.strategy.device_id)
+
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            layers = list(trainer.strategy.local_layers().values())
+            strategy = trainer.strategy
+            if trainer.global_step == args.newcomers_at and not newcomer:
+                deadline = time.monotonic() + args.newcomers_wait_s
+                while strategy.newcomers_waiting() < args.newcomers and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            layers = list(strategy.local_layers().values())
             if not args.step_s or not layers or (self._hooked and self._hooked[0] == id(layers[0])):
                 return
             if self._hooked:
@@ -95,8 +122,10 @@ def main(argv: list[str] | None = None) -> None:
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             loss = float(outputs["loss"])
             self.losses.append(loss)
+            strategy = trainer.strategy
             with open(run_dir / f"steps-{tag}.jsonl", "a") as handle:
                 handle.write(json.dumps({"step": trainer.global_step - 1, "loss": loss, "world": trainer.world_size,
+                                         "spare": strategy.is_spare, "devices": sorted(strategy.current_plan.device_ids),
                                          "time": time.time(), "monotonic": time.monotonic()}) + "\n")
 
     recorder = Recorder()

@@ -41,7 +41,7 @@ class TorchrunJobConfig:
         store_port: ``fail_stop.store_port`` (the job's own store host, on node rank 0).
         store: ``fail_stop.store`` instead of ``store_port`` (e.g. :meth:`.machines_etcd.MachinesEtcd.store_options`:
             the etcd members of the machines).
-        steps: training steps (at most one epoch of the toy job: 6).
+        steps: training steps (one epoch of the toy job is 6; toy_jobs.reference_run is the reference of more).
         step_s: sleep inside each step (in all), so that an outside fault lands inside one.
         rdzv_conf: ``--rdzv-conf``.
         detect_timeout_s: ``fail_stop.detect_timeout_s`` (the library's default 1 s evicts healthy ranks
@@ -115,8 +115,9 @@ class TorchrunJob:
                 "SLURM_PROCID": str(machine_index * cfg.nproc_per_node + local_index),
                 "SLURM_LOCALID": str(local_index), "SLURM_NODEID": str(machine_index)}
 
-    def command(self, local_index: int = 0, machine_index: int = 0) -> list[str]:
-        """The command of one agent (``local_index``: its index on its machine, with ``per_process`` or ``srun``)."""
+    def command(self, local_index: int = 0, machine_index: int = 0, join: bool = False) -> list[str]:
+        """The command of one agent (``local_index``: its index on its machine, with ``per_process`` or ``srun``;
+        ``join``: a newcomer that joins the running job, with ``per_process``)."""
         cfg = self.config
         torchrun = Path(sys.executable).with_name("torchrun")
         store = ["--store", json.dumps(dict(cfg.store))] if cfg.store is not None else ["--store-port", str(cfg.store_port)]
@@ -129,7 +130,7 @@ class TorchrunJob:
             world = len(self.machines) * cfg.nproc_per_node
             ranks = [f"RESIHP_RANKS_AT={self.machines[0].hostname}:{cfg.rank_port}", f"RESIHP_WORLD_SIZE={world}",
                      f"RESIHP_NPROC_PER_NODE={cfg.nproc_per_node}", f"RESIHP_LOCAL_INDEX={local_index}",
-                     "RESIHP_JOB_ID=machines-job"]
+                     "RESIHP_JOB_ID=machines-job", *(["RESIHP_JOIN=1"] if join else [])]
             return ["env", *ranks, str(torchrun), "--standalone", "--nnodes", "1", "--nproc-per-node", "1",
                     "--max-restarts", str(cfg.max_restarts), "--monitor-interval", "0.1", *job]
         return [str(torchrun), "--nnodes", cfg.nnodes, "--nproc-per-node", str(cfg.nproc_per_node),
@@ -144,7 +145,7 @@ class TorchrunJob:
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC", "GROUP_", "RESIHP_RANKS",
                                     "RESIHP_WORLD_SIZE", "RESIHP_LOCAL_INDEX", "RESIHP_NPROC_PER_NODE", "RESIHP_JOB_ID",
-                                    "RESIHP_NODE_NAME", "SLURM_"))}
+                                    "RESIHP_NODE_NAME", "RESIHP_JOIN", "RESIHP_MASTER_ADDR", "SLURM_"))}
         env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", LOGLEVEL="INFO",
                    PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
         return env
@@ -162,6 +163,22 @@ class TorchrunJob:
                 self.agent_machines.append(machine.index)
                 log.close()
         return self
+
+    def join(self, machine_index: int) -> list[int]:
+        """Starts ``nproc_per_node`` newcomers on machine ``machine_index`` (e.g. a replacement for a killed one), as
+        ``JOIN=1 examples/torchrun_per_process.sh`` does: each under its own ``torchrun --standalone`` agent with
+        ``RESIHP_JOIN=1`` and the job's variables. Returns the new agents' indices."""
+        if not self.config.per_process:
+            raise ValueError("join() starts newcomers of the per_process launch")
+        machine, started = self.machines[machine_index], []
+        for local_index in range(self.config.nproc_per_node):
+            log = open(self.run_dir / f"agent{len(self.agents)}.log", "w")
+            self.agents.append(machine.popen(self.command(local_index, machine_index, join=True), env=self.environment(),
+                                             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
+            self.agent_machines.append(machine_index)
+            started.append(len(self.agents) - 1)
+            log.close()
+        return started
 
     def __enter__(self) -> TorchrunJob:
         return self.start()

@@ -19,8 +19,10 @@ The heartbeat timeout is 3 s (``DETECT_S``). Asserted:
   the survivors' keys. (With the TCP store host on machine 0 the cut is a split brain: machine 0's two
   workers finish alone and the majority stalls; measured, documented in ``docs/machines.md``.)
 * torchft's launch pattern (one ``torchrun --standalone`` agent per process, ranks from the job's rank
-  store, as ``examples/torchrun_per_process.sh`` starts them): one worker killed, then a machine frozen
-  and resumed after the others recovered; the three survivors finish exactly, in-process, the resumed
+  store, as ``examples/torchrun_per_process.sh`` starts them): one worker killed, then the rest of its
+  machine, then a machine frozen and resumed after the others recovered; meanwhile a replacement machine
+  joins (``JOIN=1``, ``RESIHP_JOIN=1``): its newcomers are admitted at a step boundary and the next plan
+  uses them. Machine 0's two processes and the two newcomers finish exactly, in-process, the resumed
   workers learn they were evicted and exit without touching the job, and every command ends.
 
 What one dead worker does under one agent per machine (its agent restarts its worker group, and every
@@ -43,7 +45,7 @@ import torch
 from resihp_lightning.testing.etcd_cluster import etcd_unavailable_reason
 from resihp_lightning.testing.machines import Machines, unavailable_reason
 from resihp_lightning.testing.machines_etcd import MachinesEtcd
-from resihp_lightning.testing.toy_jobs import reference_fit
+from resihp_lightning.testing.toy_jobs import reference_fit, reference_run
 from resihp_lightning.testing.torchrun_machines import TorchrunJob, TorchrunJobConfig
 
 pytestmark = [pytest.mark.multiprocess,
@@ -208,55 +210,118 @@ def _recovery_events(job: TorchrunJob, failed: set[int]) -> list[dict]:
     return [e for e in job.events() if e["event"] == "recovery_started" and failed <= set(map(int, e["failed"]))]
 
 
+#: The per-process test's steps: one more than an epoch (the reference of more is toy_jobs.reference_run).
+PP_STEPS = 8
+#: Its members wait at the start of this step until the replacement's two newcomers have registered (their start-up
+#: on this shared host takes longer than the steps before): the step's commit counts them, the next step admits
+#: them (they mirror it as hot spares, and the members plan for them), and the step after that uses them.
+GATE_STEP = 5
+
+
+def _reference(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The one-process reference's losses and final weights (keyed as the job's model names them), any step count."""
+    losses, params = reference_run(steps)
+    return losses, {f"layers.{key}": value for key, value in params.items()}
+
+
+def _assert_exact_from(results: dict[str, dict], first_steps: dict[str, int], steps: int) -> None:
+    """Each result's losses are the reference's from its first step on (a newcomer's from its admission), its final
+    weights the reference's (1e-6)."""
+    losses, params = _reference(steps)
+    for tag, result in results.items():
+        assert result["losses"] == pytest.approx(losses[first_steps[tag]:], abs=1e-6), (tag, result["losses"])
+        for key, want in params.items():
+            assert torch.allclose(torch.tensor(result["state"][key]), want, atol=1e-6, rtol=0), (tag, key)
+
+
 @pytest.mark.timeout(420)
-def test_with_one_standalone_agent_per_process_deaths_cost_one_step_and_a_frozen_machine_back_changes_nothing(tmp_path):
+def test_with_one_standalone_agent_per_process_deaths_cost_one_step_a_frozen_machine_back_changes_nothing_and_a_replacement_joins(
+        tmp_path):
     """torchft's pattern (TorchrunJobConfig.per_process, the agents examples/torchrun_per_process.sh
-    starts): one worker of machine 1 killed inside step 2, then machine 2 SIGSTOPped inside step 4 and
-    SIGCONTed once the others have recovered. No agent watches another's worker, so the three survivors
-    recover in-process twice and finish exactly; machine 2's workers, back in a generation the others
-    left, learn that they were evicted and exit (status 75, no result, the survivors unaffected); every
-    command ends (no exit barrier: each agent's world is its own process).
+    starts): one worker of machine 1 killed inside step 2; once the survivors have recovered, every process
+    of machine 1 killed inside the next step (the machine stays up: the replacement); once they have
+    recovered again, machine 2 SIGSTOPped inside the next step (or while the members wait for the
+    newcomers, below) and SIGCONTed once the others have recovered. No agent watches another's worker, so
+    the survivors recover in-process three times; machine 2's workers, back in a generation the others left, learn that they were evicted
+    and exit (status 75, no result, the survivors unaffected). Meanwhile the replacement runs what
+    ``JOIN=1 examples/torchrun_per_process.sh`` runs (two agents, ``RESIHP_JOIN=1``): its two newcomers find
+    the running job (run id and store host from the recipe's variables, no rank store), take ranks 6 and 7,
+    are admitted at a step boundary as hot spares, and the next plan uses them. Every process the job
+    ends with (machine 0's two, the two newcomers) finishes with the one-process reference's losses and
+    weights, and every command ends (no exit barrier: each agent's world is its own process).
 
     Known bug, not this launch's (docs/machines.md): a survivor still in its last step's collectives when
     the others finish sees them go silent, evicts them and SIGKILLs the finished ones on its machine
     (``kill_evicted``); such a worker exits -9 after its result and its agent 1. Allowed here only
     for a rank some survivor's last recovery evicted after the last step."""
-    config = TorchrunJobConfig(per_process=True, max_restarts=0, detect_timeout_s=DETECT_S)
+    config = TorchrunJobConfig(per_process=True, max_restarts=0, detect_timeout_s=DETECT_S, steps=PP_STEPS,
+                               job_args=("--newcomers-at", str(GATE_STEP), "--newcomers", "2"))
     with Machines(3) as machines, TorchrunJob(machines, tmp_path / "run", config) as job:
         killed_at = _fault_inside_step(job, step=2)
         victim = _kill_one_worker(machines, job, 1, 0)
         job.wait_for(lambda: _recovery_events(job, {victim}), 60, "the recovery from the killed worker")
         _exit_found_at_once(job, victim, killed_at)
+        machine_killed_at = _fault_inside_step(job, step=3)
+        machines[1].kill()  # the rest of machine 1: its other worker and the agents
+        lost = set(_ranks_of(job, "node1")) - {victim}
+        replacement = job.join(1)  # JOIN=1 on the machine that replaces it
+        job.wait_for(lambda: _recovery_events(job, lost), 60, "the recovery from the killed machine")
         stopped_at = _fault_inside_step(job, step=4)
         assert len(machines[2].stop()) == 4  # two agents, two workers
         frozen = set(_ranks_of(job, "node2"))
         job.wait_for(lambda: _recovery_events(job, frozen), 60, "the recovery from the frozen machine")
         machines[2].resume()
-        results = job.wait_for(lambda: _results(job, 3), 120, "the three survivors' results")
-        _assert_exact(results)
-        survivors = {int(tag.split("-")[1]) for tag in results}
-        assert survivors == {0, 1, 2, 3} - {victim}, results.keys()
+        results = job.wait_for(lambda: _results(job, 4), 240, "the four results: machine 0's and the newcomers'")
         codes = job.wait_agents(range(len(job.agents)), 90)
-        assert None not in codes and time.monotonic() - killed_at < 150, codes
-        # Ranks follow (host, local index): agent i (machine i // 2, local index i % 2) ran rank i.
-        assert all(int(s["tag"].split("-")[1]) == 2 * int(s["host"][-1]) + s["local_rank"] for s in job.starts())
+        assert None not in codes and time.monotonic() - killed_at < 240, codes
+        starts = job.starts()
+        members = [s for s in starts if not s["joined"]]
+        newcomers = sorted(int(s["tag"].split("-")[1]) for s in starts if s["joined"])
+        # Ranks follow (host, local index): agent i (machine i // 2, local index i % 2) ran rank i. The newcomers
+        # ran on the replacement with ranks above every rank the job had, found the store on the rank store's host.
+        assert all(int(s["tag"].split("-")[1]) == 2 * int(s["host"][-1]) + s["local_rank"] for s in members)
+        assert newcomers == [6, 7] and {s["host"] for s in starts if s["joined"]} == {"node1"}, starts
+        assert {s["master_addr"] for s in starts if s["joined"]} == {"node0"}
+        survivors = {int(tag.split("-")[1]) for tag in results}
+        assert survivors == {0, 1, 6, 7} and lost == {3}, results.keys()
+        steps = job.steps()
+        first_step = {tag: steps[tag][0]["step"] for tag in results}
+        _assert_exact_from(results, first_step, PP_STEPS)
+        # Admitted together at a step boundary (the step after the commit that counted them: the gate's, unless
+        # they were quicker), mirroring that step as hot spares; the plan of the step after uses them.
+        admitted = {steps[tag][0]["step"] for tag in results if int(tag.split("-")[1]) in newcomers}
+        assert len(admitted) == 1 and next(iter(admitted)) <= GATE_STEP + 1, admitted
+        admitted_at = admitted.pop()
+        for tag in results:
+            rows = {r["step"]: r for r in steps[tag]}
+            assert sorted(rows) == list(range(first_step[tag], PP_STEPS)), (tag, rows)
+            if int(tag.split("-")[1]) in newcomers:
+                assert [rows[s]["spare"] for s in sorted(rows)] == [True] + [False] * (len(rows) - 1), rows
+            else:
+                assert not set(newcomers) & set(rows[admitted_at]["devices"]), rows
+                assert set(newcomers) <= set(rows[admitted_at + 1]["devices"]), rows
         # Each recovery redid the step its lost ranks never finished.
-        last_step = {rank: max((r["step"] for tag, rows in job.steps().items() if int(tag.split("-")[1]) == rank
-                                for r in rows), default=-1) for rank in {victim} | frozen}
-        first, second = _recovery_events(job, {victim})[0], _recovery_events(job, frozen)[0]
+        last_step = {rank: max((r["step"] for tag, rows in steps.items() if int(tag.split("-")[1]) == rank
+                                for r in rows), default=-1) for rank in {victim} | lost | frozen}
+        first, middle, second = (_recovery_events(job, ranks)[0] for ranks in ({victim}, lost, frozen))
         assert set(map(int, first["failed"])) == {victim} and first["step"] == last_step[victim] + 1, (first, last_step)
+        assert set(map(int, middle["failed"])) == lost and middle["step"] == last_step[3] + 1, (middle, last_step)
         assert set(map(int, second["failed"])) == frozen and second["step"] == max(last_step[r] for r in frozen) + 1, (
             second, last_step)
-        assert last_step[victim] >= 1 and min(last_step[r] for r in frozen) > last_step[victim], last_step
-        assert all(0 < r["recovery"]["detected_at"] - stopped_at < DETECT_S + 3.0 for r in results.values()
-                   if r["recovery"]["step"] == second["step"])
-        # The frozen machine's workers came back evicted: they wrote no result and their agents failed.
+        assert last_step[victim] >= 1 and last_step[3] > last_step[victim] and min(last_step[r] for r in frozen) > last_step[3]
+        found = [e["at"] for e in job.events() if e["event"] == "fail_stop_detected" and int(e["rank"]) in lost]
+        assert found and 0 < min(found) - machine_killed_at < DETECT_S + 3.0, (found, machine_killed_at)
+        assert all(0 < r["recovery"]["detected_at"] - stopped_at < DETECT_S + 3.0 for tag, r in results.items()
+                   if int(tag.split("-")[1]) not in newcomers and r["recovery"]["step"] == second["step"])
+        # The frozen machine's workers came back evicted: they wrote no result and their agents failed; machine 1's
+        # agents were killed with it (the first victim's may have exited 1 before).
         assert all(codes[r] != 0 for r in frozen), codes
-        assert {int(tag.split("-")[1]) for tag in job.results()} == survivors
-        evicted_at_the_end = {int(r) for res in results.values() if res["recovery"]["step"] >= STEPS
+        assert codes[3] == -signal.SIGKILL and codes[victim] in (1, -signal.SIGKILL), codes
+        evicted_at_the_end = {int(r) for res in results.values() if res["recovery"] and res["recovery"]["step"] >= PP_STEPS
                               for r in res["recovery"]["failed"]}
-        assert codes[victim] == 1, codes
-        failed = {rank for rank, code in enumerate(codes) if code != 0} - {victim} - frozen
+        ended = {0: codes[0], 1: codes[1], **{int(s["tag"].split("-")[1]): codes[replacement[s["local_rank"]]]
+                                              for s in starts if s["joined"]}}
+        failed = {rank for rank, code in ended.items() if code != 0}
         assert failed <= evicted_at_the_end, (codes, evicted_at_the_end)
 
 

@@ -401,7 +401,7 @@ def scontrol(argv: Sequence[str], env: Mapping[str, str] | None = None) -> int:
     if list(argv[:2]) != ["show", "hostnames"] or len(argv) > 3:
         raise SrunError("the emulation's scontrol takes `show hostnames [LIST]` only")
     text = argv[2] if len(argv) == 3 else env.get("SLURM_JOB_NODELIST", "")
-    print("\n".join(expand_hostlist(text)))
+    sys.stdout.write("".join(f"{name}\n" for name in expand_hostlist(text)))
     return 0
 
 

@@ -8,9 +8,11 @@ SCRIPT ARGS`` on machine 0, the first node of the allocation, with the batch job
 ``SLURM_SUBMIT_DIR``, ...) and the emulated ``srun`` and ``scontrol`` first on its ``PATH``. The
 script's output goes to ``slurm-<job id>.out`` in the run directory (its ``#SBATCH --output``).
 
-``#SBATCH`` lines give the defaults of ``--nodes``, ``--ntasks-per-node`` and ``--job-name``, the
-command line overrides them; the allocation is every machine (``--nodes`` must say so). Other options
-(``--gpus-per-node``, ``--time``, ``--no-kill``, ``--requeue``, ...) mean nothing here and are ignored.
+``#SBATCH`` lines give the defaults of ``--nodes``, ``--ntasks-per-node``, ``--job-name`` and
+``--gpus-per-node`` (only its count, ``SLURM_GPUS_PER_NODE``: nothing binds a GPU), the command line
+overrides them; the allocation is every machine (``--nodes`` must say so). Other ``#SBATCH`` options
+(``--time``, ``--no-kill``, ``--requeue``, ...) mean nothing here and are ignored; on the command line
+they are refused.
 The readers of :class:`~.torchrun_machines.TorchrunJob` read what the workers of
 :mod:`.machines_job` wrote; :meth:`SbatchJob.task_exits` reads each task's exit status.
 
@@ -43,7 +45,7 @@ from resihp_lightning.testing.torchrun_machines import ROOT, TorchrunJob
 
 #: The sbatch options the emulation reads; every other one is ignored.
 _SBATCH_OPTIONS = {"-N": "nodes", "--nodes": "nodes", "--ntasks-per-node": "ntasks_per_node",
-                   "-J": "job_name", "--job-name": "job_name"}
+                   "-J": "job_name", "--job-name": "job_name", "--gpus-per-node": "gpus_per_node"}
 
 
 def parse_sbatch(argv: Sequence[str]) -> tuple[dict[str, str], list[str]]:
@@ -125,6 +127,8 @@ class SbatchJob(TorchrunJob):
             "SLURM_NTASKS_PER_NODE": str(per_node), "SLURM_TASKS_PER_NODE": f"{per_node}(x{len(names)})",
             "SLURM_SUBMIT_DIR": str(ROOT), "SLURM_NODEID": "0", "SLURMD_NODENAME": names[0],
         })
+        if "gpus_per_node" in self.options:  # the count only: nothing here binds a GPU
+            env["SLURM_GPUS_PER_NODE"] = self.options["gpus_per_node"]
         env.update(self.user_env)
         return env
 

@@ -35,8 +35,7 @@ from resihp_lightning.testing.slurm_machines import SbatchJob
 from resihp_lightning.testing.toy_jobs import reference_fit
 
 pytestmark = [pytest.mark.multiprocess,
-              pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason())),
-              pytest.mark.skipif(etcd_unavailable_reason() is not None, reason=str(etcd_unavailable_reason()))]
+              pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))]
 
 STEPS = 6
 #: Seconds into a step (after the previous step's record) when a fault strikes.
@@ -80,6 +79,7 @@ def _last_step(job: SbatchJob, ranks: set[int]) -> int:
 
 
 @pytest.mark.timeout(420)
+@pytest.mark.skipif(etcd_unavailable_reason() is not None, reason=str(etcd_unavailable_reason()))
 def test_the_sbatch_recipe_on_etcd_loses_a_task_then_machine_0_each_for_one_step(tmp_path):
     """``ETCD_NODES=3 sbatch examples/slurm_in_process.sbatch``: task 2 killed inside step 2, machine 0's link
     cut during a later step; the three survivors finish exactly, in-process, and every task and step ends."""

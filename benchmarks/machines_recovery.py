@@ -21,13 +21,19 @@ with ``per_process``), one fault ``--delay-s`` into step 3:
   ``--machines 2`` machine 0's two processes go on as 1 x 2 and the next plan takes the newcomers in (2 x 2).
 
 ``--store etcd`` puts ``process`` and ``machine`` on the etcd members too (default: the TCP store host on
-machine 0, ``store_port``). Times are seconds after the fault on the host's one monotonic clock:
+machine 0, ``store_port``).
+
+``--launcher srun`` runs the same job as ``examples/slurm_in_process.sbatch`` starts it instead, the recipe
+itself with srun emulated (:class:`~resihp_lightning.testing.slurm_machines.SbatchJob`: ``sbatch --nodes 3
+--ntasks-per-node 2``, ``SCRIPT`` the exactness job, ``ETCD_NODES=3`` for the etcd store); there the
+"agents" are the batch script alone, and ``cut off ended`` is when machine 0's tasks exited. Times are seconds after the fault on the host's one monotonic clock:
 ``detected`` (the survivors' first verdict), ``first step`` (the first step finished after the fault: the
 step the survivors redid), ``done`` (the last step), ``all ended`` (every agent's exit; for ``machine0``
 also ``cut off ended``, when machine 0's agents exited, the link still down). Each fault runs ``--runs``
 times; the table gives median, min and max. Needs root (namespaces).
 
-Run: ``python benchmarks/machines_recovery.py [--runs 3] [--scenarios process machine machine0 replace] [--store tcp]``.
+Run: ``python benchmarks/machines_recovery.py [--runs 3] [--scenarios process machine machine0 replace] [--store tcp]
+[--launcher torchrun|srun]`` (``replace`` under torchrun only).
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ sys.path.insert(0, str(ROOT))
 
 from resihp_lightning.testing.machines import Machines, unavailable_reason  # noqa: E402
 from resihp_lightning.testing.machines_etcd import MachinesEtcd  # noqa: E402
+from resihp_lightning.testing.slurm_machines import SbatchJob  # noqa: E402
 from resihp_lightning.testing.torchrun_machines import TorchrunJob, TorchrunJobConfig  # noqa: E402
 
 SCENARIOS = ("process", "machine", "machine0", "replace")
@@ -59,19 +66,30 @@ def _kill_one_worker(machines: Machines, job: TorchrunJob) -> None:
     os.kill(machines[1].host_pid(start["pid"]), signal.SIGKILL)
 
 
+def _sbatch(machines: Machines, run_dir: Path, etcd: bool, args: argparse.Namespace) -> SbatchJob:
+    """``[ETCD_NODES=3] sbatch --nodes 3 --ntasks-per-node 2 examples/slurm_in_process.sbatch`` with the exactness job."""
+    env = {"SCRIPT": "resihp_lightning/testing/machines_job.py", "RUN_DIR": str(run_dir), **({"ETCD_NODES": "3"} if etcd else {})}
+    argv = ["--nodes", "3", "--ntasks-per-node", "2", "examples/slurm_in_process.sbatch", "--steps", "6", "--step-s", "2.0",
+            "--detect-timeout-s", str(args.detect_timeout_s), "--join-timeout-s", str(args.join_timeout_s)]
+    return SbatchJob(machines, run_dir, argv, env=env)
+
+
 def run(scenario: str, run_dir: Path, args: argparse.Namespace) -> dict:
     """One job with one fault; the measured times (seconds after the fault)."""
     etcd = scenario == "machine0" or args.store == "etcd"
     with ExitStack() as stack:
         machines = stack.enter_context(Machines(args.machines))
-        store = stack.enter_context(MachinesEtcd(machines, run_dir)).store_options() if etcd else None
-        config = TorchrunJobConfig(per_process=True, max_restarts=0, detect_timeout_s=args.detect_timeout_s,
-                                   join_timeout_s=args.join_timeout_s, store=store,
-                                   steps=args.replace_steps if scenario == "replace" else 6)
-        job = stack.enter_context(TorchrunJob(machines, run_dir, config))
+        if args.launcher == "srun":
+            job = stack.enter_context(_sbatch(machines, run_dir, etcd, args))
+        else:
+            store = stack.enter_context(MachinesEtcd(machines, run_dir)).store_options() if etcd else None
+            config = TorchrunJobConfig(per_process=True, max_restarts=0, detect_timeout_s=args.detect_timeout_s,
+                                       join_timeout_s=args.join_timeout_s, store=store,
+                                       steps=args.replace_steps if scenario == "replace" else 6)
+            job = stack.enter_context(TorchrunJob(machines, run_dir, config))
         job.wait_for(lambda: job.max_step() >= 2, 300, "step 2")
         time.sleep(args.delay_s)
-        fault_at = time.monotonic()
+        fault_at, fault_wall = time.monotonic(), time.time()
         if scenario == "process":
             _kill_one_worker(machines, job)
         elif scenario in ("machine", "replace"):
@@ -91,6 +109,10 @@ def run(scenario: str, run_dir: Path, args: argparse.Namespace) -> dict:
         after = [r["monotonic"] - fault_at for r in steps if r["monotonic"] > fault_at]
         detected = [e["at"] - fault_at for e in job.events() if e["event"] == "fail_stop_detected" and "at" in e]
         cut_off = [ended.get(i) for i in (0, 1)] if scenario == "machine0" else []
+        if scenario == "machine0" and isinstance(job, SbatchJob):  # machine 0's tasks, not its (one) batch script
+            step = job.step_of("machines_job.py")
+            exits = job.task_exits(step) if step is not None else {}
+            cut_off = [exits[t]["time"] - fault_wall if t in exits else None for t in (0, 1)]
         joined = {s["tag"]: s["monotonic"] - fault_at for s in job.starts() if s.get("joined")}
         newcomer_rows = {tag: job.steps().get(tag, []) for tag in joined}
 
@@ -106,7 +128,7 @@ def run(scenario: str, run_dir: Path, args: argparse.Namespace) -> dict:
         } if scenario == "replace" else {}
         return {
             **join_times,
-            "scenario": scenario, "store": "etcd" if etcd else "tcp",
+            "scenario": scenario, "store": "etcd" if etcd else "tcp", "launcher": args.launcher,
             "detected_s": min(detected, default=None),
             "first_step_s": min(after, default=None),
             "done_s": max(after, default=None),
@@ -130,6 +152,8 @@ def main() -> None:
     parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
     parser.add_argument("--runs", type=int, default=3, help="repetitions of each fault")
     parser.add_argument("--store", choices=("tcp", "etcd"), default="tcp", help="the store of `process` and `machine`")
+    parser.add_argument("--launcher", choices=("torchrun", "srun"), default="torchrun",
+                        help="one torchrun --standalone agent per process, or examples/slurm_in_process.sbatch (srun emulated)")
     parser.add_argument("--detect-timeout-s", type=float, default=3.0,
                         help="fail_stop.detect_timeout_s (the tests' 3 s: the default 1 s evicts healthy ranks at "
                              "start-up on this shared 2-core host now and then)")
@@ -144,6 +168,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.machines < 2 or (args.machines < 3 and (args.store == "etcd" or "machine0" in args.scenarios)):
         parser.error("--machines: at least 2, and 3 with an etcd store (its quorum must survive a lost machine)")
+    if args.launcher == "srun" and ("replace" in args.scenarios or args.machines != 3):
+        parser.error("--launcher srun: the scenarios process, machine and machine0 on 3 machines (no replacement under srun yet)")
     reason = unavailable_reason()
     if reason:
         sys.exit(f"machines unavailable: {reason}")
@@ -157,7 +183,7 @@ def main() -> None:
                     row = run(scenario, Path(tmp), args)
             print(row, flush=True)
             rows.append(row)
-    print("\nseconds after the fault, median (min-max) of", args.runs, "runs")
+    print("\nseconds after the fault, median (min-max) of", args.runs, "runs, under", args.launcher)
     print("| fault | store | detected | first step after | training done | cut-off machine's agents ended | every agent ended |")
     print("|---|---|---|---|---|---|---|")
     for scenario in args.scenarios:

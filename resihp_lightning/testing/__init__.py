@@ -3,5 +3,6 @@
 (:mod:`.synthetic`), a brute-force planning oracle and small random problems (:mod:`.brute_oracle`),
 the toy models, data and one-process references the training tests share (:mod:`.toy_jobs`), a
 restartable job (:mod:`.elastic_job`), separate machines out of Linux namespaces (:mod:`.machines`)
-and a torchrun job across them (:mod:`.torchrun_machines`, :mod:`.machines_job`). Not used by the
-library itself."""
+a torchrun job across them (:mod:`.torchrun_machines`, :mod:`.machines_job`) and a SLURM batch script
+across them with srun emulated (:mod:`.slurm_machines`, :mod:`.fake_slurm`). Not used by the library
+itself."""

@@ -24,7 +24,10 @@ newcomers at the step after the commit that counted them; the plan after that us
     torchrun --nnodes 3 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint node0:29400 \\
         resihp_lightning/testing/machines_job.py --run-dir RUN --store-port 29600
 
-or, with the store on the machines' etcd members (``--store '{"backend": "etcd", "endpoints": [...]}'``).
+or, with the store on the machines' etcd members (``--store '{"backend": "etcd", "endpoints": [...]}'``). It
+also takes the options ``examples/slurm_in_process.sbatch`` gives ``examples/finetune.py`` (``--run_dir``,
+``--strategy.fail_stop.store_port`` or ``--strategy.fail_stop.store.*``; ``--config``, ``--trainer.accelerator``
+and ``--checkpoint`` are ignored), so that the recipe runs it with ``SCRIPT=resihp_lightning/testing/machines_job.py``.
 """
 
 from __future__ import annotations
@@ -46,8 +49,9 @@ def _record(path: Path, payload: dict) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--run-dir", required=True)
-    parser.add_argument("--store-port", type=int, default=None, help="fail_stop.store_port (the TCP store host on node 0)")
+    parser.add_argument("--run-dir", "--run_dir", required=True)
+    parser.add_argument("--store-port", "--strategy.fail_stop.store_port", type=int, default=None,
+                        help="fail_stop.store_port (the TCP store host on node 0)")
     parser.add_argument("--store", default=None, help="fail_stop.store as JSON (e.g. the etcd members), instead of --store-port")
     parser.add_argument("--join-timeout-s", type=float, default=30.0, help="fail_stop.join_timeout_s")
     parser.add_argument("--steps", type=int, default=6, help="one epoch is toy_jobs.EPOCH_STEPS")
@@ -58,7 +62,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--newcomers-at", type=int, default=-1, help="the job's processes wait at the start of this step")
     parser.add_argument("--newcomers", type=int, default=0, help="... until this many newcomers have registered")
     parser.add_argument("--newcomers-wait-s", type=float, default=180.0, help="... at most this long")
+    # What examples/slurm_in_process.sbatch passes examples/finetune.py (SCRIPT=<this file> runs this job instead):
+    # the store's options as the example spells them; its config, accelerator and checkpoints mean nothing here.
+    for name in ("backend", "endpoints", "user", "password_file"):
+        parser.add_argument(f"--strategy.fail_stop.store.{name}", dest=f"etcd_{name}", default=None)
+    for name in ("--config", "--trainer.accelerator", "--checkpoint"):
+        parser.add_argument(name, default=None, help="ignored (an option of examples/finetune.py)")
     args = parser.parse_args(argv)
+    if args.etcd_backend is not None:
+        args.store = json.dumps({"backend": args.etcd_backend, "endpoints": args.etcd_endpoints.strip("[]").split(","),
+                                 "user": args.etcd_user, "password_file": args.etcd_password_file})
 
     import lightning.pytorch as pl
     import torch

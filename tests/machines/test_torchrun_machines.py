@@ -323,30 +323,3 @@ def test_with_one_standalone_agent_per_process_deaths_cost_one_step_a_frozen_mac
                                               for s in starts if s["joined"]}}
         failed = {rank for rank, code in ended.items() if code != 0}
         assert failed <= evicted_at_the_end, (codes, evicted_at_the_end)
-
-
-@pytest.mark.timeout(420)
-def test_under_srun_a_dead_task_costs_one_step_and_every_other_task_finishes_exactly(tmp_path):
-    """srun's layout (``srun --nodes 3 --ntasks-per-node 2 --kill-on-bad-exit=0``, emulated: the tasks
-    start with srun's variables and no launcher watches them; Lightning's SLURM environment reads them):
-    one task of machine 1 killed inside step 2; the five others recover in-process and finish exactly."""
-    config = TorchrunJobConfig(srun=True, detect_timeout_s=DETECT_S)
-    with Machines(3) as machines, TorchrunJob(machines, tmp_path / "run", config) as job:
-        killed_at = _fault_inside_step(job, step=2)
-        victim = _kill_one_worker(machines, job, 1, 0)
-        results = job.wait_for(lambda: _results(job, 5), 120, "the five survivors' results")
-        _assert_exact(results)
-        codes = job.wait_agents(range(len(job.agents)), 60)
-        assert None not in codes and codes[victim] == -signal.SIGKILL, codes
-        # srun's task ids are the ranks; the fail-stop store ran on the first node of SLURM_NODELIST.
-        assert all(int(s["tag"].split("-")[1]) == 2 * int(s["host"][-1]) + s["local_rank"] for s in job.starts())
-        assert {s["master_addr"] for s in job.starts()} == {None}  # srun sets none: the strategy derives it
-        first = _recovery_events(job, {victim})
-        assert first and set(map(int, first[0]["failed"])) == {victim}, job.events()
-        _exit_found_at_once(job, victim, killed_at)
-        last_step = max(r["step"] for tag, rows in job.steps().items() if int(tag.split("-")[1]) == victim for r in rows)
-        assert first[0]["step"] == last_step + 1 and time.monotonic() - killed_at < 150
-        evicted_at_the_end = {int(r) for res in results.values() if res["recovery"]["step"] >= STEPS
-                              for r in res["recovery"]["failed"]}
-        failed = {rank for rank, code in enumerate(codes) if code != 0} - {victim}
-        assert failed <= evicted_at_the_end, (codes, evicted_at_the_end)

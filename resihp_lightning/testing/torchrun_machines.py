@@ -53,12 +53,6 @@ class TorchrunJobConfig:
             the ranks from the job's rank store on machine 0 at ``rank_port``
             (``RESIHP_RANKS_AT``, :mod:`resihp_lightning.process_ranks`).
         rank_port: with ``per_process``, the rank-assignment store's port on machine 0.
-        srun: srun's layout instead of any torchrun: ``nproc_per_node`` processes per machine started
-            directly with the variables ``srun --nodes N --ntasks-per-node P --kill-on-bad-exit=0``
-            gives each task (``SLURM_PROCID``, ``SLURM_LOCALID``, ``SLURM_NODEID``, ``SLURM_NTASKS``,
-            ``SLURM_NODELIST``, ...); no launcher process outlives or watches them (``agents`` are the
-            tasks themselves). SLURM's ``srun`` is not available here.
-        slurm_job_id: with ``srun``, ``SLURM_JOB_ID`` (Lightning derives ``MASTER_PORT`` from it).
     """
 
     nproc_per_node: int = 2
@@ -75,8 +69,6 @@ class TorchrunJobConfig:
     job_args: Sequence[str] = field(default_factory=tuple)
     per_process: bool = False
     rank_port: int = 29500
-    srun: bool = False
-    slurm_job_id: int = 4242
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -105,27 +97,14 @@ class TorchrunJob:
         self.agent_machines: list[int] = []  # the machine of each agent
         self.started_at = time.monotonic()
 
-    def slurm_task_env(self, machine_index: int, local_index: int) -> dict[str, str]:
-        """What srun sets for task ``local_index`` of machine ``machine_index`` (the variables Lightning reads)."""
-        cfg, nodes = self.config, len(self.machines)
-        prefix = self.machines[0].hostname.rstrip("0123456789")
-        return {"SLURM_JOB_ID": str(cfg.slurm_job_id), "SLURM_JOB_NAME": "machines-job", "SLURM_NNODES": str(nodes),
-                "SLURM_JOB_NUM_NODES": str(nodes), "SLURM_NTASKS": str(nodes * cfg.nproc_per_node),
-                "SLURM_NTASKS_PER_NODE": str(cfg.nproc_per_node), "SLURM_NODELIST": f"{prefix}[0-{nodes - 1}]",
-                "SLURM_PROCID": str(machine_index * cfg.nproc_per_node + local_index),
-                "SLURM_LOCALID": str(local_index), "SLURM_NODEID": str(machine_index)}
-
-    def command(self, local_index: int = 0, machine_index: int = 0, join: bool = False) -> list[str]:
-        """The command of one agent (``local_index``: its index on its machine, with ``per_process`` or ``srun``;
+    def command(self, local_index: int = 0, join: bool = False) -> list[str]:
+        """The command of one agent (``local_index``: its index on its machine, with ``per_process``;
         ``join``: a newcomer that joins the running job, with ``per_process``)."""
         cfg = self.config
         torchrun = Path(sys.executable).with_name("torchrun")
         store = ["--store", json.dumps(dict(cfg.store))] if cfg.store is not None else ["--store-port", str(cfg.store_port)]
         job = [str(JOB), "--run-dir", str(self.run_dir), *store, "--steps", str(cfg.steps), "--step-s", str(cfg.step_s),
                "--detect-timeout-s", str(cfg.detect_timeout_s), "--join-timeout-s", str(cfg.join_timeout_s), *cfg.job_args]
-        if cfg.srun:
-            return ["env", *(f"{k}={v}" for k, v in self.slurm_task_env(machine_index, local_index).items()),
-                    sys.executable, *job]
         if cfg.per_process:  # what examples/torchrun_per_process.sh starts for each process
             world = len(self.machines) * cfg.nproc_per_node
             ranks = [f"RESIHP_RANKS_AT={self.machines[0].hostname}:{cfg.rank_port}", f"RESIHP_WORLD_SIZE={world}",
@@ -153,11 +132,11 @@ class TorchrunJob:
     def start(self) -> TorchrunJob:
         """Starts every machine's agent(s) (machine 0's first: it hosts the rendezvous)."""
         self.started_at = time.monotonic()
-        per_machine = self.config.nproc_per_node if self.config.per_process or self.config.srun else 1
+        per_machine = self.config.nproc_per_node if self.config.per_process else 1
         for machine in self.machines:
             for local_index in range(per_machine):
                 log = open(self.run_dir / f"agent{len(self.agents)}.log", "w")
-                command = self.command(local_index, machine.index)
+                command = self.command(local_index)
                 self.agents.append(machine.popen(command, env=self.environment(), cwd=ROOT, stdout=log,
                                                  stderr=subprocess.STDOUT))
                 self.agent_machines.append(machine.index)
@@ -173,7 +152,7 @@ class TorchrunJob:
         machine, started = self.machines[machine_index], []
         for local_index in range(self.config.nproc_per_node):
             log = open(self.run_dir / f"agent{len(self.agents)}.log", "w")
-            self.agents.append(machine.popen(self.command(local_index, machine_index, join=True), env=self.environment(),
+            self.agents.append(machine.popen(self.command(local_index, join=True), env=self.environment(),
                                              cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
             self.agent_machines.append(machine_index)
             started.append(len(self.agents) - 1)

@@ -230,6 +230,10 @@ class Survivable(Protocol):
         """The last recovery (:class:`~resihp_lightning.failstop.recovery_record.RecoveryRecord`), or ``None``."""
 
     @property
+    def last_admission(self) -> Any:
+        """The last newcomers admitted (:class:`~resihp_lightning.failstop.admission.AdmissionNote`), or ``None``."""
+
+    @property
     def fail_stop_listeners(self) -> list[Any]:
         """Called as ``listener(event, fields)`` just before the process exits because it cannot recover."""
 

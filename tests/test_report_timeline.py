@@ -107,6 +107,25 @@ def test_phases_split_at_a_detected_slowdown_the_re_plan_the_healing_and_an_evic
     assert "on 2 processes (ranks 0, 1; spares 2)" in text and "4 -> 3 processes" in text
 
 
+def test_a_replacement_admitted_after_a_death_brings_the_world_back(tmp_path: Path) -> None:
+    """Rank 2 dies inside step 5 (3 survivors); a replacement, rank 4, is admitted at step 9 as a hot spare and the
+    plan of step 10 takes it in: the world goes 4 -> 3 -> 4, and the report says who joined when."""
+    run_dir = tmp_path / "replaced"
+    walls = {s: 2.0 if s < 3 or s in (5, 10) else 0.5 if s < 5 or s >= 10 else 0.6 for s in range(16)}
+    _write_steps(run_dir, walls, {0: (2, 2, [4, 4]), 5: (1, 3, [2, 3, 3]), 10: (2, 2, [4, 4])}, migrated=(5, 10))
+    log = EventLog(run_dir)
+    _recovery(log, 5, 1, {2: "exited"}, [0, 1, 3], [], _plan(([0], 2), ([1], 3), ([3], 3)), total_s=1.5)
+    log.log("newcomers_admitted", 9, ranks=[4], live=[0, 1, 3, 4], world=4)
+    log.log("plan_applied", 10, plan=_plan(([0, 1], 4), ([3, 4], 4)), migration_seconds=0.4, bytes_moved=2**20)
+    timeline = build_timeline(load_run(run_dir))
+    assert [(p.span, p.world) for p in timeline.phases] == [("0-4", 4), ("5-8", 3), ("9", 4), ("10-15", 4)]
+    assert [(i.step, i.kind, i.ranks, i.world) for i in timeline.incidents] == [
+        (5, "fail_stop", (2,), 3), (9, "joined", (4,), 4), (10, "plan", (), None)]
+    assert timeline.world_label == "4 -> 3 -> 4 processes"
+    text = format_timeline(timeline)
+    assert "step 9: rank 4 joined the running job (admitted as hot spare); 4 processes" in text
+
+
 def test_an_injected_kill_is_an_annotation_with_its_detection_time_and_keeps_its_evaluation(tmp_path: Path) -> None:
     run_dir = tmp_path / "injected"
     _write_steps(run_dir, {s: 2.0 if s < 3 or s == 10 else 0.5 if s < 10 else 0.6 for s in range(20)},

@@ -62,6 +62,7 @@ EVENT_NAMES = (
     "fault_struck",
     "recovery_started",
     "recovery_finished",
+    "newcomers_admitted",
     "fail_stop_unrecoverable",
     "healthy_reference",
     "plan_computed",

@@ -46,6 +46,21 @@ class Admitted:
 
 
 @dataclass(frozen=True)
+class AdmissionNote:
+    """An admission as the members saw it, for the event log (``FailStopReporter``: ``newcomers_admitted``).
+
+    Attributes:
+        step: the training step at whose start the newcomers were admitted (they mirror it as hot spares).
+        ranks: the newcomers' original ranks.
+        live: every live process of the job from then on (members and spares, the newcomers included).
+    """
+
+    step: int
+    ranks: tuple[int, ...]
+    live: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class AdmissionRecord:
     """What a newcomer takes from the members when they admit it.
 

@@ -24,7 +24,7 @@ from resihp_lightning.plan import Plan
 from resihp_lightning.resilience.failure_detector import FailureDetector
 from resihp_lightning.resilience.failures import PeerFailure
 from resihp_lightning.resilience.joining import ready_count
-from resihp_lightning.failstop.admission import AdmissionRecord, Admitted
+from resihp_lightning.failstop.admission import AdmissionNote, AdmissionRecord, Admitted
 from resihp_lightning.failstop.recovery_record import RecoveryRecord
 from resihp_lightning.failstop.spares import Reshape, idle_probes, share_idle_probe
 from resihp_lightning.failstop.survivors import SurvivingJob
@@ -73,6 +73,8 @@ class SurvivingMembership:
         self.interrupted = False
         #: This training step's committed result (what spares taken in by a recovery return).
         self.step_result: Any = None
+        #: The last newcomers the members admitted (members only; None before any).
+        self.last_admission: AdmissionNote | None = None
         #: With tensor parallelism: the groups in force (plans name them) ...
         self.tensor_groups: TensorGroups | None = None
         #: ... and what learns this process's part of the survivors' groups after a recovery.
@@ -252,6 +254,7 @@ class SurvivingMembership:
         if admitted is None:
             return False
         if admitted.ranks:
+            self.last_admission = AdmissionNote(self._global_step(), tuple(admitted.ranks), tuple(self.job.job_members))
             user_info(f"ResiHPStrategy: admitted newcomer(s) {list(admitted.ranks)} at step {self._global_step()} "
                       f"as hot spares; live processes now {list(self.job.job_members)}")
         return bool(admitted.ranks)

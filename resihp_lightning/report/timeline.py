@@ -18,6 +18,8 @@ incident            from
 ``healed``          ``fail_slow_recovered`` / ``fail_slow_member_recovered`` / ``slow_link_recovered``
 ``plan``            ``plan_applied`` outside a recovery (the controller's re-plan, a spare taken back)
 ``restart``         ``job_restarted`` (the job resumed from a checkpoint, maybe on another world)
+``joined``          ``newcomers_admitted`` (processes started with ``RESIHP_JOIN=1`` entered the running job
+                    as hot spares; the next plan may take them in)
 =================== =====================================================================================
 
 The steps are cut into :class:`TimelinePhase` s at every incident's step; each phase carries the
@@ -46,7 +48,8 @@ class Incident:
 
     Attributes:
         step: the first step the incident's new condition applies to.
-        kind: ``fail_stop``, ``unrecoverable``, ``fail_slow``, ``slow_link``, ``healed``, ``plan`` or ``restart``.
+        kind: ``fail_stop``, ``unrecoverable``, ``fail_slow``, ``slow_link``, ``healed``, ``plan``, ``restart``
+            or ``joined``.
         text: one line for the report.
         ranks: the ranks it names (lost / evicted / slow / healed).
         world: the world size from this step on (``None``: unchanged).
@@ -268,6 +271,12 @@ def _incidents(run: Run) -> list[Incident]:
             seconds = event.get("migration_seconds")
             incidents.append(Incident(step, "plan", f"plan {label} applied{_migration(seconds, event.get('bytes_moved'))}",
                                       world=event.get("world"), seconds=seconds, plan=label))
+        elif name == "newcomers_admitted":
+            ranks = tuple(int(r) for r in event.get("ranks") or ())
+            world = event.get("world")
+            incidents.append(Incident(step, "joined", f"rank{'s' if len(ranks) > 1 else ''} "
+                                      f"{', '.join(str(r) for r in ranks)} joined the running job (admitted as hot "
+                                      f"spare{'s' if len(ranks) > 1 else ''}); {world} processes", ranks, world=world))
         elif name == "job_restarted":
             lost_ranks = tuple(event.get("lost") or ())
             world = event.get("world_after")

@@ -76,6 +76,11 @@ class Membership(Protocol):
         ...
 
     @property
+    def last_admission(self) -> Any:
+        """The last newcomers admitted to the job (``AdmissionNote``; ``None`` before any)."""
+        ...
+
+    @property
     def failure_detector(self) -> Any:
         """The failure detector of the job's groups (``None`` for a plain job)."""
         ...
@@ -186,6 +191,7 @@ class PlainMembership:
     def idle_probes(self) -> dict[int, tuple[int, float]]:
         return {}
     last_recovery = None
+    last_admission = None
     failure_detector = None
     commit = None
 

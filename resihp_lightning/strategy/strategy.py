@@ -43,6 +43,7 @@ from resihp_lightning import _registration
 from resihp_lightning._logging import quiet_agreed_errors, user_info, user_warn
 from resihp_lightning.contract import DeviceConditions, MigrationRecord
 from resihp_lightning.errors import ConfigError, PlanError
+from resihp_lightning.failstop.admission import AdmissionNote
 from resihp_lightning.failstop.fail_stop_config import JOIN_VARIABLE, FailStopConfig, joins_from_env
 from resihp_lightning.failstop.recovery_record import RecoveryRecord
 from resihp_lightning.failstop.surviving_membership import SurvivingMembership
@@ -375,6 +376,12 @@ class ResiHPStrategyMixin:
     def last_recovery(self) -> RecoveryRecord | None:
         """The last in-process fail-stop recovery (``None`` before one)."""
         return self._membership.last_recovery
+
+    @property
+    def last_admission(self) -> AdmissionNote | None:
+        """The last newcomers the members admitted (``RESIHP_JOIN=1`` processes; ``None`` before any, and on a
+        newcomer or a spare)."""
+        return self._membership.last_admission
 
     @property
     def failure_detector(self) -> FailureDetector | None:

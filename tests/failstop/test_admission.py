@@ -32,7 +32,7 @@ def _job(rank: int, world: int, run_dir: str) -> dict:
 
     import lightning.pytorch as pl
 
-    from resihp_lightning.callbacks import StragglerDetector
+    from resihp_lightning.callbacks import FailStopReporter, StragglerDetector
     from resihp_lightning.failstop.fail_stop_config import FailStopConfig
     from resihp_lightning.strategy.strategy import ResiHPStrategy
     from resihp_lightning.testing.harness import last_words
@@ -79,7 +79,7 @@ def _job(rank: int, world: int, run_dir: str) -> dict:
     strategy = ResiHPStrategy(micro_batch_size=MBS, pipeline_degree=2, fail_stop=FailStopConfig())
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                         callbacks=[story, detector], limit_val_batches=0)
+                         callbacks=[story, detector, FailStopReporter(log_dir=run_dir)], limit_val_batches=0)
     model = build_class()()
     trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=M * MBS))
     job = strategy._membership.job
@@ -98,10 +98,12 @@ def _job(rank: int, world: int, run_dir: str) -> dict:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(200)
-def test_a_replacement_joins_is_admitted_at_a_step_boundary_and_the_next_plan_uses_it_exactly():
+def test_a_replacement_joins_is_admitted_at_a_step_boundary_and_the_next_plan_uses_it_exactly(tmp_path):
     from resihp_lightning.testing.harness import run_job
 
-    outcome = run_job(_job, WORLD, timeout=180, wait_for=[0, 2, 3, NEWCOMER],
+    from resihp_lightning.callbacks import read_events
+
+    outcome = run_job(_job, WORLD, timeout=180, wait_for=[0, 2, 3, NEWCOMER], run_dir=str(tmp_path),
                       joiners=[{"RESIHP_JOIN": "1", "LOCAL_RANK": str(VICTIM)}])
     values = outcome.values()
     assert sorted(values) == [0, 2, 3, NEWCOMER], outcome.describe()
@@ -131,6 +133,10 @@ def test_a_replacement_joins_is_admitted_at_a_step_boundary_and_the_next_plan_us
     assert newcomer["detector"] == values[0]["detector"]  # its detector took the members' state at take-in
     clock = newcomer["clock"]
     assert clock["registered"] <= clock["admitted"] < story[1]["at"]
+    # The event log (and with it the report) has the admission: who joined, at which step, the world after.
+    admitted = [(e["step"], e["ranks"], e["world"]) for e in read_events(tmp_path)
+                if e["event"] == "newcomers_admitted"]
+    assert admitted == [(3, [WORLD], 4)], admitted
 
 
 def outcome_without(outcome, index):

@@ -4,7 +4,9 @@ The strategy recovers by itself (``ResiHPStrategy(fail_stop=...)``); this callba
 After the step that was redone on the survivors it writes, on the rank that is 0 in the new group:
 ``fail_stop_detected`` (one per lost rank, with how it was found), ``recovery_started``,
 ``plan_applied`` (the survivors' plan, with the slow devices' ``speeds`` and ``link_speeds`` it was
-made with) and ``recovery_finished`` (the time breakdown). When the job
+made with) and ``recovery_finished`` (the time breakdown). When the members admit newcomers (processes
+started with ``RESIHP_JOIN=1``) it writes ``newcomers_admitted`` (their ranks, the live processes from
+then on, ``world``) at the step of the admission. When the job
 cannot recover, ``fail_stop_unrecoverable`` is written (by every survivor, rank 0 may be the lost
 one, with the writer's original ``rank``) just before the process exits with the strategy's restart
 status; a process the survivors left out (evicted, or cut off with a lost machine) writes it too when
@@ -35,6 +37,7 @@ class FailStopReporter(Callback):
         self.events = events
         self.log_dir = log_dir
         self._reported: Any = None
+        self._admission_reported: Any = None
 
     @override
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -48,6 +51,19 @@ class FailStopReporter(Callback):
 
     @override
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._log_recovery(trainer)
+        self._log_admission(trainer)
+
+    def _log_admission(self, trainer: Any) -> None:
+        note = trainer.strategy.last_admission
+        if note is None or note is self._admission_reported:
+            return
+        self._admission_reported = note
+        self.events.rank = trainer.global_rank
+        self.events.log("newcomers_admitted", note.step, ranks=list(note.ranks), live=list(note.live),
+                        world=len(note.live))
+
+    def _log_recovery(self, trainer: Any) -> None:
         record = trainer.strategy.last_recovery
         if record is None or record is self._reported:
             return

@@ -208,7 +208,9 @@ class AbortableWaits:
                 return _original_wait(work, self._slice)
             except RuntimeError:
                 if work.is_completed():
-                    raise  # the collective itself failed
+                    # Its own outcome: it failed, or it completed between the slice's end and this look
+                    # (then the slice's "Operation timed out!" is no failure of the collective).
+                    return _original_wait(work)
                 # else only this slice ran out ("Operation timed out!"): the work goes on
 
     def release(self, token: Any) -> int:

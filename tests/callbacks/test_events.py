@@ -33,14 +33,16 @@ def test_every_event_kind_round_trips_through_the_file(tmp_path):
     log.log("fail_slow_member_detected", 31, rank=2, group=1, speed=0.33)
     log.log("fail_slow_member_recovered", 40, rank=2, group=1)
     log.log("machine_lost", 41, machine="node1", ranks=[2, 3], status="silent")
+    log.log("newcomers_admitted", 45, ranks=[4, 5], live=[0, 1, 4, 5], world=4)
     lines = (tmp_path / "run" / "events.jsonl").read_text().splitlines()
-    assert len(lines) == 19 and all(json.loads(line)["event"] for line in lines)
+    assert len(lines) == 20 and all(json.loads(line)["event"] for line in lines)
     events = read_events(tmp_path / "run")
     assert [e["event"] for e in events] == [
         "fault_injected", "fail_slow_detected", "plan_computed", "plan_applied", "plan_rejected",
         "fail_slow_recovered", "fail_stop_detected", "fault_struck", "recovery_started", "recovery_finished",
         "fail_stop_unrecoverable", "worker_failed", "job_restarted", "slow_link_detected", "slow_link_recovered",
         "healthy_reference", "fail_slow_member_detected", "fail_slow_member_recovered", "machine_lost",
+        "newcomers_admitted",
     ]
     assert set(e["event"] for e in events) == set(EVENT_NAMES)
     assert all({"time", "step", "event"} <= set(e) for e in events)

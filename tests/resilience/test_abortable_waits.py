@@ -104,8 +104,9 @@ def test_a_send_blocked_on_a_stopped_peer_is_released_by_the_abort(op):
     # Freed at the abort (the detector's 1 s, a poll, load), not at the group's timeout; neither the regroup
     # nor dropping the failure (and with it the aborted group) waits for gloo's blocked worker thread.
     assert result["released"] - result["aborted"] < 1.0, result
-    assert result["regrouped"] - result["released"] < 3.0, result
-    assert result["closed"] - result["regrouped"] < 3.0, result
+    # (8 s: a regroup on a loaded machine took 3.9 s once; a wait for that thread lasts the group's 20 s timeout.)
+    assert result["regrouped"] - result["released"] < 8.0 < COLLECTIVE_TIMEOUT_S, result
+    assert result["closed"] - result["regrouped"] < 8.0, result
     assert result["released"] - stopped < 6.0 < COLLECTIVE_TIMEOUT_S, (result, stopped)
 
 

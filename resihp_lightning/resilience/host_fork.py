@@ -30,7 +30,7 @@ _HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal
 
 
 def fork_store_host(argv: list[str], log_path: Path) -> None:
-    """Forks a store host that runs :func:`~resihp_lightning.resilience.store_host.main` with ``argv``.
+    """Forks a store host that runs ``resihp_lightning.resilience.store_host.main(argv)``.
 
     Returns once the intermediate child has exited (at once); the host runs on by itself.
 

@@ -155,6 +155,7 @@ def test_bf16_mixed_sigkill_mid_step_matches_the_no_fault_run_exactly():
     clean = run_job(_job, 4, timeout=180, wait_for=[0, 1, 2, 3], schedule={1: record.plan.to_dict()}, victims={},
                     steps=STEPS, pipeline_degree=2)
     clean_values = clean.values()
+    assert sorted(clean_values) == [0, 1, 2, 3], clean.describe()
     assert clean_values[2]["spare_at"] == list(range(2, STEPS)), clean_values[2]["spare_at"]
     _assert_same_run(values, clean_values, [0, 1, 3])
     for rank in (0, 1, 3):
@@ -178,6 +179,7 @@ def test_bf16_mixed_per_replica_bounds_and_a_spare_taken_back_match_the_no_fault
     assert values[3]["spare_at"] == [2], values[3]["spare_at"]
     clean = run_job(_job, 4, timeout=180, wait_for=[0, 1, 2, 3], schedule={1: LEAVE_OUT, 2: record.plan.to_dict()},
                     victims={}, steps=STEPS, plan=PER_REPLICA)
+    assert sorted(clean.values()) == [0, 1, 2, 3], clean.describe()
     _assert_same_run(values, clean.values(), [0, 2, 3])
     _assert_bf16_reference(values[0])
 

@@ -7,6 +7,7 @@ group). A rank that dies ends the wait at once instead of leaving it to the time
 from __future__ import annotations
 
 import multiprocessing
+import os
 import socket
 import time
 from collections.abc import Callable
@@ -17,6 +18,13 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def rank_environment(rank: int, port: int, world: int) -> None:
+    """In a spawned rank: what torchrun would set for rank ``rank`` of a one-machine job of ``world`` on ``port``
+    (one thread per process)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
 
 
 def run_ranks(target: Callable[..., None], args: tuple, world: int, messages: int, timeout: float) -> list[Any]:

@@ -47,7 +47,7 @@ import statistics
 import sys
 import time
 
-from _spawn import run_ranks  # benchmarks/_spawn.py, next to this script
+from _spawn import rank_environment, run_ranks  # benchmarks/_spawn.py, next to this script
 
 SHAPE = dict(model_type="llama", hidden_size=192, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=512)
@@ -165,10 +165,7 @@ def run_compute(micro_batches: int, seq_len: int, warmup: int, steps: int, repea
 # ------------------------------------------------------------------------------------ part 2
 def _engine_rank(rank: int, port: int, variant: str, micro_batches: int, seq_len: int, warmup: int, steps: int,
                  queue) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(WORLD), OMP_NUM_THREADS="1",
-    )
+    rank_environment(rank, port, WORLD)
     sys.stdout = sys.stderr
     import warnings
 

@@ -22,14 +22,13 @@ The per-stage / whole ratio of ``load peak`` is the figure of merit (target <= 4
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from _spawn import run_ranks  # benchmarks/_spawn.py, next to this script
+from _spawn import rank_environment, run_ranks  # benchmarks/_spawn.py, next to this script
 
 WORLD = 4
 MODES = ("whole", "per_stage")
@@ -65,10 +64,7 @@ def write_checkpoint(path: Path, layers: int, hidden: int, intermediate: int, vo
 
 
 def _rank(rank: int, port: int, path: str, mode: str, queue) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(WORLD), OMP_NUM_THREADS="1",
-    )
+    rank_environment(rank, port, WORLD)
     import warnings
 
     import lightning.pytorch as pl

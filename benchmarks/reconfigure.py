@@ -22,11 +22,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 import time
 
-from _spawn import run_ranks  # benchmarks/_spawn.py, next to this script
+from _spawn import rank_environment, run_ranks  # benchmarks/_spawn.py, next to this script
 
 LAYERS = 8
 WORLD = 4
@@ -71,10 +70,7 @@ def _expected_bytes(old, new, hidden: int, per_element: int) -> int:
 
 
 def _rank(rank: int, port: int, hidden: int, optimizer: str, queue) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(WORLD), OMP_NUM_THREADS="1",
-    )
+    rank_environment(rank, port, WORLD)
     import lightning.pytorch as pl
     import torch
     from deepspeed.pipe import LayerSpec

@@ -25,15 +25,14 @@ import os
 import statistics
 import traceback
 
-from _spawn import run_ranks  # benchmarks/_spawn.py, next to this script
+from _spawn import rank_environment, run_ranks  # benchmarks/_spawn.py, next to this script
 from tensor_resplit import MICRO_BATCHES, SHAPE, WORLD, _batches
 
 SLOW_RANK = 2
 
 
 def _rank(rank: int, port: int, steps: int, fault: int, heal: int, factor: float, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(WORLD), OMP_NUM_THREADS="1")
+    rank_environment(rank, port, WORLD)
     import warnings
 
     import lightning.pytorch as pl

@@ -59,7 +59,7 @@ import sys
 import time
 import traceback
 
-from _spawn import run_ranks  # benchmarks/_spawn.py, next to this script
+from _spawn import rank_environment, run_ranks  # benchmarks/_spawn.py, next to this script
 
 WORLD = 4
 TENSOR_DEGREE = 4
@@ -130,10 +130,7 @@ def _batches(count: int, seed: int) -> list[dict]:
 
 
 def _rank(rank: int, port: int, layout: str, warmup: int, steps: int, queue) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(WORLD), OMP_NUM_THREADS="1",
-    )
+    rank_environment(rank, port, WORLD)
     import warnings
 
     import lightning.pytorch as pl

@@ -55,7 +55,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _spawn import run_ranks  # noqa: E402  benchmarks/_spawn.py, next to this script
+from _spawn import rank_environment, run_ranks  # noqa: E402  benchmarks/_spawn.py, next to this script
 from bf16_engine import SHAPE, WORLD, _batches, _reset_peak, _rss_kib  # noqa: E402
 
 ZERO1 = {"zero_optimization": {"stage": 1}}
@@ -117,10 +117,7 @@ def _fit_variant(rank: int, variant: str, pipeline_degree: int, micro_batches: i
 def _engine_rank(rank: int, port: int, order: list[str], pipeline_degree: int, micro_batches: int, seq_len: int,
                  warmup: int, steps: int, queue) -> None:
     """Fits every variant of ``order`` in turn in the same 4 processes (one fit each)."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(WORLD), OMP_NUM_THREADS="1",
-    )
+    rank_environment(rank, port, WORLD)
     sys.stdout = sys.stderr
     import warnings
 

@@ -546,13 +546,13 @@ class ElasticWorld:
         except Exception as err:
             if gen.aborted_at is None and not is_transport_error(err):
                 raise
-            if gen.aborted_at is None:
-                self._raise_if_finished(gen, err)
             first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            if gen.aborted_at is None:
+                self._raise_if_finished(gen, err, first_line)
             self.abort(f"collective failed on rank {self.original_rank}: {first_line[:200]}", generation=gen)
             raise self._peer_failure(gen) from err
 
-    def _raise_if_finished(self, gen: Generation, err: Exception) -> None:
+    def _raise_if_finished(self, gen: Generation, err: Exception, first_line: str) -> None:
         """A broken collective whose only missing members finished (said goodbye): :class:`~.failures.PeerFinished`,
         without an abort (the other members' collectives that do not need them go on)."""
         if self.detector is None or self.store is None:
@@ -564,7 +564,6 @@ class ElasticWorld:
         failed = set(self._failed_now(tuple(r for r in others if r not in finished)))
         if failed & set(gen.members):
             return  # a real failure among them: it regroups as usual
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         log.warning("rank %d: a collective of generation %d needed finished rank(s) %s", self.original_rank,
                     gen.number, sorted(finished))
         raise PeerFinished(gen.number, finished, first_line[:200]) from err

@@ -7,9 +7,12 @@ the strategy re-splits every layer live. Two cases, run one after the other by t
 * ``pair``: 4 micro-batches, degrees 1, 2, 4. The planner's best layout for speeds (1, 1, 1/3, 1) is two
   groups of two as two replicas, the slow member's group running 1 micro-batch. The member stays in a
   group, where its partner's compute keeps judging it: it is cleared after the healing.
-* ``alone``: 8 micro-batches, degrees 1 and 4 only (``tensor_degrees``). The best layout is four groups of
-  one: the slow member is a device of its own running 1 micro-batch. Its healing is seen by the speed
-  probe (every process times the same work) after its model was fitted while it was slow.
+* ``alone``: 7 micro-batches, degrees 1 and 4 only (``tensor_degrees``). The best layout is four groups of
+  one: the slow member is a device of its own running 1 micro-batch, the three others 2 each (equal
+  counts: on shared cores a device running fewer micro-batches than its peers computes more of them
+  beside the others and looks slower, which once flagged a healthy device). The slow device's model was
+  fitted while it was slow; its healing is seen by the speed probe (every process times the same work)
+  or by its own compute, whichever first (on shared cores either may).
 
 In both, the planner's best layout for healthy processes is the one group of four again, which the job
 returns to, and every loss and the final weights match one process training the unsplit model.
@@ -29,7 +32,7 @@ from resihp_lightning.testing.tensor_jobs import LOSS_ATOL, WEIGHT_ATOL, packed_
 
 STEPS, SLOW_RANK, FACTOR, FAULT_STEP, HEAL_STEP = 40, 2, 3.0, 8, 24
 #: case -> (micro-batches = rows per step, row length, the degrees groups may take)
-CASES = {"pair": (4, 20, None), "alone": (8, 12, (1, 4))}
+CASES = {"pair": (4, 20, None), "alone": (7, 12, (1, 4))}
 
 
 def _job(rank: int, world: int, log_dir: str) -> dict:
@@ -107,9 +110,10 @@ def test_a_slow_member_is_dropped_from_its_group_and_taken_back_exactly(distribu
         counts = {r["devices"][0]: r["micro_batches"] for r in applied[0]["plan"]["replicas"]}
         assert counts[slow_group] == min(counts.values()) < max(counts.values()), (case, counts)
         assert sum(counts.values()) == micro, (case, counts)
-        if case == "alone":  # a device of its own: the speed probe saw it heal
-            probed = [e for e in of.get("fail_slow_recovered", []) if e.get("source") == "probe"]
-            assert probed and probed[0]["step"] >= HEAL_STEP, (case, events)
+        if case == "alone":  # a device of its own, cleared after the healing (by its probe or its compute)
+            healed = [e for e in of.get("fail_slow_recovered", []) if e["rank"] == slow_group]
+            assert healed and healed[0]["step"] >= HEAL_STEP, (case, events)
+            assert counts[slow_group] == 1 and set(counts.values()) == {1, 2}, (case, counts)
         # Taken back after the healing: one group of four again, to the end.
         back = [step for step, g in enumerate(groups) if step > dropped[0] and g == whole]
         assert back and back[0] > HEAL_STEP, (case, groups)
@@ -120,4 +124,4 @@ def test_a_slow_member_is_dropped_from_its_group_and_taken_back_exactly(distribu
             assert got[case]["losses"] == pytest.approx(ref_losses, abs=LOSS_ATOL, rel=0), (case, rank)
             for key, want_value in ref_state.items():
                 torch.testing.assert_close(got[case]["state"][key], want_value, atol=WEIGHT_ATOL, rtol=0,
-                                           msg=f"{case} rank {rank} {key}")
+                                           msg=lambda m, case=case, rank=rank, key=key: f"{case} rank {rank} {key}: {m}")

@@ -1,8 +1,11 @@
 """Registration of "resihp" in Lightning's registry, whichever package is imported first.
 
-Each check runs in a fresh interpreter (the import order is the point); both also check that
-``import resihp_lightning`` alone imports neither torch nor Lightning, and one checks the error a
-module without the contract methods gets.
+Two fresh interpreters (the import order is the point), each with both ``lightning.pytorch`` and, when
+installed, the standalone ``pytorch_lightning``: ``resihp_lightning`` imported first (it registers when
+each package finishes importing) and the Lightning packages first (it registers at its own import). The
+first also checks that ``import resihp_lightning`` alone imports neither torch nor Lightning, that
+registering in ``pytorch_lightning`` imports no ``lightning.pytorch``, and the error a module without the
+contract methods gets.
 """
 
 from __future__ import annotations
@@ -97,56 +100,88 @@ def interpreters(request, tmp_path_factory) -> Iterator[Interpreters]:
     pool.close()
 
 
+STANDALONE_REGISTRY = """
+from pytorch_lightning.strategies import StrategyRegistry as StandaloneRegistry
+assert "resihp" in StandaloneRegistry, sorted(StandaloneRegistry)
+"""
+
+STANDALONE_TRAINER = """
+standalone_trainer = ptl.Trainer(strategy="resihp", accelerator="cpu", devices=1, logger=False,
+                                 enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+from resihp_lightning.strategy.standalone import ResiHPStrategy as StandaloneStrategy
+assert type(standalone_trainer.strategy) is StandaloneStrategy, type(standalone_trainer.strategy)
+assert isinstance(standalone_trainer.strategy, ptl.strategies.DDPStrategy)
+"""
+
+#: Whether the standalone ``pytorch_lightning`` package is installed (its checks run only then).
+HAS_STANDALONE = importlib.util.find_spec("pytorch_lightning") is not None
+
+CONTRACT_ERRORS = """
+import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch.utils.data import DataLoader, TensorDataset
+
+class OnlyLayers(resihp_lightning.ResiHPModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 2)
+    def pipeline_layers(self):
+        return [self.layer]
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+class Plain(pl.LightningModule):
+    def training_step(self, batch, batch_idx):
+        return None
+    def configure_optimizers(self):
+        return None
+
+data = DataLoader(TensorDataset(torch.zeros(4, 2), torch.zeros(4, 2)), batch_size=2)
+for module, expected in ((OnlyLayers(), "does not implement pipeline_loss()"),
+                         (Plain(), "does not implement pipeline_layers(), pipeline_loss()")):
+    trainer = pl.Trainer(strategy="resihp", accelerator="cpu", devices=1, logger=False, max_steps=1,
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    try:
+        trainer.fit(module, data)
+    except MisconfigurationException as err:
+        assert expected in str(err), str(err)
+        assert "resihp_lightning.ResiHPModule" in str(err), str(err)
+    else:
+        raise AssertionError("no error for " + type(module).__name__)
+"""
+
+# resihp_lightning first: registration waits for each package's import (the finder on sys.meta_path).
+# The standalone package goes first, to check that registering in it imports no lightning.pytorch.
 RESIHP_FIRST = _script(
     """
     import sys
     import resihp_lightning
     assert "torch" not in sys.modules and "lightning" not in sys.modules, "import must stay lazy"
+    """,
+    "import pytorch_lightning as ptl" if HAS_STANDALONE else "",
+    STANDALONE_REGISTRY if HAS_STANDALONE else "",
+    'assert "lightning.pytorch" not in sys.modules, "registering in pytorch_lightning must not import lightning.pytorch"'
+    if HAS_STANDALONE else "",
+    STANDALONE_TRAINER if HAS_STANDALONE else "",
+    """
     import lightning.pytorch as pl
     """,
     COMMON,
-    """
-    import torch
-    from lightning.pytorch.utilities.exceptions import MisconfigurationException
-    from torch.utils.data import DataLoader, TensorDataset
-
-    class OnlyLayers(resihp_lightning.ResiHPModule):
-        def __init__(self):
-            super().__init__()
-            self.layer = torch.nn.Linear(2, 2)
-        def pipeline_layers(self):
-            return [self.layer]
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    class Plain(pl.LightningModule):
-        def training_step(self, batch, batch_idx):
-            return None
-        def configure_optimizers(self):
-            return None
-
-    data = DataLoader(TensorDataset(torch.zeros(4, 2), torch.zeros(4, 2)), batch_size=2)
-    for module, expected in ((OnlyLayers(), "does not implement pipeline_loss()"),
-                             (Plain(), "does not implement pipeline_layers(), pipeline_loss()")):
-        trainer = pl.Trainer(strategy="resihp", accelerator="cpu", devices=1, logger=False, max_steps=1,
-                             enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
-        try:
-            trainer.fit(module, data)
-        except MisconfigurationException as err:
-            assert expected in str(err), str(err)
-            assert "resihp_lightning.ResiHPModule" in str(err), str(err)
-        else:
-            raise AssertionError("no error for " + type(module).__name__)
-    print("OK")
-    """
+    CONTRACT_ERRORS,
+    'print("OK")',
 )
 
+# The Lightning packages first: resihp_lightning registers in both at its import.
 LIGHTNING_FIRST = _script(
     """
     import lightning.pytorch as pl
+    """,
+    "import pytorch_lightning as ptl" if HAS_STANDALONE else "",
+    """
     import resihp_lightning
     """,
     COMMON,
+    STANDALONE_REGISTRY + STANDALONE_TRAINER if HAS_STANDALONE else "",
     """
     assert resihp_lightning.ResiHPStrategy is ResiHPStrategy
     print("OK")
@@ -154,32 +189,11 @@ LIGHTNING_FIRST = _script(
 )
 
 
-STANDALONE = """
-from pytorch_lightning.strategies import StrategyRegistry
-assert "resihp" in StrategyRegistry, sorted(StrategyRegistry)
-assert "lightning.pytorch" not in sys.modules, "registering in pytorch_lightning must not import lightning.pytorch"
-trainer = pl.Trainer(strategy="resihp", accelerator="cpu", devices=1, logger=False,
-                     enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
-from resihp_lightning.strategy.standalone import ResiHPStrategy
-assert type(trainer.strategy) is ResiHPStrategy, type(trainer.strategy)
-assert isinstance(trainer.strategy, pl.strategies.DDPStrategy)
-print("OK")
-"""
-
-
-def _standalone(first: str) -> str:
-    second = "pytorch_lightning" if first == "resihp_lightning" else "resihp_lightning"
-    return _script(f"import sys\nimport {first}\nimport {second}\nimport pytorch_lightning as pl\n", STANDALONE)
-
-
 #: Test name -> the script its fresh interpreter runs.
 SCRIPTS = {
     "test_registered_when_resihp_is_imported_first_and_contract_errors_are_clear": RESIHP_FIRST,
     "test_registered_when_lightning_is_imported_first": LIGHTNING_FIRST,
 }
-if importlib.util.find_spec("pytorch_lightning") is not None:
-    SCRIPTS.update({f"test_registered_in_standalone_pytorch_lightning[{first}]": _standalone(first)
-                    for first in ("resihp_lightning", "pytorch_lightning")})
 
 
 @pytest.mark.slow
@@ -191,12 +205,4 @@ def test_registered_when_resihp_is_imported_first_and_contract_errors_are_clear(
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_registered_when_lightning_is_imported_first(interpreters, request):
-    assert interpreters.stdout(request.node.name).strip().endswith("OK")
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(200)
-@pytest.mark.parametrize("first", ["resihp_lightning", "pytorch_lightning"])
-def test_registered_in_standalone_pytorch_lightning(first, interpreters, request):
-    pytest.importorskip("pytorch_lightning")
     assert interpreters.stdout(request.node.name).strip().endswith("OK")

@@ -1,6 +1,6 @@
 """The controller drops a slow member from its tensor-parallel group and takes it back when it heals.
 
-A real 4-process job in one TP-4 group; rank 2 computes 3x slower from step 8 to step 24. The detector
+A real 4-process job in one TP-4 group; rank 2 computes 3x slower from step 8 to step 20. The detector
 names the member and the controller plans over processes (``ControllerConfig(tensor_regroup=True)``);
 the strategy re-splits every layer live. Two cases, run one after the other by the same processes:
 
@@ -30,7 +30,7 @@ import torch
 
 from resihp_lightning.testing.tensor_jobs import LOSS_ATOL, WEIGHT_ATOL, packed_batches, tensor_parallel_llama, unsplit_reference
 
-STEPS, SLOW_RANK, FACTOR, FAULT_STEP, HEAL_STEP = 40, 2, 3.0, 8, 24
+STEPS, SLOW_RANK, FACTOR, FAULT_STEP, HEAL_STEP = 34, 2, 3.0, 8, 20
 #: case -> (micro-batches = rows per step, row length, the degrees groups may take)
 CASES = {"pair": (4, 20, None), "alone": (7, 12, (1, 4))}
 

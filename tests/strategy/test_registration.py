@@ -116,6 +116,11 @@ assert isinstance(standalone_trainer.strategy, ptl.strategies.DDPStrategy)
 #: Whether the standalone ``pytorch_lightning`` package is installed (its checks run only then).
 HAS_STANDALONE = importlib.util.find_spec("pytorch_lightning") is not None
 
+
+def _standalone(*parts: str) -> str:
+    """``parts`` as one script part where ``pytorch_lightning`` is installed, else nothing."""
+    return _script(*parts) if HAS_STANDALONE else ""
+
 CONTRACT_ERRORS = """
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -158,11 +163,9 @@ RESIHP_FIRST = _script(
     import resihp_lightning
     assert "torch" not in sys.modules and "lightning" not in sys.modules, "import must stay lazy"
     """,
-    "import pytorch_lightning as ptl" if HAS_STANDALONE else "",
-    STANDALONE_REGISTRY if HAS_STANDALONE else "",
-    'assert "lightning.pytorch" not in sys.modules, "registering in pytorch_lightning must not import lightning.pytorch"'
-    if HAS_STANDALONE else "",
-    STANDALONE_TRAINER if HAS_STANDALONE else "",
+    _standalone("import pytorch_lightning as ptl", STANDALONE_REGISTRY,
+                'assert "lightning.pytorch" not in sys.modules, "registering in pytorch_lightning must not import lightning.pytorch"',
+                STANDALONE_TRAINER),
     """
     import lightning.pytorch as pl
     """,
@@ -176,12 +179,12 @@ LIGHTNING_FIRST = _script(
     """
     import lightning.pytorch as pl
     """,
-    "import pytorch_lightning as ptl" if HAS_STANDALONE else "",
+    _standalone("import pytorch_lightning as ptl"),
     """
     import resihp_lightning
     """,
     COMMON,
-    STANDALONE_REGISTRY + STANDALONE_TRAINER if HAS_STANDALONE else "",
+    _standalone(STANDALONE_REGISTRY, STANDALONE_TRAINER),
     """
     assert resihp_lightning.ResiHPStrategy is ResiHPStrategy
     print("OK")
